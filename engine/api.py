@@ -1,0 +1,104 @@
+"""The one narrow seam between callers (HTTP server, CLI, benchmarks) and the mlx engine.
+
+Callers build a ``GenerationRequest`` (token ids in, sampler, limits) and consume
+``GenerationEvent``s (token ids out, per-token logprobs, finish reason, statistics). Nothing in
+this module imports mlx, so the server can import it freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sampling.params import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+#: ``draft_tokens=None`` asks the engine to choose K per cycle from measured costs.
+AUTO_DRAFT = None
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    #: Token ids that end generation (every id of generation_config's ``eos_token_id``).
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    #: Speculative draft length K; 0 = plain decoding; ``None`` = automatic.
+    draft_tokens: int | None = AUTO_DRAFT
+    #: Number of top alternatives to report per emitted token (``None``: no logprobs at all).
+    top_logprobs: int | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    #: The K requested (or the largest K auto used); per-cycle K is in ``k_histogram``.
+    draft_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    cycles: int = 0
+    #: cycles run with each K (index = K)
+    k_histogram: list[int] = field(default_factory=list)
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    #: wall time split of the decode loop: draft / verify / accept+commit
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.completion_tokens / self.cycles if self.cycles else 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """New tokens from one decode cycle (one or more ids), or the final event.
+
+    The last event of a generation has ``finish_reason`` set; it may carry tokens too.
+    ``stats`` is a running snapshot, complete on the final event.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats | None = None
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (maps to HTTP 400). ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceeded(RequestError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="max_tokens", code="context_length_exceeded")

@@ -1,0 +1,1 @@
+"""Distributions, truncation and speculative acceptance (pure functions over mx arrays)."""

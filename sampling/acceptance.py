@@ -1,0 +1,66 @@
+"""Speculative acceptance (Leviathan et al. 2023; Chen et al. 2023), entirely on device.
+
+Given K draft tokens d_i drawn from the draft distributions q_i, and the K+1 target
+distributions p_1..p_{K+1} from one verify pass (all produced by ``truncated_probs``):
+
+* accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), scanning i = 1..K and stopping at the
+  first rejection;
+* on a rejection at i emit a draw from normalise(max(p_i - q_i, 0)) (the residual);
+* when all K are accepted emit a bonus draw from p_{K+1}.
+
+The emitted tokens are then distributed exactly as K+1 plain draws from p (token by token). With
+point-mass distributions (temperature 0 / top_k 1) this reduces to greedy verification: accept
+while d_i == argmax p_i, then emit argmax p at the first mismatch (or the bonus argmax).
+
+Returns device arrays only; the caller syncs once per cycle.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from sampling.distribution import sample
+
+
+def accept_drafts(
+    draft_ids: mx.array,
+    draft_probs: mx.array,
+    target_probs: mx.array,
+    key: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Run the acceptance rule.
+
+    Args:
+        draft_ids: ``[K]`` int, the proposed tokens (K may be 0).
+        draft_probs: ``[K, V]`` the q_i each draft was drawn from.
+        target_probs: ``[K+1, V]`` the p_i from the verify pass.
+        key: a PRNG key; the uniforms and the final draw are split from it.
+
+    Returns:
+        ``(n_accepted, next_token)``: scalar int32 number of accepted drafts m (0..K) and the
+        token emitted after them (residual draw at m < K, bonus draw from p_{K+1} at m == K).
+    """
+    k = draft_ids.shape[0]
+    u_key, draw_key = mx.random.split(key)
+    if k == 0:
+        return mx.array(0, dtype=mx.int32), sample(target_probs, draw_key)[0]
+
+    rows = mx.arange(k)
+    p_at_d = target_probs[rows, draft_ids]
+    q_at_d = draft_probs[rows, draft_ids]
+    # accept iff u < p/q (strict): a zero-probability target is never accepted, a ratio >= 1
+    # always is. u * q < p avoids dividing by q.
+    u = mx.random.uniform(shape=(k,), key=u_key)
+    accepted = u * q_at_d < p_at_d
+    n_accepted = mx.cumprod(accepted.astype(mx.int32)).sum().astype(mx.int32)
+
+    # Residual rows for every position (cheap: K rows); row K is p_{K+1} itself (bonus).
+    residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    # mass == 0 only when p_i == q_i, in which case d_i is accepted with probability 1 and the
+    # residual row is never used; fall back to p_i to keep the row a valid distribution.
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), target_probs[:k])
+    candidates = mx.concatenate([residual, target_probs[k:]], axis=0)
+    chosen = candidates[n_accepted]
+    next_token = sample(chosen[None], draw_key)[0]
+    return n_accepted, next_token

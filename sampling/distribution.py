@@ -1,0 +1,137 @@
+"""The one truncation function: logits -> the distribution every token is drawn from.
+
+``truncated_probs`` is used for the first token after prefill, every draft distribution q, every
+target distribution p, the residual, the bonus token and plain (K=0) decoding. Using one function
+everywhere is what makes speculative sampling exact: q and p are truncated identically, so the
+acceptance rule compares the same kind of distribution the plain sampler would draw from.
+
+Order (vLLM / HF): logit_bias and penalties -> temperature -> top_k -> top_p -> min_p, each step
+on the renormalised result of the previous one. Temperature 0 (or top_k 1) yields a point mass on
+the argmax, so greedy decoding is the same code path: with point masses the acceptance rule
+accepts exactly when the draft equals the target argmax.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from sampling.params import SamplingParams
+
+
+class PenaltyHistory:
+    """What the penalties need to know about a sequence, kept on device.
+
+    ``output_counts[v]`` counts occurrences of token v among *generated* tokens (presence and
+    frequency penalties, OpenAI semantics); ``seen[v]`` marks tokens in prompt or output
+    (repetition penalty, HF/vLLM semantics).
+    """
+
+    def __init__(self, vocab_size: int, prompt_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.output_counts = mx.zeros((vocab_size,), dtype=mx.float32)
+        seen = mx.zeros((vocab_size,), dtype=mx.bool_)
+        if prompt_ids:
+            seen[mx.array(prompt_ids)] = True
+        self.seen = seen
+
+    def extend(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            return
+        ids = mx.array(token_ids)
+        self.output_counts = self.output_counts.at[ids].add(1.0)
+        self.seen = mx.logical_or(self.seen, self.output_counts > 0)
+
+    def row_after(self, draft_ids: list[mx.array]) -> tuple[mx.array, mx.array]:
+        """One row of (counts, seen) with the given (device) draft tokens appended."""
+        counts = self.output_counts
+        for d in draft_ids:
+            counts = counts + (mx.arange(self.vocab_size) == d).astype(mx.float32).reshape(-1)
+        return counts[None], mx.logical_or(self.seen, counts > 0)[None]
+
+    def rows(self, draft_ids: mx.array | None, n_rows: int) -> tuple[mx.array, mx.array]:
+        """Per-row (counts, seen) for rows 0..n_rows-1, where row i also counts draft_ids[:i].
+
+        That is the history the i-th speculative position would have under plain decoding.
+        """
+        counts = mx.broadcast_to(self.output_counts, (n_rows, self.vocab_size))
+        if draft_ids is not None and n_rows > 1:
+            onehot = (draft_ids[: n_rows - 1, None] == mx.arange(self.vocab_size)[None]).astype(
+                mx.float32
+            )
+            prefix = mx.concatenate([mx.zeros((1, self.vocab_size)), mx.cumsum(onehot, axis=0)])
+            counts = counts + prefix
+        seen = mx.logical_or(self.seen[None], counts > 0)
+        return counts, seen
+
+
+def apply_penalties(
+    logits: mx.array, params: SamplingParams, counts: mx.array, seen: mx.array
+) -> mx.array:
+    if params.repetition_penalty != 1.0:
+        r = params.repetition_penalty
+        penalised = mx.where(logits > 0, logits / r, logits * r)
+        logits = mx.where(seen, penalised, logits)
+    if params.frequency_penalty != 0.0:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * (counts > 0).astype(logits.dtype)
+    return logits
+
+
+def truncated_probs(
+    logits: mx.array,
+    params: SamplingParams,
+    history: tuple[mx.array, mx.array] | None = None,
+) -> mx.array:
+    """Map logits ``[T, V]`` to the truncated, renormalised distributions ``[T, V]`` (float32).
+
+    ``history`` is ``(counts, seen)`` per row (see ``PenaltyHistory.rows``); required when the
+    params use penalties. Invariants: every row sums to 1; a token with probability 0 here is
+    never emitted by any path of the engine.
+    """
+    logits = logits.astype(mx.float32)
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = mx.array(list(params.logit_bias.keys()))
+        bias = mx.zeros((vocab,), dtype=mx.float32)
+        bias[ids] = mx.array(list(params.logit_bias.values()), dtype=mx.float32)
+        logits = logits + bias
+    if params.uses_history:
+        if history is None:
+            raise ValueError("penalties need the token history")
+        logits = apply_penalties(logits, params, *history)
+
+    if params.greedy:
+        # Point mass on the argmax: greedy decoding through the same acceptance rule.
+        top = mx.argmax(logits, axis=-1, keepdims=True)
+        return (mx.arange(vocab)[None] == top).astype(mx.float32)
+
+    logits = logits / params.temperature
+    if 0 < params.top_k < vocab:
+        kth = mx.sort(logits, axis=-1)[:, vocab - params.top_k][:, None]
+        logits = mx.where(logits >= kth, logits, -mx.inf)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+
+    if params.top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        # Smallest set of most likely tokens whose mass reaches top_p: keep a token while the
+        # mass of the more likely ones is still below top_p.
+        keep_sorted = mass_before < params.top_p
+        keep = mx.put_along_axis(
+            mx.zeros(probs.shape, dtype=mx.bool_), order, keep_sorted, axis=-1
+        )
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.max(axis=-1, keepdims=True)
+        probs = mx.where(probs >= threshold, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: mx.array, key: mx.array) -> mx.array:
+    """Draw one token per row from ``probs [T, V]``; returns int32 ``[T]``."""
+    return mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)
