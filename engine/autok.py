@@ -1,0 +1,184 @@
+"""Automatic K: choose each cycle the draft length that maximises expected tokens per second.
+
+REFERENCE §8: with per-position acceptance a_1..a_K (a_i = P(d_i accepted | d_1..d_{i-1}
+accepted)) a cycle emits E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens and costs C(K). We
+*measure* C(K) on the machine in use — a whole cycle (K head steps, one verify over K+1
+positions, acceptance, the one sync) for K = 0..max — instead of modelling it, and keep the
+trunk's T-token forward and the head-step costs beside it for the cost model the benchmark
+prints. Costs are cached per model, machine and mlx version under ``~/.cache/mtpserve``.
+
+Acceptance is estimated per draft position with an exponential moving average: a global one
+(all requests, the prior for new requests) and a per-request one. K = 0 (no speculation) wins
+when acceptance is too low to pay for drafting; a probe with K = 1 every ``PROBE_EVERY`` plain
+cycles keeps the estimate alive so speculation resumes when the text gets predictable again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("mtpserve.autok")
+
+MAX_AUTO_K = 4
+PRIOR_ACCEPTANCE = 0.6
+EMA = 0.15
+PROBE_EVERY = 8
+CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
+
+
+@dataclass
+class CostTable:
+    """Measured seconds: ``cycle[K]`` for K = 0..max; ``trunk[T-1]`` for a T-token verify
+    forward; ``head_step`` for one draft step."""
+
+    cycle: list[float]
+    trunk: list[float]
+    head_step: float
+    machine: str = ""
+
+    def predicted_speedup(self, acceptance: list[float], k: int) -> float:
+        return expected_tokens(acceptance, k) / self.cycle[k] * self.cycle[0]
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
+        total += run
+    return total
+
+
+def best_k(costs: CostTable, acceptance: list[float]) -> int:
+    rates = [expected_tokens(acceptance, k) / costs.cycle[k] for k in range(len(costs.cycle))]
+    return max(range(len(rates)), key=rates.__getitem__)
+
+
+def machine_key(model_dir: Path) -> str:
+    weights = sorted(model_dir.glob("*.safetensors"))
+    stamp = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in weights]
+    parts = [
+        str(model_dir),
+        json.dumps(stamp),
+        platform.machine(),
+        platform.processor(),
+        str(os.cpu_count()),
+        str(mx.default_device()),
+        mx.__version__,
+        os.environ.get("MTPSERVE_BLAS", ""),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 6) -> CostTable:
+    """Time real cycles on a dummy sequence (greedy, 128-token context), median of ``reps``."""
+    from engine.api import GenerationRequest
+    from engine.runtime import DraftPolicy
+    from engine.speculative import commit, run_cycle
+    from engine.trunk import trunk_hidden
+    from sampling.params import SamplingParams
+
+    rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
+    request = GenerationRequest(rng_ids, SamplingParams(temperature=0.0), max_tokens=1)
+    seq = engine.start(request, DraftPolicy(fixed=max_k))
+    trunk, head = engine.trunk, engine.loaded.head
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    cycle: list[float] = []
+    for k in range(max_k + 1):
+        times = []
+        for rep in range(reps + 2):
+            t = time.perf_counter()
+            result = run_cycle(trunk, head, seq, k)
+            commit(seq, result, 1)
+            if rep >= 2:  # warm-up: compile and allocate
+                times.append(time.perf_counter() - t)
+        cycle.append(median(times))
+
+    trunk_costs: list[float] = []
+    for n in range(1, max_k + 2):
+        times = []
+        for rep in range(reps + 2):
+            t = time.perf_counter()
+            ids = mx.array([seq.tokens[-1]] * n)[None]
+            hidden = trunk_hidden(trunk, ids, seq.trunk_cache, capture=True)
+            mx.eval(hidden, seq.trunk_cache.arrays())
+            seq.trunk_cache.commit(0, n)
+            if rep >= 2:
+                times.append(time.perf_counter() - t)
+        trunk_costs.append(median(times))
+
+    head_times = []
+    state = mx.zeros((1, 1, trunk.args.hidden_size))
+    for rep in range(reps + 2):
+        t = time.perf_counter()
+        out, logits = head(trunk, mx.array([[seq.tokens[-1]]]), state, seq.head_cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        seq.head_cache.trim(1)
+        if rep >= 2:
+            head_times.append(time.perf_counter() - t)
+    return CostTable(cycle, trunk_costs, median(head_times), platform.platform())
+
+
+def load_or_measure(engine: Any) -> CostTable:
+    path = CACHE_DIR / f"costs-{machine_key(engine.loaded.model_dir)}.json"
+    if path.exists():
+        try:
+            return CostTable(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            pass
+    t = time.perf_counter()
+    costs = measure_costs(engine)
+    log.info("measured cycle costs in %.1fs: %s", time.perf_counter() - t, costs.cycle)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(costs)))
+    except OSError:
+        pass
+    return costs
+
+
+@dataclass
+class AutoK:
+    costs: CostTable
+    acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_AUTO_K)
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> AutoK:
+        return cls(load_or_measure(engine))
+
+    def for_request(self) -> RequestAutoK:
+        return RequestAutoK(self, list(self.acceptance))
+
+
+@dataclass
+class RequestAutoK:
+    shared: AutoK
+    acceptance: list[float]
+    plain_cycles: int = 0
+
+    def choose(self, seq: Any) -> int:
+        k = best_k(self.shared.costs, self.acceptance)
+        if k == 0:
+            self.plain_cycles += 1
+            if self.plain_cycles % PROBE_EVERY == 0:
+                return 1
+        return k
+
+    def observe(self, k: int, n_accepted: int) -> None:
+        """Update a_i for every position whose outcome the cycle revealed."""
+        for i in range(min(k, n_accepted + 1)):
+            hit = 1.0 if i < n_accepted else 0.0
+            for table in (self.acceptance, self.shared.acceptance):
+                table[i] += EMA * (hit - table[i])

@@ -1,0 +1,257 @@
+"""Load a Qwen3.5/3.6 checkpoint once and attach its MTP head in place.
+
+* ``--model`` is a local folder or a Hugging Face repo id (downloaded through huggingface_hub;
+  never in tests or the default ``make serve``).
+* The trunk loads through mlx-lm (its ``sanitize`` handles raw HF vs mlx-converted weights and
+  drops every ``mtp.*`` tensor, so the lazily-mapped head tensors are never read there).
+* The head's tensors are found through ``model.safetensors.index.json`` (or by scanning the
+  single file / a sidecar), read lazily from only the shards that hold them, and loaded into an
+  ``MTPHead`` set as ``language_model.mtp``: one model object, one copy of every weight.
+* The +1 shift of zero-centred norms is applied to the head exactly once, when the source is
+  raw HF (detected as mlx-lm does for the trunk: conv1d weights still in HF layout), or per the
+  sidecar's own metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.utils import load_model
+
+from engine.mtp import MTPHead
+
+log = logging.getLogger("mtpserve.loader")
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+MTP_KEY = re.compile(r"^(?:model\.)?(?:language_model\.)?mtp\.(.+)$")
+#: Metadata key a sidecar written by ``mtpserve convert`` carries.
+SIDECAR_NORMS_SHIFTED = "mtpserve.norms_shifted"
+#: config.json key naming the sidecar in a converted folder.
+SIDECAR_CONFIG_KEY = "mtpserve_mtp_weights"
+ZERO_CENTRED_NORMS = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # mlx-lm Model; the head (if any) is ``model.language_model.mtp``
+    config: dict[str, Any]
+    model_dir: Path
+    head_source: str | None  # where the head came from, None when there is none
+    head_missing_reason: str | None
+
+    @property
+    def trunk(self) -> Any:
+        return self.model.language_model
+
+    @property
+    def head(self) -> MTPHead | None:
+        return getattr(self.trunk, "mtp", None)
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config.get("text_config", self.config)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local folder as is; anything else is a Hugging Face repo id to download."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model folder {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s from the Hugging Face hub", model)
+    return Path(
+        snapshot_download(
+            model,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model"],
+        )
+    )
+
+
+def _model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not a Qwen3.5/3.6 text model "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    # mlx-lm's qwen3_5 module covers dense and MoE, nested and flat configs (the MoE module only
+    # adds fused-expert renaming, which ``_sanitize_moe`` below does for both).
+    if model_type.startswith("qwen3_5_moe"):
+        from mlx_lm.models import qwen3_5_moe
+
+        return qwen3_5_moe.Model, qwen3_5_moe.ModelArgs
+    return qwen3_5.Model, qwen3_5.ModelArgs
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("model*.safetensors"))
+
+
+def _files_holding_mtp(model_dir: Path) -> list[Path]:
+    """Only the shards the index says hold ``mtp.*`` tensors (all files without an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        names = sorted({f for k, f in weight_map.items() if MTP_KEY.match(k)})
+        return [model_dir / n for n in names]
+    return _weight_files(model_dir)
+
+
+def _source_is_raw_hf(model_dir: Path) -> bool:
+    """Raw HF checkpoints keep conv1d weights as [C, 1, K]; mlx-converted ones as [C, K, 1]."""
+    for f in _weight_files(model_dir):
+        for k, v in mx.load(str(f)).items():  # lazy: shapes only
+            if "conv1d.weight" in k:
+                return v.shape[-1] != 1
+    return False
+
+
+def read_mtp_tensors(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The ``mtp.*`` tensors (prefix stripped) and the files' metadata; other tensors unread."""
+    tensors: dict[str, mx.array] = {}
+    metadata: dict[str, str] = {}
+    for f in files:
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        metadata.update(meta or {})
+        for k, v in arrays.items():
+            if match := MTP_KEY.match(k):
+                tensors[match.group(1)] = v
+    return tensors, metadata
+
+
+def sanitize_head(weights: dict[str, mx.array], shift_norms: bool) -> dict[str, mx.array]:
+    """Map checkpoint head tensors onto ``MTPHead`` parameter names."""
+    out: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = {}
+    for key, value in weights.items():
+        if shift_norms and value.ndim == 1 and key.endswith(ZERO_CENTRED_NORMS):
+            value = value + 1.0
+        if m := re.match(r"layers\.0\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", key):
+            experts.setdefault(m.group(2), {})[int(m.group(1))] = value
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):
+            mid = value.shape[-2] // 2
+            out["layers.0.mlp.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out["layers.0.mlp.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            out["layers.0.mlp.switch_mlp.down_proj.weight"] = value
+            continue
+        out[key] = value
+    for proj, by_index in experts.items():
+        out[f"layers.0.mlp.switch_mlp.{proj}_proj.weight"] = mx.stack(
+            [by_index[i] for i in sorted(by_index)]
+        )
+    return out
+
+
+def attach_head(
+    model: nn.Module, weights: dict[str, mx.array], shift_norms: bool, quantization: dict | None
+) -> MTPHead:
+    """Build the head, load its weights and set it as ``model.language_model.mtp``."""
+    trunk = model.language_model
+    head = MTPHead(trunk.args)
+    if quantization:
+        nn.quantize(
+            head,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized")
+            and f"{p}.scales" in weights,
+        )
+    head.load_weights(list(sanitize_head(weights, shift_norms).items()), strict=True)
+    head.eval()
+    trunk.mtp = head
+    return head
+
+
+def load(
+    model: str, *, mtp_weights: str | None = None, dtype: str = "auto", with_head: bool = True
+) -> LoadedModel:
+    model_dir = resolve_model_dir(model)
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    config = json.loads(config_path.read_text())
+    net, config = load_model(model_dir, lazy=True, get_model_classes=_model_classes)
+
+    target = _target_dtype(dtype, config)
+    if target is not None:
+        net.set_dtype(target)  # floating parameters only; packed quantized weights stay
+
+    head_source, reason = None, None
+    if with_head:
+        head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
+    mx.eval(net.parameters())
+    if reason:
+        log.warning("no MTP head: %s; serving plain decoding", reason)
+    return LoadedModel(net, config, model_dir, head_source, reason)
+
+
+def _target_dtype(dtype: str, config: dict[str, Any]) -> mx.Dtype | None:
+    if dtype == "auto":
+        # bf16 matmuls are ~25x slower than fp32 on x86 CPUs (REFERENCE §10); keep the
+        # checkpoint dtype on GPUs. Quantized layers keep their packed weights either way.
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+
+
+def _load_head(
+    net: nn.Module,
+    model_dir: Path,
+    config: dict[str, Any],
+    mtp_weights: str | None,
+    target: mx.Dtype | None,
+) -> tuple[str | None, str | None]:
+    text_config = config.get("text_config", config)
+    sidecar = mtp_weights or config.get(SIDECAR_CONFIG_KEY)
+    if sidecar:
+        path = Path(sidecar)
+        if not path.is_absolute():
+            path = model_dir / path
+        if not path.exists():
+            return None, f"MTP sidecar {path} does not exist"
+        files = [path]
+    else:
+        files = _files_holding_mtp(model_dir)
+    tensors, metadata = read_mtp_tensors(files)
+    if not tensors:
+        n = text_config.get("mtp_num_hidden_layers", 0)
+        why = "the checkpoint has no mtp.* tensors"
+        if n:
+            why += f" although config says mtp_num_hidden_layers={n} (converted without the head?"
+            why += " see `mtpserve extract-head`)"
+        return None, why
+    if SIDECAR_NORMS_SHIFTED in metadata:
+        shift = metadata[SIDECAR_NORMS_SHIFTED] != "true"
+    else:
+        shift = _source_is_raw_hf(model_dir)
+    quantization = json.loads(metadata["mtpserve.quantization"]) if (
+        "mtpserve.quantization" in metadata
+    ) else None
+    try:
+        head = attach_head(net, tensors, shift, quantization)
+    except ValueError as exc:
+        raise ValueError(f"MTP head in {files[0]} does not match the trunk: {exc}") from exc
+    if target is not None:
+        head.set_dtype(target)
+    return ", ".join(str(f.name) for f in files), None

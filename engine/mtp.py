@@ -1,0 +1,66 @@
+"""The Qwen3.5/3.6 multi-token-prediction head (REFERENCE §2), attached to the loaded trunk.
+
+The head owns only its own tensors (fc, three norms, one full-attention decoder layer). Token
+embeddings and the output projection are the trunk's: every call takes the trunk ``TextModel``
+and uses its ``embed_tokens`` and ``lm_head`` (the embedding when tied), so no weight is held
+twice.
+
+Forward for the pair (h_t, x_{t+1}) at position t, predicting x_{t+2}::
+
+    e = pre_fc_norm_embedding(embed(x_{t+1}))
+    h = pre_fc_norm_hidden(h_t)          # h_t: trunk output AFTER the final norm
+    z = fc(concat([e, h]))               # embedding first, then hidden
+    z = layer(z, position t, own KV cache)
+    out = norm(z)                        # fed back as "h" for the next draft step
+    logits = lm_head(out)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: TextModelArgs) -> None:
+        super().__init__()
+        h = args.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        # A full-attention layer (never GDN): mlx-lm picks the layer type from its index.
+        self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
+        self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+
+    def __call__(
+        self, trunk: Any, token_ids: mx.array, hidden: mx.array, cache: KVCache
+    ) -> tuple[mx.array, mx.array]:
+        """Run pairs (hidden[:, j], token_ids[:, j]) at the cache's next positions.
+
+        Args:
+            trunk: the mlx-lm ``TextModel`` whose embedding and lm_head are shared.
+            token_ids: ``[1, T]`` the tokens x_{t+1}.
+            hidden: ``[1, T, H]`` post-final-norm trunk states h_t (or the head's own ``out``).
+            cache: the head's persistent KV cache; T positions are appended.
+
+        Returns:
+            ``(out, logits)``: ``[1, T, H]`` post-norm states and ``[1, T, V]`` draft logits.
+        """
+        e = self.pre_fc_norm_embedding(trunk.model.embed_tokens(token_ids))
+        h = self.pre_fc_norm_hidden(hidden)
+        z = self.fc(mx.concatenate([e, h], axis=-1))
+        mask = "causal" if z.shape[1] > 1 else None
+        z = self.layers[0](z, mask=mask, cache=cache)
+        out = self.norm(z)
+        return out, project_to_vocab(trunk, out)
+
+
+def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:
+    """The trunk's output projection (the embedding matrix when tied)."""
+    if trunk.args.tie_word_embeddings:
+        return trunk.model.embed_tokens.as_linear(hidden)
+    return trunk.lm_head(hidden)

@@ -1,0 +1,290 @@
+"""``Engine``: the loaded model plus the generation loop behind the ``engine.api`` seam.
+
+The loop turns cycles into ``GenerationEvent``s and applies stop conditions (EOS ids,
+max_tokens, cancellation). A stop inside a draft block commits only the tokens up to the stop,
+so the caches always hold exactly prompt + emitted (minus the last) — REFERENCE §3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine import loader
+from engine.api import (
+    ContextLengthExceeded,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationStats,
+    RequestError,
+    TokenLogprob,
+)
+from engine.speculative import CycleResult, Sequence, commit, run_cycle, start_sequence
+from sampling.params import SamplingOverrides, generation_config_defaults
+
+log = logging.getLogger("mtpserve.engine")
+
+#: K used when the caller asks for automatic K before costs are measured.
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass
+class DraftPolicy:
+    """Which K to run each cycle. Fixed K, or automatic (see engine.autok)."""
+
+    fixed: int | None
+    chooser: Any = None  # engine.autok.AutoK when automatic
+
+    def choose(self, seq: Sequence, remaining: int) -> int:
+        k = self.fixed if self.fixed is not None else self.chooser.choose(seq)
+        # Never draft past max_tokens: at most `remaining` tokens can be emitted.
+        return max(0, min(k, remaining - 1))
+
+
+@dataclass
+class Engine:
+    loaded: loader.LoadedModel
+    tokenizer: Any
+    model_id: str
+    default_draft_tokens: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling_defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
+    autok: Any = None
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        *,
+        draft_tokens: int | None = None,
+        mtp_weights: str | None = None,
+        dtype: str = "auto",
+        model_id: str | None = None,
+    ) -> Engine:
+        from transformers import AutoTokenizer
+
+        loaded = loader.load(model, mtp_weights=mtp_weights, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(loaded.model_dir))
+        engine = cls(
+            loaded=loaded,
+            tokenizer=tokenizer,
+            model_id=model_id or _model_name(model, loaded.model_dir),
+            default_draft_tokens=draft_tokens,
+            eos_token_ids=_eos_ids(loaded.model_dir, loaded.config, tokenizer),
+            sampling_defaults=generation_config_defaults(loaded.model_dir),
+        )
+        if draft_tokens is None and loaded.head is not None:
+            from engine.autok import AutoK
+
+            engine.autok = AutoK.for_engine(engine)
+        return engine
+
+    # -- facts the server and CLI need -------------------------------------------------------
+    @property
+    def trunk(self) -> Any:
+        return self.loaded.trunk
+
+    @property
+    def has_head(self) -> bool:
+        return self.loaded.head is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.trunk.args.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return int(self.loaded.text_config.get("max_position_embeddings", 32768))
+
+    def policy(self, draft_tokens: int | None) -> DraftPolicy:
+        if not self.has_head:
+            return DraftPolicy(fixed=0)
+        if draft_tokens is None:
+            draft_tokens = self.default_draft_tokens
+        if draft_tokens is None:
+            if self.autok is None:
+                from engine.autok import AutoK
+
+                self.autok = AutoK.for_engine(self)
+            return DraftPolicy(fixed=None, chooser=self.autok.for_request())
+        if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
+        return DraftPolicy(fixed=draft_tokens)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``RequestError`` for anything the loop cannot serve."""
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+        if request.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", "max_tokens")
+        total = len(request.prompt_ids) + request.max_tokens
+        if total > self.context_length:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.context_length} tokens; the "
+                f"request asks for {len(request.prompt_ids)} prompt + {request.max_tokens} "
+                f"completion tokens"
+            )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
+        request.sampling.validate(self.vocab_size)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def generate(
+        self,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] = lambda: False,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Generate for one request. Synchronous; call from the thread that owns mlx."""
+        self.check(request)
+        policy = self.policy(request.draft_tokens)
+        t0 = time.perf_counter()
+        seq = self.start(request, policy)
+        yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
+
+    def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
+        """Prefill a new sequence (everything but the prompt's last token)."""
+        policy = policy or self.policy(request.draft_tokens)
+        return start_sequence(
+            self.trunk,
+            self.loaded.head,
+            request.prompt_ids,
+            request.sampling,
+            use_head=policy.fixed != 0,
+        )
+
+    def decode(
+        self,
+        seq: Sequence,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] = lambda: False,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+        policy: DraftPolicy | None = None,
+        prompt_seconds: float = 0.0,
+    ) -> Iterator[GenerationEvent]:
+        """Decode up to ``request.max_tokens`` more tokens onto ``seq`` (which may continue)."""
+        policy = policy or self.policy(request.draft_tokens)
+        stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        stats.prompt_seconds = prompt_seconds
+        stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS
+        stats.k_histogram = [0] * (MAX_DRAFT_TOKENS + 1)
+        stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
+        stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
+        stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
+        t_gen = time.perf_counter()
+        generated = 0
+        while True:
+            if cancelled():
+                stats.generation_seconds = time.perf_counter() - t_gen
+                yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+                return
+            k = policy.choose(seq, request.max_tokens - generated) if seq.can_draft else 0
+            context_len = len(seq.tokens)
+            result = run_cycle(self.trunk, self.loaded.head, seq, k)
+            n_keep, finish = _apply_stops(result.emitted, stop_ids, request.max_tokens - generated)
+            t_commit = time.perf_counter()
+            emitted = commit(seq, result, n_keep)
+            if policy.chooser is not None:
+                policy.chooser.observe(len(result.draft_ids), result.n_accepted)
+            generated += len(emitted)
+            _record(stats, result, generated, time.perf_counter() - t_commit)
+            if trace is not None:
+                trace(
+                    {
+                        "context_len": context_len,
+                        "draft": result.draft_ids,
+                        "accepted": result.n_accepted,
+                        "emitted": emitted,
+                    }
+                )
+            logprobs = (
+                _logprobs(result, emitted, request.top_logprobs)
+                if request.top_logprobs is not None
+                else None
+            )
+            stats.generation_seconds = time.perf_counter() - t_gen
+            yield GenerationEvent(emitted, logprobs, finish, stats)
+            if finish is not None:
+                return
+
+
+def _apply_stops(
+    emitted: list[int], stop_ids: frozenset[int], remaining: int
+) -> tuple[int, str | None]:
+    """How many emitted tokens survive (EOS included) and why generation ends, if it does."""
+    for j, token in enumerate(emitted[:remaining]):
+        if token in stop_ids:
+            return j + 1, "stop"
+    if len(emitted) >= remaining:
+        return remaining, "length"
+    return len(emitted), None
+
+
+def _record(stats: GenerationStats, result: CycleResult, generated: int, commit_s: float) -> None:
+    k = len(result.draft_ids)
+    stats.cycles += 1
+    stats.k_histogram[k] += 1
+    stats.proposed += k
+    stats.accepted += result.n_accepted
+    for i in range(k):
+        stats.proposed_per_position[i] += 1
+        if i < result.n_accepted:
+            stats.accepted_per_position[i] += 1
+    stats.completion_tokens = generated
+    stats.draft_seconds += result.draft_seconds
+    stats.verify_seconds += result.verify_seconds
+    stats.commit_seconds += commit_s
+
+
+def _logprobs(result: CycleResult, emitted: list[int], top: int | None) -> list[TokenLogprob]:
+    """Log-probabilities of the emitted tokens under the model (raw logits, no sampler)."""
+    n = len(emitted)
+    logp = result.verify_logits[:n].astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    ids = mx.array(emitted)
+    chosen = logp[mx.arange(n), ids]
+    if top:
+        top_ids = mx.argsort(-logp, axis=-1)[:, :top]
+        top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
+        mx.eval(chosen, top_ids, top_vals)
+        pairs = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
+    else:
+        mx.eval(chosen)
+        pairs = [[] for _ in range(n)]
+    return [
+        TokenLogprob(t, lp, p) for t, lp, p in zip(emitted, chosen.tolist(), pairs, strict=True)
+    ]
+
+
+def _model_name(model: str, model_dir: Path) -> str:
+    return model if not Path(model).expanduser().exists() else model_dir.name
+
+
+def _eos_ids(model_dir: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
+    """Every EOS id: generation_config's list (both Qwen ids), config's, the tokenizer's."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(config.get("eos_token_id"))
+    add(config.get("text_config", {}).get("eos_token_id"))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        add(tokenizer.eos_token_id)
+    return frozenset(ids)

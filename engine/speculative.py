@@ -1,0 +1,222 @@
+"""The speculative cycle: draft K with the MTP head, verify K+1 in one trunk pass, accept, commit.
+
+State of one sequence (``Sequence``) between cycles — the invariant kept at every yield and on
+every stop:
+
+* ``tokens`` = prompt + emitted tokens; the trunk cache holds exactly ``tokens[:-1]`` (the last
+  token is fed by the next cycle);
+* the head's KV cache holds the pairs (h_t, x_{t+1}) for t < ``head_cache.offset``, and
+  ``head_pending`` holds the trunk states h_t for the remaining committed positions
+  t = head_cache.offset .. len(tokens)-2, whose pairs the next draft step runs first. So the head
+  covers every committed position (prompt included) without ever holding a rejected one.
+
+``run_cycle`` is the whole step in one place; K=0 takes the same path (no draft, a one-position
+verify, the same acceptance function drawing the next token from p_1). Only one device->host
+transfer happens per cycle: the accepted count, the drafts and the next token, together.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from engine.mtp import MTPHead, project_to_vocab
+from engine.trunk import TrunkCache, trunk_hidden
+from sampling.acceptance import accept_drafts
+from sampling.distribution import PenaltyHistory, sample, truncated_probs
+from sampling.params import SamplingParams
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    params: SamplingParams
+    trunk_cache: TrunkCache
+    head_cache: KVCache | None
+    history: PenaltyHistory | None
+    key: mx.array
+    head_pending: list[mx.array] = field(default_factory=list)
+
+    @property
+    def can_draft(self) -> bool:
+        return self.head_cache is not None and bool(self.head_pending)
+
+    def next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+@dataclass
+class CycleResult:
+    draft_ids: list[int]
+    n_accepted: int
+    emitted: list[int]  # accepted drafts + the residual/bonus token (before stop handling)
+    verify_logits: mx.array  # [K+1, V] raw trunk logits, for logprobs
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+def start_sequence(
+    trunk: Any,
+    head: MTPHead | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    use_head: bool,
+) -> Sequence:
+    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks."""
+    if not prompt_ids:
+        raise ValueError("the prompt must contain at least one token")
+    seed = params.seed if params.seed is not None else int.from_bytes(_entropy(), "little")
+    history = (
+        PenaltyHistory(trunk.args.vocab_size, prompt_ids) if params.uses_history else None
+    )
+    seq = Sequence(
+        tokens=list(prompt_ids),
+        params=params,
+        trunk_cache=TrunkCache(trunk),
+        head_cache=KVCache() if (head is not None and use_head) else None,
+        history=history,
+        key=mx.random.key(seed),
+    )
+    body = prompt_ids[:-1]
+    for start in range(0, len(body), PREFILL_CHUNK):
+        chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
+        hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
+        if seq.head_cache is not None:
+            seq.head_pending.append(hidden)
+            _absorb_pending(trunk, head, seq, keep_last=True)
+        mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+    return seq
+
+
+def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
+    """Run the head over pending committed pairs, appending them to its cache.
+
+    Returns the head output ``(out, logits)`` of the last pair run, or None when nothing ran.
+    With ``keep_last`` the final pending state stays pending (prefill: its pair is the next
+    cycle's first draft step).
+    """
+    hidden = mx.concatenate(seq.head_pending, axis=1) if seq.head_pending else None
+    if hidden is None:
+        return None
+    n = hidden.shape[1] - (1 if keep_last else 0)
+    start = seq.head_cache.offset
+    if n <= 0:
+        return None
+    tokens = mx.array(seq.tokens[start + 1 : start + 1 + n])[None]
+    result = head(trunk, tokens, hidden[:, :n], seq.head_cache)
+    seq.head_pending = [hidden[:, n:]] if keep_last else []
+    return result
+
+
+def _draw(probs: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
+    return mx.argmax(probs, axis=-1).astype(mx.int32) if params.greedy else sample(probs, key)
+
+
+def run_cycle(trunk: Any, head: MTPHead | None, seq: Sequence, k: int) -> CycleResult:
+    """Draft ``k`` tokens, verify ``k+1`` positions in one trunk pass and pick what to emit.
+
+    Caches are left with the verify pass captured; the caller decides how many emitted tokens
+    survive stop conditions and then calls ``commit``.
+    """
+    params = seq.params
+    if not seq.can_draft:
+        k = 0
+    t0 = time.perf_counter()
+
+    # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
+    #    last emitted token); later steps feed the head's own output and its draft token.
+    draft_ids: list[mx.array] = []
+    draft_probs: list[mx.array] = []
+    if k > 0:
+        out, logits = _absorb_pending(trunk, head, seq, keep_last=False)
+        state, step_logits = out[:, -1:], logits[0, -1:]
+        for i in range(k):
+            # Penalties see the drafts so far, exactly as plain decoding would have.
+            history = seq.history.row_after(draft_ids) if seq.history else None
+            q = truncated_probs(step_logits, params, history)
+            d = _draw(q, params, seq.next_key())
+            draft_ids.append(d)
+            draft_probs.append(q)
+            if i + 1 < k:
+                state, step_logits = head(trunk, d[None], state, seq.head_cache)
+                step_logits = step_logits[0]
+    drafts = mx.concatenate(draft_ids) if draft_ids else mx.zeros((0,), dtype=mx.int32)
+    q_all = mx.concatenate(draft_probs) if draft_probs else None
+    t1 = time.perf_counter()
+
+    # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
+    verify_in = mx.concatenate([mx.array([seq.tokens[-1]], dtype=mx.int32), drafts])[None]
+    hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
+    logits = project_to_vocab(trunk, hidden)[0]
+    history = seq.history.rows(drafts, k + 1) if seq.history else None
+    p_all = truncated_probs(logits, params, history)
+
+    # 3. Accept (on device) and sync once.
+    if k == 0:
+        n_acc, next_token = mx.array(0), _draw(p_all, params, seq.next_key())[0]
+    else:
+        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
+    mx.eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
+    n_accepted = n_acc.item()
+    draft_list = drafts.tolist()
+    t2 = time.perf_counter()
+    seq.head_pending.append(hidden)  # trimmed to the kept positions by commit
+    return CycleResult(
+        draft_ids=draft_list,
+        n_accepted=n_accepted,
+        emitted=draft_list[:n_accepted] + [next_token.item()],
+        verify_logits=logits,
+        draft_seconds=t1 - t0,
+        verify_seconds=t2 - t1,
+    )
+
+
+def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
+    """Keep the first ``n_keep`` emitted tokens (1..len(emitted)); restore the invariant."""
+    emitted = result.emitted[:n_keep]
+    k = len(result.draft_ids)
+    seq.trunk_cache.commit(n_keep, k + 1)
+    if seq.head_cache is not None:
+        # The verify states of the kept positions become pending head pairs; drop the head's
+        # speculative positions (draft steps 2..K) — they were fed drafts, not committed pairs.
+        verify_hidden = seq.head_pending.pop()
+        seq.head_pending.append(verify_hidden[:, :n_keep])
+        if k > 1:
+            seq.head_cache.trim(k - 1)
+    else:
+        seq.head_pending.clear()
+    seq.tokens.extend(emitted)
+    if seq.history is not None:
+        seq.history.extend(emitted)
+    return emitted
+
+
+def extend_sequence(trunk: Any, head: MTPHead | None, seq: Sequence, token_ids: list[int]) -> None:
+    """Append tokens the model did not generate (e.g. the next chat turn) and prefill them."""
+    if not token_ids:
+        return
+    body = [seq.tokens[-1], *token_ids[:-1]]
+    seq.tokens.extend(token_ids)
+    for start in range(0, len(body), PREFILL_CHUNK):
+        chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
+        hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
+        if seq.head_cache is not None:
+            seq.head_pending.append(hidden)
+            _absorb_pending(trunk, head, seq, keep_last=True)
+        mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+    if seq.history is not None:
+        # Appended text counts as prompt (seen) for the repetition penalty, not as output.
+        seq.history.seen[mx.array(token_ids)] = True
+
+
+def _entropy() -> bytes:
+    import os
+
+    return os.urandom(7)

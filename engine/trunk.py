@@ -1,0 +1,158 @@
+"""Trunk forward passes and the per-sequence trunk cache, with hybrid-state rollback.
+
+mlx-lm's Qwen3.5 modules hold the weights; this file walks their layers itself because the
+verify pass needs something mlx-lm does not expose: the Gated-DeltaNet state *after each* of the
+T verified positions, so that the state can be committed at the accepted position without
+re-running anything (REFERENCE §3):
+
+* conv state: the window ``[conv_state | qkv_1..qkv_T]`` is kept; keeping n positions takes rows
+  ``n .. n+kernel-2`` of it (the last kernel-1 inputs up to position n);
+* recurrent state: the state after every step is kept (they are computed anyway by the
+  recurrence; keeping the references costs only their memory), and the n-th is committed;
+* attention KV caches are trimmed by the rejected count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+
+
+@mx.compile
+def _delta_rule_step(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """One gated delta-rule step. q, k: [B, H, Dk]; v: [B, H, Dv]; g, beta: [B, H];
+    state: [B, H, Dv, Dk] (float32). Returns (y [B, H, Dv], new state)."""
+    state = state * g[..., None, None]
+    remembered = (state * k[..., None, :]).sum(axis=-1)
+    delta = (v - remembered) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y.astype(q.dtype), state
+
+
+@dataclass
+class GDNLayerState:
+    """Conv window and recurrent state of one Gated-DeltaNet layer, plus verify captures."""
+
+    conv: mx.array | None = None
+    recurrent: mx.array | None = None
+    # Filled by a capturing forward over T positions; consumed by ``commit``.
+    conv_window: mx.array | None = None
+    step_states: list[mx.array] = field(default_factory=list)
+
+    def commit(self, n_keep: int, kernel: int) -> None:
+        if self.conv_window is None:
+            return
+        self.conv = self.conv_window[:, n_keep : n_keep + kernel - 1]
+        self.recurrent = self.step_states[n_keep - 1]
+        self.conv_window = None
+        self.step_states = []
+
+
+class TrunkCache:
+    """Per-sequence caches of every trunk layer: KV caches and GDN states."""
+
+    def __init__(self, trunk: Any) -> None:
+        self.kernel = trunk.args.linear_conv_kernel_dim
+        self.layers: list[KVCache | GDNLayerState] = [
+            GDNLayerState() if layer.is_linear else KVCache() for layer in trunk.layers
+        ]
+
+    @property
+    def length(self) -> int:
+        """Number of positions held (read off an attention layer)."""
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                return c.offset
+        raise RuntimeError("trunk without attention layers")
+
+    def commit(self, n_keep: int, n_fed: int) -> None:
+        """After a capturing forward over ``n_fed`` positions keep only the first ``n_keep``."""
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                c.trim(n_fed - n_keep)
+            else:
+                c.commit(n_keep, self.kernel)
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the next cycle will read (for evaluation together with a cycle)."""
+        out: list[mx.array] = []
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                if c.keys is not None:
+                    out += [c.keys, c.values]
+            else:
+                out += [a for a in (c.conv_window, c.conv, c.recurrent) if a is not None]
+                out += c.step_states
+        return out
+
+
+def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool) -> mx.array:
+    """mlx-lm's ``GatedDeltaNet`` forward, optionally capturing the state after each position."""
+    B, T, _ = x.shape
+    qkv = m.in_proj_qkv(x)
+    z = m.in_proj_z(x).reshape(B, T, m.num_v_heads, m.head_v_dim)
+    b = m.in_proj_b(x)
+    a = m.in_proj_a(x)
+
+    conv_state = state.conv
+    if conv_state is None:
+        conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
+    window = mx.concatenate([conv_state, qkv], axis=1)
+    conv_out = nn.silu(m.conv1d(window))
+    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
+    q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    v = v.reshape(B, T, m.num_v_heads, m.head_v_dim)
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+
+    recurrent = state.recurrent
+    if recurrent is None:
+        recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+    if capture:
+        beta = mx.sigmoid(b)
+        g = compute_g(m.A_log, a, m.dt_bias)
+        if (repeat := m.num_v_heads // m.num_k_heads) > 1:
+            q = mx.repeat(q, repeat, axis=-2)
+            k = mx.repeat(k, repeat, axis=-2)
+        ys, steps = [], []
+        for t in range(T):
+            y_t, recurrent = _delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
+            ys.append(y_t)
+            steps.append(recurrent)
+        y = mx.stack(ys, axis=1)
+        state.conv_window = window
+        state.step_states = steps
+    else:
+        y, recurrent = gated_delta_update(
+            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
+        )
+        state.conv = window[:, -(m.conv_kernel_size - 1) :]
+        state.recurrent = recurrent
+    out = m.norm(y, z)
+    return m.out_proj(out.reshape(B, T, -1))
+
+
+def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bool) -> mx.array:
+    """Run the trunk over ``token_ids [1, T]``; return post-final-norm hidden states [1, T, H].
+
+    With ``capture`` the GDN layers keep per-position states and the caller must
+    ``cache.commit(n_keep, T)`` before the next forward.
+    """
+    x = trunk.model.embed_tokens(token_ids)
+    mask = "causal" if token_ids.shape[1] > 1 else None
+    for layer, c in zip(trunk.layers, cache.layers, strict=True):
+        normed = layer.input_layernorm(x)
+        if layer.is_linear:
+            x = x + gated_deltanet(layer.linear_attn, normed, c, capture)
+        else:
+            x = x + layer.self_attn(normed, mask=mask, cache=c)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return trunk.model.norm(x)

@@ -1,0 +1,252 @@
+"""``mtpserve`` command line: generate, serve, bench, convert, extract-head.
+
+``generate`` is the contract tests and benchmarks use (keep it stable): ``--json`` prints one
+object with prompt ids, choices and speculative statistics; ``--trace FILE`` writes one JSON line
+per speculative cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from engine.blas import use_fast_blas
+
+use_fast_blas()  # before anything imports mlx
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+
+
+def default_model() -> str:
+    return str(DEMO_MODEL)
+
+
+def parse_draft_tokens(value: str) -> int | None:
+    if value == "auto":
+        return None
+    k = int(value)
+    if k < 0:
+        raise argparse.ArgumentTypeError("draft tokens must be >= 0 or 'auto'")
+    return k
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=default_model(), help="HF repo id or local folder")
+    p.add_argument("--mtp-weights", default=None, help="MTP head sidecar safetensors file")
+    p.add_argument(
+        "--draft-tokens",
+        type=parse_draft_tokens,
+        default=None,
+        help="speculative draft length K (0 = plain decoding) or 'auto' (default)",
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None, help="sampler preset from configs/presets.toml")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_overrides(args: argparse.Namespace) -> Any:
+    from sampling.params import SamplingOverrides
+
+    return SamplingOverrides(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from engine.api import GenerationRequest, GenerationStats
+    from engine.runtime import Engine
+    from sampling.params import SamplingParamError, preset, resolve
+
+    if args.n < 1:
+        print("error: --n must be >= 1", file=sys.stderr)
+        return 2
+    engine = Engine.load(
+        args.model, draft_tokens=args.draft_tokens, mtp_weights=args.mtp_weights, dtype=args.dtype
+    )
+    if args.chat:
+        prompt_ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            enable_thinking=not args.no_thinking,
+        )
+        if isinstance(prompt_ids, dict):  # transformers 5 returns a BatchEncoding
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
+    prompt_ids = list(prompt_ids)
+    try:
+        layers = [engine.sampling_defaults]
+        if args.preset:
+            layers.append(preset(args.preset))
+        base = resolve(*layers, sampling_overrides(args))
+    except SamplingParamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
+    choices: list[dict[str, Any]] = []
+    total = GenerationStats(prompt_tokens=len(prompt_ids))
+    mx.reset_peak_memory()
+    try:
+        for i in range(args.n):
+            # Choice i draws from seed + i: reproducible, yet independent of the other choices.
+            params = base if base.seed is None else replace(base, seed=base.seed + i)
+            request = GenerationRequest(
+                prompt_ids=prompt_ids,
+                sampling=params,
+                max_tokens=args.max_tokens,
+                stop_token_ids=engine.eos_token_ids,
+                ignore_eos=args.ignore_eos,
+                draft_tokens=args.draft_tokens,
+            )
+
+            def trace(line: dict[str, Any], choice: int = i) -> None:
+                if trace_file:
+                    trace_file.write(json.dumps({"choice": choice, **line}) + "\n")
+
+            token_ids: list[int] = []
+            event = None
+            for event in engine.generate(request, trace=trace):
+                token_ids += event.token_ids
+                if not args.json:
+                    sys.stdout.write(engine.tokenizer.decode(event.token_ids))
+                    sys.stdout.flush()
+            assert event is not None and event.stats is not None
+            _accumulate(total, event.stats)
+            choices.append(
+                {
+                    "token_ids": token_ids,
+                    "text": _visible_text(engine, token_ids),
+                    "finish_reason": event.finish_reason,
+                }
+            )
+    except ValueError as exc:  # RequestError, SamplingParamError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if trace_file:
+            trace_file.close()
+    stats = _stats_json(total, peak=mx.get_peak_memory())
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "choices": choices, "stats": stats}))
+    else:
+        print(file=sys.stderr)
+        print(
+            f"[{stats['generation_tps']:.1f} tok/s, K={stats['draft_tokens']}, acceptance "
+            f"{stats['acceptance_rate']:.2f}, {stats['cycles']} cycles, peak "
+            f"{stats['peak_memory_bytes'] / 2**20:.0f} MiB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _visible_text(engine: Any, token_ids: list[int]) -> str:
+    """Decoded text without a trailing EOS token."""
+    ids = token_ids[:-1] if token_ids and token_ids[-1] in engine.eos_token_ids else token_ids
+    return engine.tokenizer.decode(ids)
+
+
+def _accumulate(total: Any, s: Any) -> None:
+    total.draft_tokens = s.draft_tokens
+    total.completion_tokens += s.completion_tokens
+    total.proposed += s.proposed
+    total.accepted += s.accepted
+    total.cycles += s.cycles
+    total.prompt_seconds += s.prompt_seconds
+    total.generation_seconds += s.generation_seconds
+    for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
+        mine, theirs = getattr(total, name), getattr(s, name)
+        setattr(total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)])
+
+
+def _stats_json(s: Any, peak: int) -> dict[str, Any]:
+    k = s.draft_tokens
+    return {
+        "draft_tokens": k,
+        "proposed": s.proposed,
+        "accepted": s.accepted,
+        "acceptance_rate": s.acceptance_rate,
+        "accepted_per_position": s.accepted_per_position[:k],
+        "proposed_per_position": s.proposed_per_position[:k],
+        "k_histogram": s.k_histogram,
+        "cycles": s.cycles,
+        "prompt_tps": s.prompt_tps,
+        "generation_tps": s.generation_tps,
+        "tokens_per_cycle": s.tokens_per_cycle,
+        "peak_memory_bytes": int(peak),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from a prompt")
+    add_model_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--no-thinking", action="store_true", help="with --chat: enable_thinking off")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--n", type=int, default=1, help="independent completions")
+    gen.add_argument("--trace", default=None, help="write one JSON line per speculative cycle")
+    gen.add_argument("--json", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from server.cli import add_serve_arguments, run_serve
+    except ImportError:  # server not built yet
+        pass
+    else:
+        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_serve_arguments(serve)
+        serve.set_defaults(func=run_serve)
+
+    for name, module in (("bench", "engine.bench"), ("convert", "engine.convert")):
+        try:
+            mod = __import__(module, fromlist=["add_arguments"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
