@@ -1,0 +1,252 @@
+"""The single-worker scheduler (engine/scheduler.py): order, backpressure, cancellation, and that
+one failing request never takes the worker down."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.api import GenerationEvent, GenerationRequest, GenerationStats
+from engine.scheduler import (
+    GenerationFailedError,
+    QueueFullError,
+    Scheduler,
+    SchedulerClosedError,
+)
+from sampling.params import SamplingParams
+
+
+class CountingEngine:
+    """Emits prompt_ids[0]*1000 + i for i < max_tokens, one token per cycle."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.order: list[int] = []
+        self.threads: set[int] = set()
+        self.active = 0
+        self.max_active = 0
+        self.polls_after_cancel: dict[int, int] = {}
+
+    def generate(
+        self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
+        tag = request.prompt_ids[0]
+        self.threads.add(threading.get_ident())
+        self.order.append(tag)
+        if tag < 0:
+            raise RuntimeError(f"bad request {tag}")
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            for i in range(request.max_tokens):
+                if cancelled():
+                    yield GenerationEvent([], finish_reason="cancelled")
+                    return
+                if self.delay:
+                    time.sleep(self.delay)
+                last = i == request.max_tokens - 1
+                yield GenerationEvent(
+                    [tag * 1000 + i],
+                    finish_reason="length" if last else None,
+                    stats=GenerationStats(completion_tokens=i + 1),
+                )
+        finally:
+            self.active -= 1
+
+
+def req(tag: int, n: int = 3) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=[tag], sampling=SamplingParams(temperature=0), max_tokens=n)
+
+
+async def collect(handle) -> list[int]:
+    out: list[int] = []
+    async for event in handle:
+        out.extend(event.token_ids)
+    return out
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def make(engine, **kw) -> Scheduler:
+    s = Scheduler(lambda: engine, **kw)
+    s.start()
+    s.wait_ready(10)
+    return s
+
+
+def test_fifo_order_and_single_worker_thread() -> None:
+    engine = CountingEngine(delay=0.001)
+    sched = make(engine)
+
+    async def main() -> list[list[int]]:
+        handles = [h for t in range(1, 6) for h in sched.submit([req(t)])]
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    results = run(main())
+    sched.shutdown()
+    assert results == [[t * 1000, t * 1000 + 1, t * 1000 + 2] for t in range(1, 6)]
+    assert engine.order == [1, 2, 3, 4, 5]
+    assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+    assert engine.max_active == 1
+
+
+def test_engine_is_built_on_the_worker_thread() -> None:
+    built_on: list[int] = []
+
+    def factory() -> CountingEngine:
+        built_on.append(threading.get_ident())
+        return CountingEngine()
+
+    sched = Scheduler(factory)
+    sched.start()
+    engine = sched.wait_ready(10)
+
+    async def main() -> list[int]:
+        return await collect(sched.submit([req(1)])[0])
+
+    assert run(main()) == [1000, 1001, 1002]
+    assert built_on == list(engine.threads)
+    sched.shutdown()
+
+
+def test_load_failure_is_reported() -> None:
+    def factory() -> CountingEngine:
+        raise FileNotFoundError("no such model")
+
+    sched = Scheduler(factory)
+    sched.start()
+    with pytest.raises(FileNotFoundError):
+        sched.wait_ready(10)
+    assert not sched.alive
+
+    async def main() -> None:
+        sched.submit([req(1)])
+
+    with pytest.raises(SchedulerClosedError):
+        run(main())
+
+
+def test_queue_full_rejects_whole_batch() -> None:
+    engine = CountingEngine(delay=0.02)
+    sched = make(engine, max_queue=3, retry_after=2.0)
+
+    async def main() -> None:
+        first = sched.submit([req(1, 20)])  # starts running
+        await asyncio.sleep(0.1)
+        sched.submit([req(2), req(3)])  # 2 waiting
+        with pytest.raises(QueueFullError) as info:
+            sched.submit([req(4), req(5)])  # would be 4 waiting > 3
+        assert info.value.retry_after == 2.0
+        more = sched.submit([req(6)])  # exactly 3 waiting
+        first[0].cancel()
+        await collect(more[0])
+
+    run(main())
+    sched.shutdown()
+    assert 4 not in engine.order and 5 not in engine.order
+
+
+def test_cancel_running_request_stops_within_a_cycle() -> None:
+    engine = CountingEngine(delay=0.01)
+    sched = make(engine)
+
+    async def main() -> tuple[list[int], list[int]]:
+        long, nxt = sched.submit([req(1, 10_000), req(2)])
+        got: list[int] = []
+        async for event in long:
+            got.extend(event.token_ids)
+            if len(got) == 3:
+                long.cancel()
+        return got, await collect(nxt)
+
+    got, nxt = run(main())
+    sched.shutdown()
+    assert 3 <= len(got) <= 5  # one cycle in flight when the flag was set
+    assert nxt == [2000, 2001, 2002]
+
+
+def test_cancel_while_queued_never_runs() -> None:
+    engine = CountingEngine(delay=0.01)
+    sched = make(engine)
+
+    async def main() -> list[int]:
+        a, b, c = sched.submit([req(1, 5), req(2, 5), req(3, 2)])
+        b.cancel()
+        assert await collect(b) == []
+        await collect(a)
+        return await collect(c)
+
+    assert run(main()) == [3000, 3001]
+    sched.shutdown()
+    assert engine.order == [1, 3]
+
+
+def test_failure_reaches_only_its_request_and_worker_survives() -> None:
+    engine = CountingEngine()
+    sched = make(engine)
+
+    async def main() -> list[int]:
+        bad, good = sched.submit([req(-1), req(7)])
+        with pytest.raises(GenerationFailedError) as info:
+            await collect(bad)
+        assert isinstance(info.value.error, RuntimeError)
+        return await collect(good)
+
+    assert run(main()) == [7000, 7001, 7002]
+    assert sched.alive and sched.failed == 1
+    sched.shutdown()
+
+
+def test_abandoned_handle_does_not_block_the_worker() -> None:
+    """A caller that stops reading (its loop ended) must not wedge the worker."""
+    engine = CountingEngine()
+    sched = make(engine)
+
+    async def first() -> None:
+        sched.submit([req(1, 50)])
+
+    run(first())  # loop closes with the request unread
+
+    async def second() -> list[int]:
+        return await collect(sched.submit([req(2)])[0])
+
+    assert run(second()) == [2000, 2001, 2002]
+    sched.shutdown()
+
+
+def test_shutdown_ends_pending_handles() -> None:
+    engine = CountingEngine(delay=0.01)
+    sched = make(engine)
+
+    async def main() -> list[int]:
+        a, b = sched.submit([req(1, 10_000), req(2)])
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(sched.shutdown)
+        await collect(a)
+        return await collect(b)
+
+    assert run(main()) == []
+    assert not sched.alive
+
+
+def test_scheduler_does_not_import_mlx() -> None:
+    import engine.scheduler  # noqa: F401
+
+    assert "engine.scheduler" in sys.modules
+    # importing the scheduler (and the server) alone must not pull mlx in
+    import subprocess
+
+    code = "import engine.scheduler, server.app, sys; print('mlx' in sys.modules)"
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert out.stdout.strip() == "False"
