@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Qwen3.5 checkpoints in HF layout, and engines over them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.blas import use_fast_blas
+
+use_fast_blas()  # before mlx is imported anywhere in the test session
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import VARIANTS, Variant, write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep measured-cost caches of throwaway checkpoints out of the user's home."""
+    import engine.autok
+
+    path = tmp_path_factory.mktemp("cost-cache")
+    os.environ["MTPSERVE_CACHE"] = str(path)
+    engine.autok.CACHE_DIR = path
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Variant], Path]:
+    """Write (once per session) the checkpoint of a ``Variant``; returns its folder."""
+    cache: dict[Variant, Path] = {}
+
+    def make(variant: Variant) -> Path:
+        if variant not in cache:
+            cache[variant] = write_checkpoint(tmp_path_factory.mktemp(variant.name), variant)
+        return cache[variant]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint: Callable[[Variant], Path]) -> Path:
+    """The default tiny checkpoint (dense, tied, single file, with an MTP head)."""
+    return make_checkpoint(VARIANTS["dense-tied"])
+
+
+@pytest.fixture(scope="session")
+def load_engine(make_checkpoint: Callable[[Variant], Path]) -> Callable[..., object]:
+    """Load (once per session) an ``Engine`` for a variant name or ``Variant``."""
+    from engine.runtime import Engine
+
+    cache: dict[tuple, object] = {}
+
+    def load(variant: str | Variant, **kwargs: object) -> object:
+        v = VARIANTS[variant] if isinstance(variant, str) else variant
+        key = (v, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = Engine.load(str(make_checkpoint(v)), **kwargs)
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(load_engine: Callable[..., object]) -> object:
+    return load_engine("dense-tied", draft_tokens=2)

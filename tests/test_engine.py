@@ -1,0 +1,232 @@
+"""Engine exactness: greedy speculative output equals plain decoding, drafts equal an
+independent reference head, and every kind of stop leaves the caches consistent."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from checkpoints import VARIANTS, Variant, write_checkpoint
+from reference_head import ReferenceHead
+
+from engine.api import GenerationRequest
+from engine.runtime import Engine
+from sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "class Point:\n    def __init__(self, x, y):",
+]
+
+
+def greedy_request(prompt_ids: list[int], k: int | None, max_tokens: int, **kw) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=prompt_ids, sampling=GREEDY, max_tokens=max_tokens, draft_tokens=k, **kw
+    )
+
+
+def run(engine: Engine, request: GenerationRequest, trace: list | None = None) -> tuple[list[int], object]:
+    tokens: list[int] = []
+    event = None
+    for event in engine.generate(request, trace=trace.append if trace is not None else None):
+        tokens += event.token_ids
+    return tokens, event
+
+
+def assert_invariant(seq) -> None:
+    """Caches hold exactly tokens[:-1]: trunk positions, head cache + pending head pairs."""
+    n = len(seq.tokens) - 1
+    assert seq.trunk_cache.length == n
+    if seq.head_cache is not None:
+        pending = sum(h.shape[1] for h in seq.head_pending)
+        assert seq.head_cache.offset + pending == n
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_speculative_equals_plain(load_engine, variant: str) -> None:
+    engine = load_engine(variant, draft_tokens=0)
+    proposed = accepted = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        plain, _ = run(engine, greedy_request(ids, 0, 200, ignore_eos=True))
+        assert len(plain) == 200
+        for k in range(1, 5):
+            spec, event = run(engine, greedy_request(ids, k, 200, ignore_eos=True))
+            assert spec == plain, f"K={k} diverged at {next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)}"
+            proposed += event.stats.proposed
+            accepted += event.stats.accepted
+    # Both paths of the cycle ran: some drafts accepted, some rejected.
+    assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("variant", ["dense-tied", "dense-untied-sharded", "moe-tied"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_drafts_match_independent_reference_head(load_engine, make_checkpoint, variant: str, k: int) -> None:
+    from mlx_lm.utils import load_model
+
+    engine = load_engine(variant, draft_tokens=0)
+    model_dir = make_checkpoint(VARIANTS[variant])
+    reference = ReferenceHead(model_dir)
+    plain_model, _ = load_model(model_dir)  # mlx-lm's own trunk: post-norm hidden states
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    trace: list[dict] = []
+    generated, _ = run(engine, greedy_request(prompt, k, 40, ignore_eos=True), trace)
+    everything = prompt + generated
+    checked = 0
+    for line in trace:
+        if not line["draft"]:
+            continue
+        c = line["context_len"]
+        fixed = everything[:c]
+        hidden = plain_model.language_model.model(mx.array(fixed[:-1])[None])
+        hidden = np.array(hidden[0].astype(mx.float32)).astype(np.float64)
+        assert reference.drafts(hidden, fixed, len(line["draft"])) == line["draft"]
+        checked += 1
+    assert checked >= 10
+
+
+def test_trace_indices_follow_the_contract(tiny_engine) -> None:
+    """draft[j] proposes the token at index c+j; accepted drafts are what was emitted."""
+    prompt = tiny_engine.tokenizer.encode(PROMPTS[1])
+    trace: list[dict] = []
+    generated, _ = run(tiny_engine, greedy_request(prompt, 3, 60, ignore_eos=True), trace)
+    everything = prompt + generated
+    for line in trace:
+        c, n = line["context_len"], line["accepted"]
+        assert everything[c : c + len(line["emitted"])] == line["emitted"]
+        assert line["draft"][:n] == everything[c : c + n]
+        if n < len(line["draft"]):
+            assert line["draft"][n] != everything[c + n]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int) -> None:
+    """max_tokens and EOS at every position (inside draft blocks too), and a consumer that stops
+    early: the caches hold exactly prompt+emitted (minus the last), and continuing gives what a
+    fresh run on prompt+emitted gives."""
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    reference, _ = run(engine, greedy_request(prompt, 0, 24, ignore_eos=True))
+
+    def check_continuation(seq) -> None:
+        assert_invariant(seq)
+        so_far = list(seq.tokens)
+        cont = greedy_request(so_far, k, 12, ignore_eos=True)
+        continued = [t for e in engine.decode(seq, cont) for t in e.token_ids]
+        fresh, _ = run(engine, greedy_request(so_far, 0, 12, ignore_eos=True))
+        assert continued == fresh
+        assert_invariant(seq)
+
+    for max_tokens in range(1, 10):
+        request = greedy_request(prompt, k, max_tokens, ignore_eos=True)
+        seq = engine.start(request)
+        events = list(engine.decode(seq, request))
+        assert events[-1].finish_reason == "length"
+        assert seq.tokens == prompt + reference[:max_tokens]
+        check_continuation(seq)
+
+    for position in range(1, 12):
+        eos = reference[position]
+        if eos in reference[:position]:
+            continue
+        request = greedy_request(prompt, k, 40, stop_token_ids=frozenset({eos}))
+        seq = engine.start(request)
+        events = list(engine.decode(seq, request))
+        assert events[-1].finish_reason == "stop"
+        assert seq.tokens == prompt + reference[: position + 1]
+        check_continuation(seq)
+
+    request = greedy_request(prompt, k, 40, ignore_eos=True)
+    seq = engine.start(request)
+    stream = engine.decode(seq, request)
+    next(stream)
+    stream.close()  # the consumer walks away after the first event
+    check_continuation(seq)
+
+
+def test_cancelled_request_ends_within_one_cycle(tiny_engine) -> None:
+    prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
+    cycles = 0
+
+    def cancelled() -> bool:
+        return cycles >= 2
+
+    events = []
+    for event in tiny_engine.generate(greedy_request(prompt, 2, 100, ignore_eos=True), cancelled):
+        cycles += 1
+        events.append(event)
+    assert events[-1].finish_reason == "cancelled"
+    assert len(events) == 3
+
+
+def test_checkpoint_without_head_serves_plain_decoding(make_checkpoint, caplog) -> None:
+    variant = Variant("no-mtp", with_mtp=False, agreement=0.1, seed=5)
+    with caplog.at_level(logging.WARNING, logger="mtpserve.loader"):
+        engine = Engine.load(str(make_checkpoint(variant)), draft_tokens=3)
+    assert not engine.has_head
+    assert "no MTP head" in caplog.text and "no mtp.* tensors" in caplog.text
+    tokens, event = run(engine, greedy_request([5, 6, 7], None, 20, ignore_eos=True))
+    assert len(tokens) == 20 and event.stats.proposed == 0
+
+
+def test_sharded_head_is_read_from_its_shard_only(make_checkpoint) -> None:
+    from engine import loader
+
+    model_dir = make_checkpoint(VARIANTS["dense-untied-sharded"])
+    files = loader._files_holding_mtp(model_dir)
+    assert [f.name for f in files] == ["model-00003-of-00003.safetensors"]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert {index["weight_map"][k] for k in index["weight_map"] if k.startswith("mtp.")} == {
+        files[0].name
+    }
+
+
+def test_head_shares_embedding_and_lm_head(load_engine) -> None:
+    """The head has no embedding or output projection of its own: one copy of every weight."""
+    from mlx.utils import tree_flatten
+
+    for variant in ("dense-tied", "dense-untied-sharded"):
+        engine = load_engine(variant, draft_tokens=0)
+        names = [n for n, _ in tree_flatten(engine.loaded.head.parameters())]
+        assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+        assert len([n for n in names if "norm" in n]) == 7
+        trunk_ids = {id(a) for _, a in tree_flatten(engine.trunk.parameters())}
+        head_ids = {id(a) for _, a in tree_flatten(engine.loaded.head.parameters())}
+        # The head lives inside the trunk's module tree (attached in place), nothing duplicated.
+        assert head_ids <= trunk_ids
+
+
+def test_converted_layout_gives_the_same_drafts(tmp_path: Path, make_checkpoint) -> None:
+    """mlx-converted trunk (conv1d moved, norms +1) with an already-shifted head must equal the
+    raw HF checkpoint: the +1 norm shift is applied exactly once on both paths."""
+    from safetensors.numpy import load_file, save_file
+
+    from engine.loader import ZERO_CENTRED_NORMS
+
+    raw_dir = make_checkpoint(VARIANTS["dense-tied"])
+    conv_dir = tmp_path / "converted"
+    write_checkpoint(conv_dir, VARIANTS["dense-tied"])
+    weights = load_file(str(conv_dir / "model.safetensors"))
+    converted = {}
+    for name, value in weights.items():
+        if "conv1d.weight" in name:
+            value = np.ascontiguousarray(np.moveaxis(value, 2, 1))
+        elif value.ndim == 1 and name.endswith(ZERO_CENTRED_NORMS) and "linear_attn" not in name:
+            value = value + 1.0
+        converted[name] = value
+    (conv_dir / "model.safetensors").unlink()
+    save_file(converted, str(conv_dir / "model.safetensors"))
+
+    outputs = []
+    for model_dir in (raw_dir, conv_dir):
+        engine = Engine.load(str(model_dir), draft_tokens=2)
+        trace: list[dict] = []
+        tokens, _ = run(engine, greedy_request(engine.tokenizer.encode(PROMPTS[0]), 2, 40, ignore_eos=True), trace)
+        outputs.append((tokens, [line["draft"] for line in trace]))
+    assert outputs[0] == outputs[1]
