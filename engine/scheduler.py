@@ -256,14 +256,19 @@ class Scheduler:
         events: Iterator[GenerationEvent] | None = None
         try:
             events = self.engine.generate(handle.request, cancelled=handle.is_cancelled)
+            grace = 1
             for event in events:
                 last = event
                 if not handle._post(event) or event.finish_reason is not None:
                     break
                 if handle.cancelled:
-                    # The engine should end with "cancelled" itself at its next cycle; this is
-                    # the backstop for one that does not poll.
-                    break
+                    # The engine polls ``cancelled()`` at the start of its next cycle and ends
+                    # with "cancelled" (keeping its caches consistent and its stats complete),
+                    # so it gets one more step; closing the iterator is the backstop for an
+                    # engine that does not poll.
+                    grace -= 1
+                    if grace < 0:
+                        break
         except Exception as exc:
             logger.exception("generation %d failed", handle.request_id)
             error = exc
