@@ -1,0 +1,133 @@
+"""``mtpserve serve``: flags, settings resolution, and uvicorn.
+
+``add_serve_arguments(parser)`` and ``run_serve(args)`` are what ``mtpserve/cli.py`` wires in;
+``python -m server.cli --model M`` runs the same thing standalone. Flags left unset fall through
+to ``MTPSERVE_*`` environment variables, then the TOML config file (see ``server.settings``).
+The engine module is imported lazily inside the factory, so ``--help`` and config errors never
+pay for importing mlx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from server.settings import ServerSettings, load_settings
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder or Hugging Face repo id")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1: loopback only)")
+    parser.add_argument("--port", type=int, help="port (default 8080)")
+    parser.add_argument(
+        "--draft-tokens",
+        dest="draft_tokens",
+        metavar="K",
+        help="MTP draft tokens per cycle: an integer (0 = plain decoding) or 'auto'",
+    )
+    parser.add_argument("--mtp-weights", dest="mtp_weights", help="MTP head sidecar file")
+    parser.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--preset", help="sampler preset from configs/presets.toml")
+    parser.add_argument(
+        "--max-queue",
+        dest="max_queue",
+        type=int,
+        help="requests allowed to wait for the engine before 429",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        dest="served_model_names",
+        action="append",
+        help="extra model name clients may use (repeatable)",
+    )
+    parser.add_argument("--config", help="TOML settings file (default: configs/server.toml)")
+    parser.add_argument(
+        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    overrides: dict[str, Any] = {
+        key: getattr(args, key, None)
+        for key in (
+            "model",
+            "host",
+            "port",
+            "mtp_weights",
+            "api_key",
+            "preset",
+            "max_queue",
+            "served_model_names",
+            "log_level",
+        )
+    }
+    draft = getattr(args, "draft_tokens", None)
+    if draft is not None:
+        overrides["draft_tokens"] = None if str(draft).lower() == "auto" else int(draft)
+    settings = load_settings(getattr(args, "config", None), **overrides)
+    if draft is not None and str(draft).lower() == "auto":
+        settings.draft_tokens = None
+    return settings
+
+
+def engine_factory(settings: ServerSettings) -> Any:
+    """A zero-argument loader for the scheduler's worker thread."""
+
+    def load() -> Any:
+        from engine.blas import use_fast_blas
+
+        use_fast_blas()  # must precede the first mlx import
+        from engine.runtime import Engine  # lazy: the server process imports mlx only here
+
+        return Engine.load(
+            settings.model, draft_tokens=settings.draft_tokens, mtp_weights=settings.mtp_weights
+        )
+
+    return load
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    try:
+        settings = settings_from_args(args)
+    except Exception as exc:  # config errors: one clear line, no traceback
+        print(f"mtpserve serve: {exc}", file=sys.stderr)
+        return 2
+    if not settings.model:
+        print("mtpserve serve: --model is required (or model in the config file)", file=sys.stderr)
+        return 2
+    if settings.preset:
+        try:
+            settings.sampling_overrides()
+        except Exception as exc:
+            print(f"mtpserve serve: {exc}", file=sys.stderr)
+            return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(engine_factory(settings), settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mtpserve serve", description="OpenAI-compatible server with MTP drafting"
+    )
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Errors in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``.
+
+Why one exception type: every failure a handler can detect (bad JSON, a field out of range, an
+unknown model, a full queue) is raised as ``APIError`` and turned into the same body shape by one
+handler, so clients (the OpenAI SDK maps status codes to exception classes) see consistent
+errors, and nothing a request sends can surface as an unhandled 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error to return to the client with ``status`` in the OpenAI error schema."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic puts the union member tried ('str', 'list[int]', 'TextPart') into ``loc``;
+    those are not field names and would make ``param`` useless to a client."""
+    if isinstance(part, int):
+        return False
+    text = str(part)
+    return text in _TYPE_NAMES or any(c in text for c in "[]-'\",") or text[:1].isupper()
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 whose ``param`` is the dotted field path."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    return bad_request(message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        err.headers = dict(exc.headers) if exc.headers else None
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -1,0 +1,104 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Why a registry per app (not the global default): tests and embedders may build several apps in
+one process, and prometheus_client refuses to register the same metric name twice. The figures
+come from the same ``GenerationStats`` that ``usage`` reports, so /metrics, usage and bench agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.api import GenerationStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "mtpserve_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "mtpserve_request_duration_seconds",
+            "End-to-end request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_token_seconds = Histogram(
+            "mtpserve_time_to_first_token_seconds",
+            "Time from arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "mtpserve_queue_wait_seconds",
+            "Time a generation waited for the engine",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "mtpserve_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "mtpserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.draft_proposed = Counter(
+            "mtpserve_spec_draft_tokens_proposed", "MTP draft tokens proposed", registry=r
+        )
+        self.draft_accepted = Counter(
+            "mtpserve_spec_draft_tokens_accepted", "MTP draft tokens accepted", registry=r
+        )
+        self.cycles = Counter("mtpserve_spec_cycles", "Decode cycles run", registry=r)
+        self.generations = Counter(
+            "mtpserve_generations", "Finished generations by outcome", ["outcome"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "mtpserve_queue_depth", "Generations waiting for the engine", registry=r
+        )
+        self.running = Gauge(
+            "mtpserve_running", "Generations running on the engine (0 or 1)", registry=r
+        )
+        self.acceptance_rate = Gauge(
+            "mtpserve_spec_acceptance_rate",
+            "Accepted / proposed draft tokens since start",
+            registry=r,
+        )
+
+    def bind_scheduler(self, depth: Callable[[], int], running: Callable[[], int]) -> None:
+        """Make the gauges read live values at scrape time."""
+        self.queue_depth.set_function(depth)
+        self.running.set_function(running)
+
+    def record_stats(self, stats: GenerationStats | None) -> None:
+        """Add one finished generation's engine figures (called from the worker thread)."""
+        if stats is None:
+            return
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        self.draft_proposed.inc(stats.proposed)
+        self.draft_accepted.inc(stats.accepted)
+        self.cycles.inc(stats.cycles)
+        proposed = self.draft_proposed._value.get()
+        accepted = self.draft_accepted._value.get()
+        self.acceptance_rate.set(accepted / proposed if proposed else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

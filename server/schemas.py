@@ -1,0 +1,136 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic v2).
+
+Unknown fields are ignored (``extra="ignore"``) so clients that send newer OpenAI fields keep
+working; known fields are type-checked here and range-checked where the range does not depend on
+the model (vocabulary- and context-dependent checks happen in the route, with the engine's
+numbers). Responses are built as plain dicts in the OpenAI shapes (see ``server/responses``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class TextPart(_Base):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class OtherPart(_Base):
+    """Any non-text content part (image_url, input_audio, ...): accepted by the schema so the
+    route can answer with a clear 400 instead of a pydantic union error."""
+
+    type: str
+
+
+ContentPart = TextPart | OtherPart
+
+
+class FunctionCall(_Base):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Base):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Base):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Base):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+StopField = Annotated[str | list[str] | None, Field(default=None)]
+
+
+class SamplingFields(_Base):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: StopField = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    #: Extension: per-request speculative draft length K (0 = plain decoding).
+    draft_tokens: int | None = Field(None, ge=0, le=32)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_none(cls, value: Any) -> Any:
+        # vLLM's convention: -1 disables top-k; ours is 0.
+        return 0 if value == -1 else value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: Extension (vLLM-compatible): whether to split reasoning out of the content.
+    include_reasoning: bool = True
+
+
+PromptField = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    max_tokens: int | None = Field(16, ge=1)

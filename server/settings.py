@@ -1,0 +1,118 @@
+"""Server settings: CLI flags > environment (``MTPSERVE_*``) > TOML file > defaults.
+
+Why pydantic-settings: one typed object validated once at startup, so a typo in the TOML file or
+an environment variable fails loudly before the model loads rather than at the first request.
+The TOML file is ``--config FILE``, else ``$MTPSERVE_CONFIG``, else ``configs/server.toml`` when
+that exists (a source checkout). Sampler overrides live in its ``[sampling]`` table and sit
+between the checkpoint's generation_config and the request (see ``sampling.params.resolve``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from sampling.params import SamplingOverrides, preset
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "server.toml"
+
+
+class ServerSettings(BaseSettings):
+    """Everything the HTTP server needs besides the engine itself."""
+
+    model_config = SettingsConfigDict(env_prefix="MTPSERVE_", extra="ignore")
+
+    #: Checkpoint folder or repo id. The string itself is also accepted as a model name.
+    model: str | None = None
+    #: Extra names clients may use for the served model.
+    served_model_names: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    #: Speculative draft length K (0 = plain decoding); None = the engine's automatic choice.
+    draft_tokens: int | None = Field(None, ge=0, le=32)
+    mtp_weights: str | None = None
+    #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
+    api_key: SecretStr | None = None
+    #: A sampler preset from configs/presets.toml (between generation_config and the request).
+    preset: str | None = None
+    #: Explicit sampler overrides (applied after the preset).
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    #: Requests waiting for the engine (beyond the one running) before 429.
+    max_queue: int = Field(64, ge=1)
+    retry_after_seconds: int = Field(1, ge=1)
+    #: Largest n (choices per request), and largest prompt batch of /v1/completions.
+    max_n: int = Field(8, ge=1)
+    max_stop_sequences: int = Field(16, ge=0)
+    max_top_logprobs: int = Field(20, ge=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    #: Default max_tokens when a request gives none (None: the rest of the context).
+    default_max_tokens: int | None = Field(None, ge=1)
+    log_level: str = "info"
+
+    @field_validator("draft_tokens", mode="before")
+    @classmethod
+    def _auto_is_none(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "auto", "none"):
+            return None
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        toml_file = settings_cls.model_config.get("toml_file")
+        if toml_file:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+        return sources
+
+    def sampling_overrides(self) -> SamplingOverrides:
+        """The server layer of sampler settings: preset, then the explicit [sampling] table."""
+        layer: dict[str, Any] = {}
+        if self.preset:
+            layer.update(preset(self.preset).set_fields())
+        layer.update({k: v for k, v in self.sampling.items() if v is not None})
+        return SamplingOverrides.from_mapping(layer)
+
+    def model_names(self, model_id: str) -> list[str]:
+        """Every name a request may use for the served model; the first is the canonical id."""
+        names = [model_id, *self.served_model_names]
+        if self.model:
+            names.append(self.model)
+            names.append(Path(self.model).name)
+        seen: dict[str, None] = {}
+        for name in names:
+            if name:
+                seen.setdefault(name, None)
+        return list(seen)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> ServerSettings:
+    """Build settings from (highest first) ``overrides`` (CLI flags), env, the TOML file."""
+    path = config_file or os.environ.get("MTPSERVE_CONFIG")
+    if path is None and DEFAULT_CONFIG.exists():
+        path = DEFAULT_CONFIG
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+
+    class _FromFile(ServerSettings):
+        model_config = SettingsConfigDict(
+            env_prefix="MTPSERVE_", extra="forbid", toml_file=str(path) if path else None
+        )
+
+    values = {k: v for k, v in overrides.items() if v is not None}
+    return _FromFile(**values)

@@ -1,0 +1,312 @@
+"""Split generated chat text into reasoning, content and tool calls — incrementally.
+
+Qwen3.5/3.6 output (REFERENCE §5): the generation prompt already opens ``<think>\\n``, so the
+model's text starts inside the reasoning and closes it with ``</think>``; with
+``enable_thinking: false`` the prompt holds an empty think block and output is content. Tool
+calls are XML blocks::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+and a ``<tool_call>`` inside the reasoning ends the reasoning implicitly. The parser is fed the
+text deltas of a stream (markers may be split across deltas, so a tail that could be the start
+of a marker is held back) and reports reasoning / content / tool-call deltas in the shapes the
+OpenAI streaming API uses. The non-streaming response is the sum of the same deltas, so both
+paths return the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+TOOL_OPEN = "<tool_call>"
+TOOL_CLOSE = "</tool_call>"
+
+_FUNCTION_RE = re.compile(r"<function=([^>\n]+)>")
+_PARAM_RE = re.compile(
+    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.S
+)
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt leaves a ``<think>`` block open for the model to continue."""
+    open_at = prompt_text.rfind(THINK_OPEN)
+    if open_at < 0:
+        return False
+    return open_at > prompt_text.rfind(THINK_CLOSE) and open_at > prompt_text.rfind("<|im_start|>")
+
+
+def partial_marker_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``markers``."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:k]):
+                best = k
+                break
+    return best
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+@dataclass
+class ToolCall:
+    index: int
+    id: str
+    name: str
+    arguments: str  # JSON object text
+
+
+@dataclass
+class ParsedDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def extend(self, other: ParsedDelta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+
+def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """function name -> {parameter name -> JSON-schema type} from the request's tools."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") or {}
+        props = ((fn.get("parameters") or {}).get("properties")) or {}
+        types: dict[str, str] = {}
+        for key, schema in props.items():
+            kind = schema.get("type") if isinstance(schema, dict) else None
+            if isinstance(kind, list):  # e.g. ["integer", "null"]
+                kind = next((k for k in kind if k != "null"), None)
+            types[key] = kind if isinstance(kind, str) else ""
+        if isinstance(fn.get("name"), str):
+            out[fn["name"]] = types
+    return out
+
+
+def _convert_value(raw: str, kind: str | None) -> Any:
+    """Parameter text -> JSON value following the tool's declared type (strings stay strings)."""
+    value = raw
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    if kind in (None, "", "string"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        if kind == "boolean" and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        return value
+
+
+def parse_tool_block(body: str, types: dict[str, dict[str, str]]) -> tuple[str, dict] | None:
+    """The text between ``<tool_call>`` and ``</tool_call>`` -> (name, arguments) or None."""
+    match = _FUNCTION_RE.search(body)
+    if match is not None:
+        name = match.group(1).strip()
+        fn_types = types.get(name, {})
+        args = {
+            key.strip(): _convert_value(raw, fn_types.get(key.strip()))
+            for key, raw in _PARAM_RE.findall(body[match.end() :])
+        }
+        return name, args
+    # Qwen3 / Hermes JSON form: {"name": ..., "arguments": {...}}
+    try:
+        data = json.loads(body.strip())
+    except ValueError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("name"), str):
+        args = data.get("arguments", data.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = {"value": args}
+        return data["name"], args if isinstance(args, dict) else {"value": args}
+    return None
+
+
+class ChatOutputParser:
+    """Incremental splitter: ``feed(delta)`` and finally ``finish()``; both return a ParsedDelta.
+
+    States: ``reasoning`` (inside the think block), ``content``, ``tool`` (inside a tool-call
+    block, which is buffered until it closes; its name is reported as soon as it is known).
+    Newlines right after a state change, and trailing newlines before one, are dropped so that
+    ``</think>\\n\\nAnswer`` gives content ``Answer``.
+    """
+
+    def __init__(
+        self,
+        *,
+        start_in_reasoning: bool = False,
+        parse_reasoning: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.parse_reasoning = parse_reasoning
+        self.parse_tools = tools is not None
+        self._types = _param_types(tools)
+        self.state = "reasoning" if (start_in_reasoning and parse_reasoning) else "content"
+        self._buffer = ""  # unprocessed text (possible marker prefix, or a tool block)
+        self._pending_nl = ""  # trailing newlines not yet emitted
+        self._started = False  # anything emitted in the current state yet
+        self._content_seen = False  # any content emitted at all (a late <think> is content)
+        self.tool_calls: list[ToolCall] = []
+        self._tool_name_sent = False
+        self._tool_id: str | None = None
+
+    # helpers ---------------------------------------------------------------------------------
+    def _markers(self) -> tuple[str, ...]:
+        if self.state == "reasoning":
+            return (THINK_CLOSE, TOOL_OPEN) if self.parse_tools else (THINK_CLOSE,)
+        if self.state == "content":
+            markers: tuple[str, ...] = (TOOL_OPEN,) if self.parse_tools else ()
+            if self.parse_reasoning and not self._content_seen:
+                markers += (THINK_OPEN,)
+            return markers
+        return (TOOL_CLOSE,)
+
+    def _emit(self, text: str, out: ParsedDelta) -> None:
+        """Emit text in the current (reasoning/content) state, holding trailing newlines."""
+        if not text:
+            return
+        if not self._started:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            self._started = True
+        text = self._pending_nl + text
+        stripped = text.rstrip("\n")
+        self._pending_nl = text[len(stripped) :]
+        if not stripped:
+            return
+        if self.state == "reasoning":
+            out.reasoning += stripped
+        else:
+            out.content += stripped
+            if stripped.strip():
+                self._content_seen = True
+
+    def _switch(self, state: str) -> None:
+        self.state = state
+        self._pending_nl = ""
+        self._started = False
+
+    def _tool_progress(self, out: ParsedDelta) -> None:
+        """Inside a tool block: report the function name as soon as it is complete."""
+        if self._tool_name_sent:
+            return
+        match = _FUNCTION_RE.search(self._buffer)
+        if match is None:
+            return
+        self._tool_id = new_tool_call_id()
+        out.tool_calls.append(
+            ToolCallDelta(index=len(self.tool_calls), id=self._tool_id, name=match.group(1).strip())
+        )
+        self._tool_name_sent = True
+
+    def _close_tool(self, body: str, out: ParsedDelta, *, complete: bool) -> None:
+        parsed = parse_tool_block(body, self._types)
+        if parsed is None:
+            # Not a tool call after all: give the text back as content.
+            self._switch("content")
+            if self._tool_name_sent:
+                # The name delta went out already; report an empty-argument call to stay
+                # consistent with what the client has seen.
+                name = _FUNCTION_RE.search(body)
+                parsed = (name.group(1).strip() if name else "unknown", {})
+            else:
+                raw = TOOL_OPEN + body + (TOOL_CLOSE if complete else "")
+                self._emit(raw, out)
+                return
+        name, args = parsed
+        index = len(self.tool_calls)
+        call_id = self._tool_id or new_tool_call_id()
+        arguments = json.dumps(args, ensure_ascii=False)
+        if self._tool_name_sent:
+            out.tool_calls.append(ToolCallDelta(index=index, arguments=arguments))
+        else:
+            out.tool_calls.append(
+                ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)
+            )
+        self.tool_calls.append(ToolCall(index=index, id=call_id, name=name, arguments=arguments))
+        self._tool_name_sent = False
+        self._tool_id = None
+        self._switch("content")
+
+    # API ---------------------------------------------------------------------------------
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._buffer += text
+        while True:
+            buf = self._buffer
+            if self.state == "tool":
+                end = buf.find(TOOL_CLOSE)
+                if end < 0:
+                    self._tool_progress(out)
+                    return out
+                self._tool_progress_from(buf[:end], out)
+                self._buffer = buf[end + len(TOOL_CLOSE) :]
+                self._close_tool(buf[:end], out, complete=True)
+                continue
+            markers = self._markers()
+            hits = [(buf.find(m), m) for m in markers if buf.find(m) >= 0]
+            if hits:
+                at, marker = min(hits)
+                self._emit(buf[:at], out)
+                self._buffer = buf[at + len(marker) :]
+                if marker == THINK_CLOSE:
+                    self._switch("content")
+                elif marker == THINK_OPEN:
+                    self._switch("reasoning")
+                elif marker == TOOL_OPEN:
+                    self._switch("tool")
+                continue
+            hold = partial_marker_suffix(buf, markers)
+            self._emit(buf[: len(buf) - hold], out)
+            self._buffer = buf[len(buf) - hold :]
+            return out
+
+    def finish(self) -> ParsedDelta:
+        """End of generation: flush held text; an unclosed tool block is parsed if possible."""
+        out = ParsedDelta()
+        buf, self._buffer = self._buffer, ""
+        if self.state == "tool":
+            self._tool_progress_from(buf, out)
+            self._close_tool(buf, out, complete=False)
+        else:
+            self._emit(buf, out)
+        self._pending_nl = ""
+        return out
+
+    def _tool_progress_from(self, body: str, out: ParsedDelta) -> None:
+        self._buffer = body
+        self._tool_progress(out)
+        self._buffer = ""
