@@ -1,0 +1,169 @@
+"""``mtpserve serve`` as a user runs it, the docs' examples run as written, and settings.
+
+One real server process (``python -m mtpserve.cli serve``) on a tiny checkpoint serves every
+curl and OpenAI-SDK snippet of docs/SERVER.md, with only the port changed — so the documented
+examples are known to work.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import add_serve_arguments, settings_from_args
+from server.settings import ServerSettings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "SERVER.md"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Path):
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtpserve.cli",
+        "serve",
+        "--model",
+        str(tiny_checkpoint),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "qwen3.5-demo",
+        "--draft-tokens",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    # The environment (MTPSERVE_CACHE from conftest included) is inherited as is.
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+        yield url, port
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def doc_blocks(lang: str) -> list[str]:
+    text = DOCS.read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_docs_curl_examples_work_as_written(served: tuple[str, int]) -> None:
+    url, port = served
+    blocks = [b for b in doc_blocks("bash") if "curl" in b]
+    assert len(blocks) >= 4
+    for block in blocks:
+        script = block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+        out = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, (block, out.stderr)
+        assert '"error"' not in out.stdout, (block, out.stdout)
+        assert out.stdout.strip(), block
+        if '"stream": true' in block:
+            assert out.stdout.rstrip().endswith("data: [DONE]")
+
+
+def test_docs_python_examples_work_as_written(served: tuple[str, int]) -> None:
+    url, port = served
+    blocks = doc_blocks("python")
+    assert len(blocks) >= 3
+    for block in blocks:
+        code = block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert out.returncode == 0, (block, out.stderr)
+
+
+def test_serve_process_answers_models_and_metrics(served: tuple[str, int]) -> None:
+    url, _ = served
+    models = httpx.get(url + "/v1/models").json()
+    assert "qwen3.5-demo" in [m["id"] for m in models["data"]]
+    assert "mtpserve_requests_total" in httpx.get(url + "/metrics").text
+
+
+# ------------------------------------------------------------------------------------------
+# settings
+# ------------------------------------------------------------------------------------------
+def parse(argv: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "server.toml"
+    cfg.write_text('port = 9100\nmax_queue = 3\npreset = "greedy"\n[sampling]\ntop_k = 5\n')
+    monkeypatch.delenv("MTPSERVE_PORT", raising=False)
+    s = settings_from_args(parse(["--config", str(cfg), "--model", "m"]))
+    assert (s.port, s.max_queue, s.model, s.host) == (9100, 3, "m", "127.0.0.1")
+    layer = s.sampling_overrides()
+    assert (layer.temperature, layer.top_k) == (0.0, 5)  # preset, then [sampling]
+    monkeypatch.setenv("MTPSERVE_PORT", "9200")
+    monkeypatch.setenv("MTPSERVE_API_KEY", "from-env")
+    s = settings_from_args(parse(["--config", str(cfg)]))
+    assert s.port == 9200 and s.api_key.get_secret_value() == "from-env"
+    s = settings_from_args(
+        parse(["--config", str(cfg), "--port", "9300", "--draft-tokens", "auto"])
+    )
+    assert s.port == 9300 and s.draft_tokens is None
+    assert (
+        settings_from_args(parse(["--config", str(cfg), "--draft-tokens", "1"])).draft_tokens == 1
+    )
+
+
+def test_config_typos_fail_loudly(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("prot = 80\n")
+    with pytest.raises(ValueError, match="prot"):
+        load_settings(cfg)
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "missing.toml")
+
+
+def test_repository_config_loads() -> None:
+    s = load_settings(ROOT / "configs" / "server.toml")
+    assert s.host == "127.0.0.1" and s.api_key is None
+
+
+def test_model_names() -> None:
+    s = ServerSettings(model="/x/models/demo", served_model_names=["a"])
+    assert s.model_names("demo") == ["demo", "a", "/x/models/demo"]
