@@ -96,6 +96,17 @@ class ReferenceHead:
         sg = 1.0 / (1.0 + np.exp(-(x @ self.w[p + "shared_expert_gate.weight"].T)))
         return out + sg * shared
 
+    def step_logits(self, hidden: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """Head logits for the token after ``tokens`` (pairs t = 0..len-2, no drafts yet)."""
+        o = self._run(list(hidden[: len(tokens) - 1]), list(tokens[1:]))
+        return o[-1] @ self.lm_head.T
+
+    def _run(self, states: list[np.ndarray], inputs: list[int]) -> np.ndarray:
+        e = self.norm(self.embed[np.array(inputs)], "mtp.pre_fc_norm_embedding.weight")
+        h = self.norm(np.stack(states), "mtp.pre_fc_norm_hidden.weight")
+        z = np.concatenate([e, h], axis=-1) @ self.w["mtp.fc.weight"].T
+        return self.norm(self.layer(z), "mtp.norm.weight")
+
     def drafts(self, hidden: np.ndarray, tokens: list[int], k: int) -> list[int]:
         """Greedy drafts after ``tokens`` given trunk states ``hidden[t]`` for t < len-1.
 
@@ -106,10 +117,7 @@ class ReferenceHead:
         inputs = list(tokens[1:])
         out: list[int] = []
         for _ in range(k):
-            e = self.norm(self.embed[np.array(inputs)], "mtp.pre_fc_norm_embedding.weight")
-            h = self.norm(np.stack(states), "mtp.pre_fc_norm_hidden.weight")
-            z = np.concatenate([e, h], axis=-1) @ self.w["mtp.fc.weight"].T
-            o = self.norm(self.layer(z), "mtp.norm.weight")
+            o = self._run(states, inputs)
             d = int(np.argmax(o[-1] @ self.lm_head.T))
             out.append(d)
             states.append(o[-1])

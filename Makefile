@@ -1,0 +1,36 @@
+# mtpserve — one command serves the embedded demo model, one runs the tests.
+# Every target installs what it needs first (into .venv), so a fresh clone needs nothing else.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
+MODEL  ?= models/qwen3.5-demo
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_blas.sh
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	bash scripts/setup_blas.sh
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/mtpserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache

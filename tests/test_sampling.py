@@ -1,0 +1,304 @@
+"""Sampler exactness.
+
+* ``truncated_probs`` against an independent numpy implementation of the documented order;
+* parameter validation and default resolution (generation_config -> preset/config -> request);
+* end to end through the engine: the first three generated tokens are distributed the same with
+  K = 1, 2, 3 as with K = 0 (chi-square homogeneity, alpha = 0.001, fixed seeds: deterministic);
+* first-cycle acceptance equals the theoretical sum_y min(p(y), q(y)) of the truncated
+  distributions, computed independently here;
+* the first token, drafts, residual and bonus tokens all respect the truncation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from checkpoints import VARIANTS
+from reference_head import ReferenceHead
+from scipy.stats import chi2_contingency
+
+from engine.api import GenerationRequest
+from sampling.acceptance import accept_drafts
+from sampling.distribution import PenaltyHistory, truncated_probs
+from sampling.params import (
+    SamplingOverrides,
+    SamplingParamError,
+    SamplingParams,
+    generation_config_defaults,
+    preset,
+    resolve,
+)
+
+ALPHA = 0.001
+
+
+def reference_probs(logits: np.ndarray, p: SamplingParams, counts=None, seen=None) -> np.ndarray:
+    """Independent numpy version: penalties -> temperature -> top_k -> top_p -> min_p."""
+    x = logits.astype(np.float64).copy()
+    for tok, b in p.logit_bias.items():
+        x[tok] += b
+    if seen is not None and p.repetition_penalty != 1.0:
+        x = np.where(seen, np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    if counts is not None:
+        x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    if p.temperature == 0 or p.top_k == 1:
+        out = np.zeros_like(x)
+        out[np.argmax(x)] = 1.0
+        return out
+    x = x / p.temperature
+    if 0 < p.top_k < len(x):
+        kth = np.sort(x)[-p.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        keep = np.zeros(len(x), dtype=bool)
+        keep[order[before < p.top_p]] = True
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+    if p.min_p > 0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+SETTINGS = {
+    "temp1-topk-topp": SamplingParams(temperature=1.0, top_k=20, top_p=0.9),
+    "temp0.6-minp": SamplingParams(temperature=0.6, min_p=0.1),
+    "presence-repetition": SamplingParams(
+        temperature=1.0, presence_penalty=1.5, repetition_penalty=1.1
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS) + ["greedy", "bias"])
+def test_truncated_probs_matches_reference(name: str) -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 300)).astype(np.float32) * 3
+    params = {
+        "greedy": SamplingParams(temperature=0.0),
+        "bias": SamplingParams(temperature=0.8, top_p=0.5, logit_bias={7: 5.0, 9: -100.0}),
+    }.get(name) or SETTINGS[name]
+    history = PenaltyHistory(300, [1, 2, 3, 250])
+    history.extend([5, 5, 6])
+    drafts = mx.array([7, 8, 5])
+    counts, seen = history.rows(drafts, 4)
+    got = np.array(truncated_probs(mx.array(logits), params, (counts, seen)))
+    for row in range(4):
+        expected = reference_probs(
+            logits[row], params, np.array(counts[row]), np.array(seen[row])
+        )
+        np.testing.assert_allclose(got[row], expected, atol=2e-5)
+        assert np.all((got[row] > 0) == (expected > 0))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5),
+     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("seed", -5)],
+)
+def test_invalid_values_are_rejected_with_the_param_named(field: str, value: float) -> None:
+    with pytest.raises(SamplingParamError) as err:
+        resolve(SamplingOverrides(**{field: value})).validate(vocab_size=100)
+    assert err.value.param == field
+
+
+def test_top_k_at_or_above_vocab_means_off() -> None:
+    logits = mx.array(np.random.default_rng(1).standard_normal((1, 50)).astype(np.float32))
+    off = truncated_probs(logits, SamplingParams(top_k=0))
+    assert np.allclose(np.array(truncated_probs(logits, SamplingParams(top_k=50))), np.array(off))
+    assert np.allclose(np.array(truncated_probs(logits, SamplingParams(top_k=500))), np.array(off))
+
+
+def test_defaults_resolve_checkpoint_then_preset_then_request(tiny_checkpoint: Path) -> None:
+    checkpoint = generation_config_defaults(tiny_checkpoint)
+    assert (checkpoint.temperature, checkpoint.top_k, checkpoint.top_p) == (1.0, 20, 0.95)
+    only_temperature = resolve(checkpoint, SamplingOverrides(temperature=0.3))
+    assert (only_temperature.temperature, only_temperature.top_k, only_temperature.top_p) == (0.3, 20, 0.95)
+    coding = resolve(checkpoint, preset("coding"), SamplingOverrides(top_p=0.5))
+    assert (coding.temperature, coding.top_k, coding.top_p) == (0.6, 20, 0.5)
+    assert resolve(checkpoint, preset("non-thinking")).presence_penalty == 1.5
+
+
+def test_acceptance_rule_reproduces_target_distribution() -> None:
+    """Unit check of accept_drafts: emitted first token ~ p_1 whatever q is."""
+    rng = np.random.default_rng(3)
+    v = 6
+    p = rng.dirichlet(np.ones(v), size=2).astype(np.float32)
+    q = rng.dirichlet(np.ones(v), size=1).astype(np.float32)
+    n = 20000
+    keys = mx.random.split(mx.random.key(0), n)
+    draft_keys = mx.random.split(mx.random.key(1), n)
+    drafts = mx.random.categorical(mx.log(mx.array(q))[0], shape=(n,), key=draft_keys[0])
+    counts = np.zeros(v)
+    accepted = 0
+    for i in range(n):
+        d = drafts[i : i + 1]
+        m, nxt = accept_drafts(d, mx.array(q), mx.array(p), keys[i])
+        m = m.item()
+        first = d.item() if m >= 1 else nxt.item()
+        counts[first] += 1
+        accepted += m
+    expected = p[0] * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 20.5  # chi2(5) at alpha 0.001
+    theory = np.minimum(p[0], q[0]).sum()
+    assert abs(accepted / n - theory) < 4 * np.sqrt(theory * (1 - theory) / n)
+
+
+def _first_tokens(engine, prompt: list[int], params: SamplingParams, k: int, n: int) -> np.ndarray:
+    rows = []
+    for seed in range(n):
+        request = GenerationRequest(
+            prompt, SamplingParams(**{**params.__dict__, "seed": seed}), 3, draft_tokens=k,
+            ignore_eos=True,
+        )
+        rows.append([t for e in engine.generate(request) for t in e.token_ids][:3])
+    return np.array(rows)
+
+
+def _homogeneity_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square homogeneity of two samples of categories; rare categories pooled."""
+    cats, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+    common = cats[counts >= 10]
+    table = [[int(np.sum(s == c)) for c in common] + [int(np.sum(~np.isin(s, common)))] for s in (a, b)]
+    table = np.array(table)
+    table = table[:, table.sum(axis=0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    return float(chi2_contingency(table)[1])
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_speculative_sampling_matches_plain_sampling(load_engine, name: str) -> None:
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode("def add(a, b):")
+    n = 700
+    plain = _first_tokens(engine, prompt, SETTINGS[name], 0, n)
+    for k in (1, 2, 3):
+        spec = _first_tokens(engine, prompt, SETTINGS[name], k, n)
+        for position in range(3):
+            p = _homogeneity_pvalue(plain[:, position], spec[:, position])
+            assert p > ALPHA, f"K={k} position {position + 1}: p={p:.2g}"
+
+
+def test_top_k_one_equals_greedy_exactly(load_engine) -> None:
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode("The quick brown fox")
+    greedy = [t for e in engine.generate(GenerationRequest(prompt, SamplingParams(temperature=0.0), 60, draft_tokens=0, ignore_eos=True)) for t in e.token_ids]
+    for k in (0, 1, 3):
+        params = SamplingParams(temperature=1.3, top_k=1, seed=k)
+        out = [t for e in engine.generate(GenerationRequest(prompt, params, 60, draft_tokens=k, ignore_eos=True)) for t in e.token_ids]
+        assert out == greedy
+
+
+def _reference_distributions(engine, model_dir: Path, prompt: list[int], params: SamplingParams):
+    """p (trunk at the last prompt position) and q (head on the pair (h_{n-2}, x_{n-1})),
+    truncated by the numpy reference — no engine code involved."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir)
+    lm = model.language_model
+    hidden = lm.model(mx.array(prompt)[None])
+    logits = lm(mx.array(prompt)[None])[0, -1]
+    ref = ReferenceHead(model_dir)
+    h = np.array(hidden[0]).astype(np.float64)
+    p = reference_probs(np.array(logits), params)
+    head_logits = ref.step_logits(h, prompt)
+    q = reference_probs(head_logits, params)
+    return p, q, np.array(logits), head_logits
+
+
+@pytest.mark.parametrize(
+    "variant,temperature", [("dense-tied", 1.0), ("dense-untied-sharded", 2.0)]
+)
+def test_first_cycle_acceptance_equals_overlap_of_truncated_distributions(
+    load_engine, make_checkpoint, variant: str, temperature: float
+) -> None:
+    engine = load_engine(variant, draft_tokens=0)
+    prompt = engine.tokenizer.encode("The quick")
+    params = SamplingParams(temperature=temperature, top_k=20, top_p=0.95)
+    p, q, _, _ = _reference_distributions(engine, make_checkpoint(VARIANTS[variant]), prompt, params)
+    theory = float(np.minimum(p, q).sum())
+    n, accepted = 1000, 0
+    for seed in range(n):
+        trace: list[dict] = []
+        request = GenerationRequest(
+            prompt, SamplingParams(**{**params.__dict__, "seed": seed}), 2, draft_tokens=1,
+            ignore_eos=True,
+        )
+        for _ in engine.generate(request, trace=trace.append):
+            pass
+        assert trace[0]["context_len"] == len(prompt) and len(trace[0]["draft"]) == 1
+        accepted += trace[0]["accepted"]
+    sigma = np.sqrt(theory * (1 - theory) / n)
+    assert 0.05 < theory < 0.95, "pick a prompt where acceptance is informative"
+    assert abs(accepted / n - theory) < 4 * sigma, (accepted / n, theory)
+
+
+def test_every_emitted_and_drafted_token_respects_truncation(load_engine, make_checkpoint) -> None:
+    """top_k=3 at a high temperature: an untruncated first/bonus/residual draw or draft would
+    often fall outside the top 3 — so any path that skipped truncation fails this."""
+    from mlx_lm.utils import load_model
+
+    variant = VARIANTS["dense-untied-sharded"]
+    model_dir = make_checkpoint(variant)
+    engine = load_engine(variant.name, draft_tokens=0)
+    model, _ = load_model(model_dir)
+    ref = ReferenceHead(model_dir)
+    prompt = engine.tokenizer.encode("def add(a, b):")
+    params = dict(temperature=2.0, top_k=3)
+    drafts_checked = emitted_checked = 0
+    for seed in range(12):
+        trace: list[dict] = []
+        request = GenerationRequest(
+            prompt, SamplingParams(**params, seed=seed), 30, draft_tokens=3, ignore_eos=True
+        )
+        generated = [t for e in engine.generate(request, trace=trace.append) for t in e.token_ids]
+        everything = prompt + generated
+        logits = np.array(model.language_model(mx.array(everything)[None])[0])
+        hidden = np.array(model.language_model.model(mx.array(everything)[None])[0]).astype(np.float64)
+        for position in range(len(prompt), len(everything)):
+            top3 = set(np.argsort(-logits[position - 1])[:3].tolist())
+            assert everything[position] in top3
+            emitted_checked += 1
+        for line in trace:
+            c = line["context_len"]
+            if line["draft"]:
+                head_logits = ref.step_logits(hidden, everything[:c])
+                assert line["draft"][0] in set(np.argsort(-head_logits)[:3].tolist())
+                drafts_checked += 1
+    assert emitted_checked == 12 * 30 and drafts_checked > 50
+
+
+def test_generation_config_defaults_reach_generation(tmp_path: Path, make_checkpoint) -> None:
+    """A checkpoint whose generation_config says top_k=1 decodes greedily when the user sets
+    nothing — and the request can still override it."""
+    import shutil
+
+    from engine.runtime import Engine
+
+    src = make_checkpoint(VARIANTS["dense-tied"])
+    dst = tmp_path / "topk1"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**config, "top_k": 1}))
+    engine = Engine.load(str(dst), draft_tokens=2)
+    prompt = engine.tokenizer.encode("def add(a, b):")
+
+    def run(overrides: SamplingOverrides) -> list[int]:
+        params = resolve(engine.sampling_defaults, overrides)
+        request = GenerationRequest(prompt, params, 40, draft_tokens=2, ignore_eos=True)
+        return [t for e in engine.generate(request) for t in e.token_ids]
+
+    greedy = run(SamplingOverrides(temperature=0.0))
+    assert run(SamplingOverrides(seed=1)) == greedy
+    assert run(SamplingOverrides(seed=2)) == greedy
+    sampled = {tuple(run(SamplingOverrides(top_k=0, seed=s))) for s in range(4)}
+    assert len(sampled) > 1
