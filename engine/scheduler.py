@@ -224,8 +224,8 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self.engine = self._engine_factory()
-        except BaseException as exc:  # report, never die silently
-            logger.exception("engine failed to load")
+        except BaseException as exc:  # report, never die silently; wait_ready re-raises it
+            logger.error("engine failed to load: %s: %s", type(exc).__name__, exc)
             self.load_error = exc
             self._ready.set()
             return
