@@ -164,6 +164,17 @@ def test_enable_thinking_false_reaches_template(client: openai.OpenAI, engine: F
     assert extra(r.choices[0].message, "reasoning_content") is None
 
 
+def test_include_reasoning_false_keeps_raw_text(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "TRIGGER_REASON"}],
+        extra_body={"include_reasoning": False},
+    )
+    assert r.choices[0].message.content == (
+        "The user greets me. I should answer.\n</think>\n\nHello there!"
+    )
+
+
 def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(
         model="fake-model", messages=[{"role": "user", "content": "TRIGGER_REASON"}]
