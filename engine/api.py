@@ -54,9 +54,11 @@ class GenerationStats:
     k_histogram: list[int] = field(default_factory=list)
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
-    #: wall time split of the decode loop: draft / verify / accept+commit
+    #: wall time split of the decode loop (meaningful with profiling syncs; see bench):
+    #: draft / verify forward / acceptance + the cycle's sync / cache commit (rollback)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
     commit_seconds: float = 0.0
 
     @property

@@ -17,12 +17,15 @@ Forward for the pair (h_t, x_{t+1}) at position t, predicting x_{t+2}::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+from engine.trunk import MAX_COMPILED_T, attention_block, compiled
 
 
 class MTPHead(nn.Module):
@@ -50,11 +53,21 @@ class MTPHead(nn.Module):
         Returns:
             ``(out, logits)``: ``[1, T, H]`` post-norm states and ``[1, T, V]`` draft logits.
         """
-        e = self.pre_fc_norm_embedding(trunk.model.embed_tokens(token_ids))
+        embedded = trunk.model.embed_tokens(token_ids)
+        if token_ids.shape[1] > MAX_COMPILED_T:  # prefill of a long prompt: eager
+            z = self.combine(embedded, hidden)
+            z = self.layers[0](z, mask="causal", cache=cache)
+            return self.output(trunk, z)
+        z = compiled(self, "combine", lambda head: head.combine)(embedded, hidden)
+        z = attention_block(self.layers[0], z, cache)
+        return compiled(self, "output", lambda head: partial(head.output, trunk))(z)
+
+    def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        e = self.pre_fc_norm_embedding(embedded)
         h = self.pre_fc_norm_hidden(hidden)
-        z = self.fc(mx.concatenate([e, h], axis=-1))
-        mask = "causal" if z.shape[1] > 1 else None
-        z = self.layers[0](z, mask=mask, cache=cache)
+        return self.fc(mx.concatenate([e, h], axis=-1))  # embedding first, then hidden
+
+    def output(self, trunk: Any, z: mx.array) -> tuple[mx.array, mx.array]:
         out = self.norm(z)
         return out, project_to_vocab(trunk, out)
 

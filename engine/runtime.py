@@ -57,6 +57,8 @@ class Engine:
     eos_token_ids: frozenset[int] = frozenset()
     sampling_defaults: SamplingOverrides = field(default_factory=SamplingOverrides)
     autok: Any = None
+    #: sync after each cycle stage so the stats split time per stage (benchmarks only)
+    profile: bool = False
 
     @classmethod
     def load(
@@ -190,7 +192,7 @@ class Engine:
                 return
             k = policy.choose(seq, request.max_tokens - generated) if seq.can_draft else 0
             context_len = len(seq.tokens)
-            result = run_cycle(self.trunk, self.loaded.head, seq, k)
+            result = run_cycle(self.trunk, self.loaded.head, seq, k, self.profile)
             n_keep, finish = _apply_stops(result.emitted, stop_ids, request.max_tokens - generated)
             t_commit = time.perf_counter()
             emitted = commit(seq, result, n_keep)
@@ -215,6 +217,9 @@ class Engine:
             stats.generation_seconds = time.perf_counter() - t_gen
             yield GenerationEvent(emitted, logprobs, finish, stats)
             if finish is not None:
+                if policy.fixed is None:
+                    used = [k for k, n in enumerate(stats.k_histogram) if n]
+                    stats.draft_tokens = max(used, default=0)
                 return
 
 
@@ -243,6 +248,7 @@ def _record(stats: GenerationStats, result: CycleResult, generated: int, commit_
     stats.completion_tokens = generated
     stats.draft_seconds += result.draft_seconds
     stats.verify_seconds += result.verify_seconds
+    stats.accept_seconds += result.accept_seconds
     stats.commit_seconds += commit_s
 
 

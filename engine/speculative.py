@@ -26,8 +26,8 @@ from mlx_lm.models.cache import KVCache
 
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, trunk_hidden
-from sampling.acceptance import accept_drafts
-from sampling.distribution import PenaltyHistory, sample, truncated_probs
+from sampling.acceptance import accept_drafts, accept_greedy
+from sampling.distribution import PenaltyHistory, greedy_tokens, sample, truncated_probs
 from sampling.params import SamplingParams
 
 PREFILL_CHUNK = 512
@@ -60,6 +60,7 @@ class CycleResult:
     verify_logits: mx.array  # [K+1, V] raw trunk logits, for logprobs
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
 
 
 def start_sequence(
@@ -115,15 +116,14 @@ def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -
     return result
 
 
-def _draw(probs: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
-    return mx.argmax(probs, axis=-1).astype(mx.int32) if params.greedy else sample(probs, key)
-
-
-def run_cycle(trunk: Any, head: MTPHead | None, seq: Sequence, k: int) -> CycleResult:
+def run_cycle(
+    trunk: Any, head: MTPHead | None, seq: Sequence, k: int, profile: bool = False
+) -> CycleResult:
     """Draft ``k`` tokens, verify ``k+1`` positions in one trunk pass and pick what to emit.
 
     Caches are left with the verify pass captured; the caller decides how many emitted tokens
-    survive stop conditions and then calls ``commit``.
+    survive stop conditions and then calls ``commit``. ``profile`` adds a sync after the draft
+    and after the verify forward so their times can be split (benchmarks only: it costs speed).
     """
     params = seq.params
     if not seq.can_draft:
@@ -140,15 +140,20 @@ def run_cycle(trunk: Any, head: MTPHead | None, seq: Sequence, k: int) -> CycleR
         for i in range(k):
             # Penalties see the drafts so far, exactly as plain decoding would have.
             history = seq.history.row_after(draft_ids) if seq.history else None
-            q = truncated_probs(step_logits, params, history)
-            d = _draw(q, params, seq.next_key())
+            if params.greedy:
+                d = greedy_tokens(step_logits, params, history)
+            else:
+                q = truncated_probs(step_logits, params, history)
+                d = sample(q, seq.next_key())
+                draft_probs.append(q)
             draft_ids.append(d)
-            draft_probs.append(q)
             if i + 1 < k:
                 state, step_logits = head(trunk, d[None], state, seq.head_cache)
                 step_logits = step_logits[0]
     drafts = mx.concatenate(draft_ids) if draft_ids else mx.zeros((0,), dtype=mx.int32)
     q_all = mx.concatenate(draft_probs) if draft_probs else None
+    if profile:
+        mx.eval(drafts, q_all) if q_all is not None else mx.eval(drafts)
     t1 = time.perf_counter()
 
     # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
@@ -156,12 +161,15 @@ def run_cycle(trunk: Any, head: MTPHead | None, seq: Sequence, k: int) -> CycleR
     hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
     logits = project_to_vocab(trunk, hidden)[0]
     history = seq.history.rows(drafts, k + 1) if seq.history else None
-    p_all = truncated_probs(logits, params, history)
+    if profile:
+        mx.eval(logits, seq.trunk_cache.arrays())
+    t_verified = time.perf_counter()
 
     # 3. Accept (on device) and sync once.
-    if k == 0:
-        n_acc, next_token = mx.array(0), _draw(p_all, params, seq.next_key())[0]
+    if params.greedy:
+        n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
     else:
+        p_all = truncated_probs(logits, params, history)
         n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
     mx.eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
     n_accepted = n_acc.item()
@@ -174,7 +182,8 @@ def run_cycle(trunk: Any, head: MTPHead | None, seq: Sequence, k: int) -> CycleR
         emitted=draft_list[:n_accepted] + [next_token.item()],
         verify_logits=logits,
         draft_seconds=t1 - t0,
-        verify_seconds=t2 - t1,
+        verify_seconds=t_verified - t1,
+        accept_seconds=t2 - t_verified,
     )
 
 

@@ -14,6 +14,7 @@ re-running anything (REFERENCE §3):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,10 +144,18 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
 def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bool) -> mx.array:
     """Run the trunk over ``token_ids [1, T]``; return post-final-norm hidden states [1, T, H].
 
-    With ``capture`` the GDN layers keep per-position states and the caller must
-    ``cache.commit(n_keep, T)`` before the next forward.
+    With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
+    the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
+    the next forward. Without it (prefill: long, varying T) layers run eagerly through mlx-lm.
     """
     x = trunk.model.embed_tokens(token_ids)
+    if capture and token_ids.shape[1] <= MAX_COMPILED_T:
+        for layer, c in zip(trunk.layers, cache.layers, strict=True):
+            if layer.is_linear:
+                x = gdn_block_captured(layer, x, c)
+            else:
+                x = attention_block(layer, x, c)
+        return compiled(trunk.model.norm, "norm", lambda n: n)(x)
     mask = "causal" if token_ids.shape[1] > 1 else None
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
         normed = layer.input_layernorm(x)
@@ -156,3 +165,88 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
             x = x + layer.self_attn(normed, mask=mask, cache=c)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return trunk.model.norm(x)
+
+
+# -- compiled blocks for the decode cycle ---------------------------------------------------------
+# Small models on CPUs are bound by per-op dispatch, not arithmetic: a decode step is ~150 mlx
+# ops. mx.compile turns each layer into one call with fused elementwise kernels. Shapes depend
+# only on T (= K+1), never on the context length, so each block compiles once per K.
+
+#: Largest T that runs compiled; longer inputs (prefill) run eagerly instead of compiling a graph
+#: for every prompt length.
+MAX_COMPILED_T = 16
+
+
+def compiled(module: Any, kind: str, build: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+    """The compiled ``build(module)``, cached on the module itself (it dies with the model)."""
+    blocks = module.__dict__.setdefault("_mtpserve_compiled", {})
+    if kind not in blocks:
+        blocks[kind] = mx.compile(build(module))
+    return blocks[kind]
+
+
+def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
+    m = layer.linear_attn
+
+    def block(x: mx.array, conv: mx.array, recurrent: mx.array) -> tuple[mx.array, ...]:
+        state = GDNLayerState(conv, recurrent)
+        h = x + gated_deltanet(m, layer.input_layernorm(x), state, capture=True)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return (h, state.conv_window, *state.step_states)
+
+    return block
+
+
+def gdn_block_captured(layer: nn.Module, x: mx.array, state: GDNLayerState) -> mx.array:
+    m = layer.linear_attn
+    conv, recurrent = state.conv, state.recurrent
+    if conv is None:
+        conv = mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
+    if recurrent is None:
+        recurrent = mx.zeros((1, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+    h, window, *steps = compiled(layer, "gdn", _gdn_block)(x, conv, recurrent)
+    state.conv_window, state.step_states = window, steps
+    return h
+
+
+def _attention_in(layer: nn.Module) -> Callable[..., Any]:
+    """mlx-lm's gated attention up to the cache update (q_proj emits [query | gate] per head);
+    RoPE takes the offset as an array so the block does not recompile at every position."""
+    a = layer.self_attn
+
+    def block(x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        B, L, _ = x.shape
+        normed = layer.input_layernorm(x)
+        queries, gate = mx.split(a.q_proj(normed).reshape(B, L, a.num_attention_heads, -1), 2, -1)
+        keys = a.k_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
+        values = a.v_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
+        queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+        keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
+
+    return block
+
+
+def _attention_out(layer: nn.Module) -> Callable[..., Any]:
+    a = layer.self_attn
+
+    def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        h = x + a.o_proj(attended * mx.sigmoid(gate))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return block
+
+
+def attention_block(layer: nn.Module, x: mx.array, cache: KVCache) -> mx.array:
+    """A full-attention decoder layer (trunk or MTP head) over T new positions with its cache."""
+    queries, keys, values, gate = compiled(layer, "attn_in", _attention_in)(
+        x, mx.array(cache.offset)
+    )
+    keys, values = cache.update_and_fetch(keys, values)
+    mask = "causal" if x.shape[1] > 1 else None
+    attended = mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=layer.self_attn.scale, mask=mask
+    )
+    return compiled(layer, "attn_out", _attention_out)(x, attended, gate)

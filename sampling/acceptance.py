@@ -64,3 +64,19 @@ def accept_drafts(
     chosen = candidates[n_accepted]
     next_token = sample(chosen[None], draw_key)[0]
     return n_accepted, next_token
+
+
+def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
+    """``accept_drafts`` specialised to point masses (temperature 0 / top_k 1).
+
+    With p_i and q_i one-hot, p_i(d_i)/q_i(d_i) is 1 when d_i == argmax p_i and 0 otherwise, the
+    residual of a rejection is p_i itself, and the bonus is argmax p_{K+1}: so the rule is
+    "accept while d_i == target_i, then emit target at the first mismatch". Same result as
+    ``accept_drafts`` on the one-hot rows, without materialising them.
+    """
+    k = draft_ids.shape[0]
+    if k == 0:
+        return mx.array(0, dtype=mx.int32), target_ids[0]
+    matches = (draft_ids == target_ids[:k]).astype(mx.int32)
+    n_accepted = mx.cumprod(matches).sum().astype(mx.int32)
+    return n_accepted, target_ids[n_accepted]

@@ -78,6 +78,31 @@ def apply_penalties(
     return logits
 
 
+def adjusted_logits(
+    logits: mx.array, params: SamplingParams, history: tuple[mx.array, mx.array] | None
+) -> mx.array:
+    """First step of the truncation: logit_bias and penalties, in float32."""
+    logits = logits.astype(mx.float32)
+    if params.logit_bias:
+        ids = mx.array(list(params.logit_bias.keys()))
+        bias = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+        bias[ids] = mx.array(list(params.logit_bias.values()), dtype=mx.float32)
+        logits = logits + bias
+    if params.uses_history:
+        if history is None:
+            raise ValueError("penalties need the token history")
+        logits = apply_penalties(logits, params, *history)
+    return logits
+
+
+def greedy_tokens(
+    logits: mx.array, params: SamplingParams, history: tuple[mx.array, mx.array] | None = None
+) -> mx.array:
+    """The support of ``truncated_probs`` when ``params.greedy``: its argmax, without building
+    the one-hot rows (the hot path of greedy decoding). int32 ``[T]``."""
+    return mx.argmax(adjusted_logits(logits, params, history), axis=-1).astype(mx.int32)
+
+
 def truncated_probs(
     logits: mx.array,
     params: SamplingParams,
@@ -89,18 +114,8 @@ def truncated_probs(
     params use penalties. Invariants: every row sums to 1; a token with probability 0 here is
     never emitted by any path of the engine.
     """
-    logits = logits.astype(mx.float32)
+    logits = adjusted_logits(logits, params, history)
     vocab = logits.shape[-1]
-    if params.logit_bias:
-        ids = mx.array(list(params.logit_bias.keys()))
-        bias = mx.zeros((vocab,), dtype=mx.float32)
-        bias[ids] = mx.array(list(params.logit_bias.values()), dtype=mx.float32)
-        logits = logits + bias
-    if params.uses_history:
-        if history is None:
-            raise ValueError("penalties need the token history")
-        logits = apply_penalties(logits, params, *history)
-
     if params.greedy:
         # Point mass on the argmax: greedy decoding through the same acceptance rule.
         top = mx.argmax(logits, axis=-1, keepdims=True)

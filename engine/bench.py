@@ -1,0 +1,363 @@
+"""``mtpserve bench``: speed-up, acceptance and memory side by side, in one run.
+
+For every sampler and every K (plus ``auto`` and mlx-lm's own ``stream_generate`` as the outside
+baseline) the benchmark generates ``--max-tokens`` tokens (EOS ignored, so every configuration
+does the same work) for each prompt of a fixed set, interleaving configurations prompt by prompt
+so that machine noise hits them alike. Speed-ups are ratios against K=0 *of the same run*.
+
+A second, profiled pass per (sampler, K) syncs after each cycle stage to split cycle time into
+draft / verify / accept / rollback (commit) / overhead; the timed pass never does. The cost
+model (engine.autok: measured cycle costs x measured per-position acceptance) predicts each
+K's speed-up; the table prints prediction and measurement side by side and names the stage
+that accounts for a gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_prompts.jsonl"
+
+
+@dataclass
+class Row:
+    sampler: str
+    config: str  # "K=0", "K=2", "auto", "mlx_lm"
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_seconds: float = 0.0
+    prompt_seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    cycles: int = 0
+    k_histogram: list[int] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    # profiled pass, seconds per cycle
+    split: dict[str, float] = field(default_factory=dict)
+    # derived
+    decode_tps: float = 0.0
+    prefill_tps: float = 0.0
+    speedup: float = 0.0
+    predicted_speedup: float | None = None
+    acceptance: float = 0.0
+    tokens_per_cycle: float = 0.0
+    bandwidth_gbps: float = 0.0
+    gap_note: str = ""
+
+
+def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str, Any]]:
+    prompts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if item.get("chat"):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True,
+                tokenize=True,
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        else:
+            ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+        prompts.append({**item, "ids": list(ids)})
+    return prompts[:limit] if limit else prompts
+
+
+def parse_samplers(text: str, engine: Any) -> dict[str, Any]:
+    from sampling.params import SamplingOverrides, preset, resolve
+
+    samplers = {}
+    for name in text.split(","):
+        name = name.strip()
+        if name == "greedy":
+            samplers[name] = resolve(engine.sampling_defaults, SamplingOverrides(temperature=0.0))
+        elif name.startswith("preset:"):
+            samplers[name] = resolve(engine.sampling_defaults, preset(name.split(":", 1)[1]))
+        else:
+            raise SystemExit(f"unknown sampler {name!r} (use greedy or preset:NAME)")
+    return samplers
+
+
+def mlx_lm_sampler(params: Any) -> Any:
+    from mlx_lm.sample_utils import make_sampler
+
+    if params.greedy:
+        return make_sampler(temp=0.0)
+    return make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
+                        min_p=params.min_p, top_k=params.top_k)
+
+
+def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int, row: Row) -> None:
+    from mlx_lm import stream_generate
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(engine.tokenizer)
+    tokenizer._eos_token_ids = set()  # same work as ours: no early stop
+    mx.random.seed(params.seed or 0)
+    last = None
+    for last in stream_generate(
+        engine.loaded.model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+        sampler=mlx_lm_sampler(params),
+    ):
+        pass
+    assert last is not None
+    row.completion_tokens += last.generation_tokens
+    row.prompt_tokens += last.prompt_tokens
+    row.generation_seconds += last.generation_tokens / max(last.generation_tps, 1e-9)
+    row.prompt_seconds += last.prompt_tokens / max(last.prompt_tps, 1e-9)
+
+
+def run_ours(engine: Any, prompt_ids: list[int], params: Any, k: int | None, max_tokens: int,
+             row: Row) -> None:
+    from engine.api import GenerationRequest
+
+    request = GenerationRequest(prompt_ids, params, max_tokens, draft_tokens=k, ignore_eos=True)
+    event = None
+    for event in engine.generate(request):
+        pass
+    s = event.stats
+    row.completion_tokens += s.completion_tokens
+    row.prompt_tokens += s.prompt_tokens
+    row.generation_seconds += s.generation_seconds
+    row.prompt_seconds += s.prompt_seconds
+    row.proposed += s.proposed
+    row.accepted += s.accepted
+    row.cycles += s.cycles
+    for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
+        mine, theirs = getattr(row, name), getattr(s, name)
+        setattr(row, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)])
+    if engine.profile:
+        row.split["draft"] = row.split.get("draft", 0.0) + s.draft_seconds
+        row.split["verify"] = row.split.get("verify", 0.0) + s.verify_seconds
+        row.split["accept"] = row.split.get("accept", 0.0) + s.accept_seconds
+        row.split["rollback"] = row.split.get("rollback", 0.0) + s.commit_seconds
+        row.split["total"] = row.split.get("total", 0.0) + s.generation_seconds
+        row.split["cycles"] = row.split.get("cycles", 0.0) + s.cycles
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from engine.autok import expected_tokens, load_or_measure
+    from engine.runtime import Engine
+
+    engine = Engine.load(args.model, draft_tokens=None, mtp_weights=args.mtp_weights)
+    samplers = parse_samplers(args.sampler, engine)
+    ks: list[int | None] = [None if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
+    if not engine.has_head:
+        ks = [0]
+    prompts = load_prompts(Path(args.prompts), engine.tokenizer, args.limit)
+    params_all = tree_flatten(engine.trunk.parameters())
+    head_bytes = sum(a.nbytes for n, a in params_all if n.startswith("mtp."))
+    trunk_bytes = sum(a.nbytes for n, a in params_all if not n.startswith("mtp.")) - (
+        engine.trunk.model.embed_tokens.weight.nbytes if not engine.trunk.args.tie_word_embeddings else 0
+    )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
+    costs = load_or_measure(engine)
+
+    configs = [("mlx_lm", "mlx_lm")] + [(f"K={k}" if k is not None else "auto", k) for k in ks]
+    rows = {(s, c): Row(s, c) for s in samplers for c, _ in configs}
+
+    # Warm-up: compile every K's blocks and mlx-lm's graph once.
+    for sname, params in samplers.items():
+        for cname, k in configs:
+            warm = Row(sname, cname)
+            if k == "mlx_lm":
+                run_mlx_lm(engine, prompts[0]["ids"], params, 8, warm)
+            else:
+                run_ours(engine, prompts[0]["ids"], params, k, 8, warm)
+
+    total = len(prompts) * args.repeats * len(samplers) * len(configs)
+    with tqdm(total=total, desc="bench", unit="gen", disable=args.json) as bar:
+        for repeat in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                for sname, base in samplers.items():
+                    params = base if base.greedy else _with_seed(base, 1000 * repeat + i)
+                    for cname, k in configs:
+                        row = rows[(sname, cname)]
+                        mx.reset_peak_memory()
+                        if k == "mlx_lm":
+                            run_mlx_lm(engine, prompt["ids"], params, args.max_tokens, row)
+                        else:
+                            run_ours(engine, prompt["ids"], params, k, args.max_tokens, row)
+                        row.peak_memory_bytes = max(row.peak_memory_bytes, mx.get_peak_memory())
+                        bar.update()
+
+    # Profiled pass: split cycle time per stage (a few prompts suffice).
+    engine.profile = True
+    for sname, base in samplers.items():
+        for cname, k in configs:
+            if k == "mlx_lm":
+                continue
+            profiled = Row(sname, cname)
+            for i, prompt in enumerate(prompts[: args.profile_prompts]):
+                params = base if base.greedy else _with_seed(base, i)
+                run_ours(engine, prompt["ids"], params, k, args.max_tokens, profiled)
+            cycles = max(profiled.split.pop("cycles", 1.0), 1.0)
+            row = rows[(sname, cname)]
+            row.split = {n: v / cycles for n, v in profiled.split.items()}
+            row.split["overhead"] = row.split["total"] - sum(
+                row.split[n] for n in ("draft", "verify", "accept", "rollback")
+            )
+    engine.profile = False
+
+    for (sname, cname), row in rows.items():
+        row.decode_tps = row.completion_tokens / row.generation_seconds if row.generation_seconds else 0
+        row.prefill_tps = row.prompt_tokens / row.prompt_seconds if row.prompt_seconds else 0
+        row.acceptance = row.accepted / row.proposed if row.proposed else 0.0
+        row.tokens_per_cycle = row.completion_tokens / row.cycles if row.cycles else 1.0
+        base_row = rows[(sname, "K=0")] if (sname, "K=0") in rows else None
+        if base_row and base_row.decode_tps:
+            row.speedup = row.decode_tps / base_row.decode_tps
+        if cname.startswith("K=") and row.cycles:
+            k = int(cname[2:])
+            per_position = [a / p if p else 0.0 for a, p in zip(row.accepted_per_position, row.proposed_per_position, strict=True)]
+            if k < len(costs.cycle):
+                row.predicted_speedup = expected_tokens(per_position, k) / costs.cycle[k] * costs.cycle[0]
+                measured_cycle = row.generation_seconds / row.cycles
+                if row.predicted_speedup and abs(row.speedup / row.predicted_speedup - 1) > 0.10:
+                    row.gap_note = _gap_note(measured_cycle, costs, k, row, rows.get((sname, "K=0")))
+            heads_per_cycle = k
+            row.bandwidth_gbps = (trunk_bytes + heads_per_cycle * head_bytes) * row.cycles / row.generation_seconds / 1e9
+        elif cname == "auto" and row.cycles:
+            steps = sum(k * n for k, n in enumerate(row.k_histogram))
+            row.bandwidth_gbps = (trunk_bytes * row.cycles + head_bytes * steps) / row.generation_seconds / 1e9
+        elif cname == "mlx_lm" and row.generation_seconds:
+            row.bandwidth_gbps = trunk_bytes * row.completion_tokens / row.generation_seconds / 1e9
+
+    return {
+        "model": str(engine.loaded.model_dir),
+        "machine": costs.machine,
+        "blas": __import__("engine.blas", fromlist=["blas_in_use"]).blas_in_use(),
+        "max_tokens": args.max_tokens,
+        "prompts": len(prompts),
+        "repeats": args.repeats,
+        "trunk_bytes": trunk_bytes,
+        "head_bytes": head_bytes,
+        "costs": asdict(costs),
+        "rows": [asdict(r) for r in rows.values()],
+    }
+
+
+def _with_seed(params: Any, seed: int) -> Any:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def _gap_note(measured_cycle: float, costs: Any, k: int, row: Row, plain: Row | None) -> str:
+    """Which part of the cycle explains a prediction gap: compare the run's cycle time and the
+    plain step time with the cost table the prediction used."""
+    notes = []
+    if abs(measured_cycle / costs.cycle[k] - 1) > 0.10:
+        notes.append(f"cycle {measured_cycle * 1e3:.1f} ms in run vs {costs.cycle[k] * 1e3:.1f} ms measured")
+    if plain and plain.cycles:
+        step = plain.generation_seconds / plain.cycles
+        if abs(step / costs.cycle[0] - 1) > 0.10:
+            notes.append(f"K=0 step {step * 1e3:.1f} ms in run vs {costs.cycle[0] * 1e3:.1f} ms measured")
+    if row.split:
+        biggest = max(("draft", "verify", "accept", "rollback", "overhead"), key=lambda n: row.split.get(n, 0))
+        notes.append(f"largest stage: {biggest}")
+    return "; ".join(notes)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = (
+        f"{'sampler':<14}{'config':<8}{'decode tok/s':>13}{'prefill tok/s':>14}{'speed-up':>9}"
+        f"{'predicted':>10}{'accept':>8}{'per position':>26}{'tok/cycle':>10}{'GB/s':>7}"
+        f"{'peak MiB':>9}  split ms (draft/verify/accept/rollback/overhead)"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        per_pos = ",".join(
+            f"{a / p:.2f}" for a, p in zip(r["accepted_per_position"], r["proposed_per_position"], strict=False) if p
+        )
+        split = "/".join(
+            f"{r['split'].get(n, 0) * 1e3:.1f}" for n in ("draft", "verify", "accept", "rollback", "overhead")
+        ) if r["split"] else ""
+        predicted = f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else ""
+        lines.append(
+            f"{r['sampler']:<14}{r['config']:<8}{r['decode_tps']:>13.1f}{r['prefill_tps']:>14.0f}"
+            f"{r['speedup']:>8.2f}x{predicted:>10}{r['acceptance']:>8.2f}{per_pos:>26}"
+            f"{r['tokens_per_cycle']:>10.2f}{r['bandwidth_gbps']:>7.2f}"
+            f"{r['peak_memory_bytes'] / 2**20:>9.1f}  {split}"
+        )
+        if r["gap_note"]:
+            lines.append(f"{'':<22}prediction gap: {r['gap_note']}")
+    lines.append(
+        f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
+        f"{result['head_bytes'] / 2**20:.1f} MiB; BLAS: {result['blas']}"
+    )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    samplers = sorted({r["sampler"] for r in result["rows"]})
+    for s in samplers:
+        rows = [r for r in result["rows"] if r["sampler"] == s and r["config"].startswith("K=")]
+        ks = [int(r["config"][2:]) for r in rows]
+        ax1.plot(ks, [r["speedup"] for r in rows], "o-", label=f"{s} measured")
+        ax1.plot(ks, [r["predicted_speedup"] or 1.0 for r in rows], "x--", label=f"{s} predicted")
+        auto = [r for r in result["rows"] if r["sampler"] == s and r["config"] == "auto"]
+        if auto:
+            ax1.axhline(auto[0]["speedup"], linestyle=":", label=f"{s} auto")
+        ax2.plot(ks[1:], [r["acceptance"] for r in rows[1:]], "o-", label=s)
+    ax1.axhline(1.0, color="grey", linewidth=0.8)
+    ax1.set(xlabel="draft tokens K", ylabel="decode speed-up vs K=0", title="Speed-up")
+    ax2.set(xlabel="draft tokens K", ylabel="acceptance", title="Draft acceptance", ylim=(0, 1))
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    t = time.perf_counter()
+    result = bench(args)
+    result["wall_seconds"] = time.perf_counter() - t
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "speedup.png")
+    table = format_table(result)
+    (out / "table.txt").write_text(table + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table)
+        print(f"\nwrote {out}/results.json, {out}/table.txt, {out}/speedup.png "
+              f"({result['wall_seconds']:.0f}s)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    from mtpserve.cli import default_model
+
+    p = sub.add_parser("bench", help="speed-up, acceptance and memory vs plain decoding and mlx-lm")
+    p.add_argument("--model", default=default_model())
+    p.add_argument("--mtp-weights", default=None)
+    p.add_argument("--draft-tokens", default="0,1,2,3,4,auto")
+    p.add_argument("--sampler", default="greedy,preset:qwen")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--profile-prompts", type=int, default=2)
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
