@@ -99,8 +99,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mtpserve serve: {exc}", file=sys.stderr)
         return 2
     if not settings.model:
-        print("mtpserve serve: --model is required (or model in the config file)", file=sys.stderr)
-        return 2
+        # The embedded demo model (models/qwen3.5-demo) is the default, as for `generate`.
+        from mtpserve.cli import DEMO_MODEL
+
+        if not DEMO_MODEL.is_dir():
+            print("mtpserve serve: --model is required (no embedded demo model here)", file=sys.stderr)
+            return 2
+        settings.model = str(DEMO_MODEL)
     if settings.preset:
         try:
             settings.sampling_overrides()
