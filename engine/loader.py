@@ -225,8 +225,10 @@ def _load_head(
     text_config = config.get("text_config", config)
     sidecar = mtp_weights or config.get(SIDECAR_CONFIG_KEY)
     if sidecar:
-        path = Path(sidecar)
-        if not path.is_absolute():
+        path = Path(sidecar).expanduser()
+        # A path from config.json is relative to the model folder; an explicit --mtp-weights
+        # is relative to the working directory (the model folder as a fallback).
+        if not path.is_absolute() and not (mtp_weights and path.exists()):
             path = model_dir / path
         if not path.exists():
             return None, f"MTP sidecar {path} does not exist"
