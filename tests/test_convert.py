@@ -206,6 +206,23 @@ def test_mtp_weights_points_at_a_sidecar(converted, headless, tmp_path, monkeypa
     # A relative --mtp-weights is relative to the working directory.
     monkeypatch.chdir(sidecar.parent)
     assert loader.load(str(headless), mtp_weights=conv.SIDECAR_NAME).head is not None
+    # A sidecar of another model is refused when loading, not silently misused.
+    wide = converted(Variant("wide", hidden=128, intermediate=256, head_dim=32), 4, 8)
+    with pytest.raises(ValueError, match="does not match the trunk"):
+        loader.load(str(headless), mtp_weights=str(wide / conv.SIDECAR_NAME))
+
+
+def test_group_size_32_round_trip(converted, make_checkpoint, tmp_path) -> None:
+    """Group 32 quantizes the 32-wide MoE expert down projections too (skipped at 64)."""
+    out = tmp_path / "g32"
+    conv.convert(
+        str(make_checkpoint(VARIANTS["moe-tied"])), out, bits=4, group_size=32, head_bits=4
+    )
+    engine = Engine.load(str(out), draft_tokens=0)
+    down = engine.loaded.head.layers[0].mlp.switch_mlp.down_proj
+    assert down.group_size == 32 and down.bits == 4
+    proposed, accepted = assert_speculative_equals_plain(engine, ks=(1, 2))
+    assert accepted > 0
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -217,9 +234,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def test_extract_head_refuses_mismatches(make_checkpoint, headless, tmp_path) -> None:
     folder = copy_folder(headless, tmp_path / "m")
     before = snapshot(folder)
-    wide = make_checkpoint(
-        Variant("wide", hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32)
-    )
+    wide = make_checkpoint(Variant("wide", hidden=128, intermediate=256, head_dim=32))
     with pytest.raises(conv.ConvertError, match=r"hidden_size 128 \(head\) vs 64 \(trunk\)"):
         conv.extract_head(str(wide), folder)
     with pytest.raises(conv.ConvertError, match="model_type"):
