@@ -98,6 +98,8 @@ def download_head_files(
         return Path(download(repo_id=repo_id, filename=name, revision=revision))
 
     config = json.loads(fetch("config.json").read_text())
+    if sidecar := config.get(loader.SIDECAR_CONFIG_KEY):  # a folder this tool converted
+        return config, [fetch(sidecar)]
     try:
         index = json.loads(fetch(INDEX_NAME).read_text())
     except missing:

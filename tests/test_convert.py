@@ -199,6 +199,17 @@ def test_extract_head_makes_mtp_available(make_checkpoint, headless, tmp_path) -
     assert quantized_bits(loader.load(str(folder)).head) == {4}
 
 
+def test_extract_head_from_a_converted_folder(converted, headless, tmp_path) -> None:
+    """A quantized sidecar as the source: dequantized, then written at the new bits."""
+    folder = copy_folder(headless, tmp_path / "m")
+    summary = conv.extract_head(str(converted("dense-tied", 4, 8)), folder, head_bits=16)
+    assert summary["read_from"] == [conv.SIDECAR_NAME]
+    engine = Engine.load(str(folder), draft_tokens=0)
+    assert engine.has_head and quantized_bits(engine.loaded.head) == set()
+    proposed, accepted = assert_speculative_equals_plain(engine, ks=(1, 2))
+    assert accepted > 0
+
+
 def test_mtp_weights_points_at_a_sidecar(converted, headless, tmp_path, monkeypatch) -> None:
     sidecar = converted("dense-tied", 4, 8) / conv.SIDECAR_NAME
     loaded = loader.load(str(headless), mtp_weights=str(sidecar))
@@ -249,7 +260,7 @@ def test_extract_head_refuses_mismatches(make_checkpoint, headless, tmp_path) ->
     assert loader.load(str(folder)).head is None
 
 
-def test_download_selects_only_mtp_shards(make_checkpoint, headless, tmp_path) -> None:
+def test_download_selects_only_mtp_shards(converted, make_checkpoint, headless, tmp_path) -> None:
     from huggingface_hub import errors
 
     sharded = make_checkpoint(VARIANTS["dense-untied-sharded"])
@@ -279,6 +290,17 @@ def test_download_selects_only_mtp_shards(make_checkpoint, headless, tmp_path) -
     assert requested == ["config.json", conv.INDEX_NAME, "model.safetensors"]
     assert summary["read_from"] == ["model.safetensors"]
     assert loader.load(str(folder)).head is not None
+
+    # A repo this tool converted: only its sidecar downloads.
+    ours = converted("dense-tied", 4, 8)
+    requested.clear()
+
+    def from_ours(repo_id: str, filename: str, revision: str | None = None) -> str:
+        requested.append(filename)
+        return str(ours / filename)
+
+    _, files = conv.download_head_files("org/model-4bit", download=from_ours)
+    assert requested == ["config.json", conv.SIDECAR_NAME]
 
 
 def test_cli(make_checkpoint, tmp_path, capsys) -> None:
