@@ -19,7 +19,8 @@ interruption and it continues from the last checkpoint under ``runs/``)::
 
 Steps (each can be run alone): ``prepare`` (corpus split, tokenizer, token streams,
 ``configs/bench_prompts.jsonl``), ``train``, ``evaluate``, ``export``, ``verify`` (mlx-lm logits
-vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk acceptance simulation).
+vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk acceptance simulation in
+torch) and ``engine-accept`` (the same bench prompts through ``mtpserve generate`` at K=1).
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class TrainConfig:
     grad_clip: float = 1.0
     mtp_weight: float = 0.5
     ckpt_every: int = 100
-    threads: int = 2
     seed: int = SEED
 
 
@@ -218,7 +218,10 @@ class ChatRenderer:
 
         self.tok = AutoTokenizer.from_pretrained(str(tok_dir))
 
-    def render(self, rng: random.Random, user: str, answer: str, thought: str) -> str:
+    def render(self, rng: random.Random, user: str, answer: str, thought: str) -> tuple[str, str]:
+        """(prompt, completion). They are tokenized separately, as at inference, where the
+        prompt ends exactly at the generation prompt: otherwise e.g. "<think>\\n" + "\\n</think>"
+        would merge into one "\\n\\n" token that a model never sees after a real prompt."""
         msgs = []
         if rng.random() < 0.2:
             msgs.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
@@ -232,20 +235,21 @@ class ChatRenderer:
             reasoning = thought if mode < 0.35 else ""
             # the prompt ends in "<think>\n"; as in Qwen's own rendering, the reasoning (possibly
             # empty) is followed by "\n</think>\n\n"
-            return prompt + reasoning + "\n</think>\n\n" + answer + "<|im_end|>\n"
-        return prompt + answer + "<|im_end|>\n"
+            return prompt, reasoning + "\n</think>\n\n" + answer + "<|im_end|>\n"
+        return prompt, answer + "<|im_end|>\n"
 
 
 def build_documents(stdlib: Path, renderer: ChatRenderer | None, seed: int):
-    """All documents, split into train / held-out. Each is (kind, text)."""
+    """All documents, split into train / held-out. Each is (kind, segments): the segments of a
+    document (one text, or a chat's prompt and completion) are tokenized separately."""
     rng = random.Random(seed)
-    split: dict[str, list[tuple[str, str]]] = {"train": [], "heldout": []}
+    split: dict[str, list[tuple[str, tuple[str, ...]]]] = {"train": [], "heldout": []}
     heldout_funcs, heldout_topics, heldout_modules = [], [], []
     for path in list_sources(stdlib):
         rel = str(path.relative_to(stdlib))
         text = path.read_text(encoding="utf-8", errors="replace")
         part = "heldout" if _is_heldout(rel) else "train"
-        split[part].append(("code", text))
+        split[part].append(("code", (text,)))
         funcs = extract_functions(text)
         mod = rel[:-3].replace("/", ".").removesuffix(".__init__")
         mdoc = module_doc(text)
@@ -272,7 +276,7 @@ def build_documents(stdlib: Path, renderer: ChatRenderer | None, seed: int):
             split[part].append(("chat", renderer.render(rng, user, _trim(mdoc), thought)))
     for key, text in load_topics(stdlib).items():
         part = "heldout" if _is_heldout("topic:" + key) else "train"
-        split[part].append(("prose", text))
+        split[part].append(("prose", (text,)))
         if part == "heldout":
             heldout_topics.append((key, text))
         if renderer is None:
@@ -374,7 +378,7 @@ def prepare(args) -> None:
     tok_dir = RUN_DIR / "tokenizer"
     t0 = time.time()
     plain, *_ = build_documents(stdlib, None, args.seed)
-    train_texts = [t for _, t in plain["train"]]
+    train_texts = [t for _, segs in plain["train"] for t in segs]
     build_tokenizer(train_texts, VOCAB_SIZE, tok_dir)
     print(
         f"tokenizer: {VOCAB_SIZE} ids trained on {len(train_texts)} documents "
@@ -395,14 +399,17 @@ def prepare(args) -> None:
         rng = random.Random(args.seed + (part == "heldout"))
         docs = list(docs)
         rng.shuffle(docs)
-        encoded = tk.encode_batch([t for _, t in docs], add_special_tokens=False)
+        encoded = iter(
+            tk.encode_batch([t for _, segs in docs for t in segs], add_special_tokens=False)
+        )
         chunks, kinds = [], {}
-        for (kind, text), enc in zip(docs, encoded, strict=True):
-            chunks.append(np.asarray(enc.ids + [eot], dtype=np.int32))
+        for kind, segs in docs:
+            ids = [i for _ in segs for i in next(encoded).ids]
+            chunks.append(np.asarray(ids + [eot], dtype=np.int32))
             k = kinds.setdefault(kind, [0, 0, 0])
             k[0] += 1
-            k[1] += len(enc.ids) + 1
-            k[2] += len(text.encode())
+            k[1] += len(ids) + 1
+            k[2] += sum(len(t.encode()) for t in segs)
         stream = np.concatenate(chunks)
         np.save(RUN_DIR / f"{part}.npy", stream)
         stats[part] = {
@@ -585,7 +592,7 @@ def train(args) -> None:
 
     tc = TrainConfig(steps=args.steps) if args.steps else TrainConfig()
     shape = ModelShape()
-    torch.set_num_threads(tc.threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(tc.seed)
     ids_map = special_ids(RUN_DIR / "tokenizer")
     model = build_model(shape, ids_map["<|im_end|>"], ids_map["<|endoftext|>"])
@@ -624,7 +631,8 @@ def train(args) -> None:
     step, elapsed = 0, 0.0
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False)
-        if ck["train_config"] != asdict(tc) or ck["shape"] != asdict(shape):
+        same = {k: v for k, v in ck["train_config"].items() if k != "threads"} == asdict(tc)
+        if not same or ck["shape"] != asdict(shape):
             raise SystemExit(f"{ckpt_path} was made with other settings; delete it to start over")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
@@ -638,8 +646,18 @@ def train(args) -> None:
     bar = tqdm(total=tc.steps, initial=step, desc="train", dynamic_ncols=True)
     ema = None
     t_last = time.time()
+    # The machine is shared: when another process takes a core, two torch threads can be several
+    # times slower than one. Every 50 steps, probe the other thread count for a few steps and keep
+    # whichever ran faster recently (numerics do not depend on it beyond summation order).
+    options = sorted({args.threads, 1}, reverse=True)
+    recent: dict[int, list[float]] = {n: [] for n in options}
+    current, probe_left = args.threads, 0
     with log_path.open("a") as log:
         while step < tc.steps:
+            if len(options) > 1 and step % 50 == 25 and probe_left == 0:
+                probe_left = 4
+            threads = next(n for n in options if n != current) if probe_left > 0 else current
+            torch.set_num_threads(threads)
             idx = order[(np.arange(step * tc.batch_size, (step + 1) * tc.batch_size)) % n_windows]
             batch = np.stack([stream[i * tc.seq_len : i * tc.seq_len + T] for i in idx])
             ids = torch.from_numpy(batch.astype(np.int64))
@@ -654,11 +672,24 @@ def train(args) -> None:
             step += 1
             now = time.time()
             elapsed += now - t_last
+            if probe_left != 4:  # the first step after a switch pays the thread-pool change
+                recent[threads] = (recent[threads] + [now - t_last])[-6:]
             t_last = now
+            if probe_left > 0:
+                probe_left -= 1
+                if probe_left == 0 and recent[threads]:
+                    other = recent[current] or [float("inf")]
+                    if (
+                        sorted(recent[threads])[len(recent[threads]) // 2]
+                        < sorted(other)[len(other) // 2]
+                    ):
+                        current = threads
             m, h = main.item(), head.item()
             ema = (m, h) if ema is None else (0.95 * ema[0] + 0.05 * m, 0.95 * ema[1] + 0.05 * h)
             tps = step * tc.batch_size * tc.seq_len / max(elapsed, 1e-9)
-            bar.set_postfix(loss=f"{ema[0]:.3f}", head=f"{ema[1]:.3f}", tok_s=f"{tps:.0f}")
+            bar.set_postfix(
+                loss=f"{ema[0]:.3f}", head=f"{ema[1]:.3f}", tok_s=f"{tps:.0f}", thr=threads
+            )
             bar.update(1)
             log.write(
                 json.dumps(
@@ -783,7 +814,7 @@ def evaluate_model(model, n_windows: int = 48, seq_len: int = 512) -> EvalResult
 def evaluate(args) -> None:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     res = {"fp32_checkpoint": asdict(evaluate_model(load_trained()))}
     if (OUT_DIR / "model.safetensors").exists():
         res["exported_bf16"] = asdict(evaluate_model(load_trained(exported=True)))
@@ -794,6 +825,12 @@ def evaluate(args) -> None:
 # ------------------------------------------------------------------------------------------------
 # Export (Hugging Face Qwen3.5 layout)
 # ------------------------------------------------------------------------------------------------
+
+
+def is_zero_centred_norm(name: str) -> bool:
+    """Every RMSNorm weight except the GDN gated output norm (``linear_attn.norm``)."""
+    parts = name.split(".")
+    return parts[-1] == "weight" and "norm" in parts[-2] and "linear_attn.norm" not in name
 
 
 def export(args) -> None:
@@ -810,12 +847,27 @@ def export(args) -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
 
     tensors = {}
+    inexact = 0
     for k, v in model.state_dict().items():
         if "rotary_emb" in k:
             continue
         name = k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
-        dtype = torch.float32 if k.endswith("A_log") else torch.bfloat16
-        tensors[name] = v.detach().to(dtype).contiguous()
+        v = v.detach().float()
+        if k.endswith("A_log"):
+            tensors[name] = v.contiguous()
+            continue
+        if is_zero_centred_norm(k):
+            # Store w such that 1 + w is exact in bf16: a loader that adds the 1 in bf16 (mlx-lm's
+            # sanitize does) and one that adds it in fp32 then see the same scale, 1 + w rounded
+            # once to bf16.
+            scale = (1.0 + v).to(torch.bfloat16).float()
+            w = (scale - 1.0).to(torch.bfloat16)
+            inexact += int(((w.float() + 1.0) != scale).sum())
+            tensors[name] = w.contiguous()
+            continue
+        tensors[name] = v.to(torch.bfloat16).contiguous()
+    if inexact:
+        print(f"warning: {inexact} norm weights whose 1 + w is not exact in bf16")
     n_mtp = sum(k.startswith("mtp.") for k in tensors)
     assert n_mtp == 15, n_mtp
     save_file(tensors, str(OUT_DIR / "model.safetensors"), metadata={"format": "pt"})
@@ -926,12 +978,11 @@ def verify(args) -> None:
     import numpy as np
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     _use_fast_blas()
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models import qwen3_next
-    from safetensors.numpy import load_file
 
     tmodel = load_trained(exported=True)
     mmodel, mtok = mlx_lm.load(str(OUT_DIR))
@@ -949,8 +1000,8 @@ def verify(args) -> None:
 
     # an independent MTP head in mlx, built from the raw checkpoint tensors (+1 on norms once)
     cfg = json.loads((OUT_DIR / "config.json").read_text())["text_config"]
-    raw = load_file(str(OUT_DIR / "model.safetensors"))
-    mtp = {k[4:]: mx.array(v.astype(np.float32)) for k, v in raw.items() if k.startswith("mtp.")}
+    raw = mx.load(str(OUT_DIR / "model.safetensors"))
+    mtp = {k[4:]: v.astype(mx.float32) for k, v in raw.items() if k.startswith("mtp.")}
     from mlx_lm.models.qwen3_5 import TextModelArgs
 
     targs = TextModelArgs.from_dict(cfg)
@@ -1020,7 +1071,7 @@ def verify(args) -> None:
         )
     out = {"sequences": results, "worst": worst, "eos_token_ids": sorted(mtok.eos_token_ids)}
     (RUN_DIR / "verify.json").write_text(json.dumps(out, indent=2))
-    assert worst["trunk"] < 1e-2 and worst["head"] < 1e-2, worst
+    assert worst["trunk"] < 2e-3 and worst["head"] < 2e-3, worst
     print(
         f"OK: mlx-lm matches torch (worst trunk {worst['trunk']:.1e}, head {worst['head']:.1e}); "
         f"eos ids {sorted(mtok.eos_token_ids)}"
@@ -1060,7 +1111,7 @@ def accept(args) -> None:
     import torch
     from transformers import AutoTokenizer, DynamicCache
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     model = load_trained(exported=True)
     tok = AutoTokenizer.from_pretrained(str(OUT_DIR))
@@ -1139,6 +1190,52 @@ def accept(args) -> None:
     (RUN_DIR / "accept.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
 
 
+def engine_accept(args) -> None:
+    """Acceptance measured by the project's own engine (``mtpserve generate --json``) over the
+    bench prompts at K=1: greedy (temperature 0) and the checkpoint's sampler (temperature 1,
+    top_k 20, top_p 0.95, from generation_config.json)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(OUT_DIR))
+    rows = [json.loads(line) for line in BENCH_PROMPTS.read_text().splitlines()]
+    exe = [sys.executable, "-m", "mtpserve.cli"]
+    report = {"max_new_tokens": args.max_new_tokens, "draft_tokens": 1, "modes": {}}
+    for mode, extra in (("greedy", ["--temperature", "0"]), ("sampled", ["--seed", str(SEED)])):
+        per_cat: dict[str, list[int]] = {}
+        tps = []
+        for r in rows:
+            # chat prompts are templated here (thinking on, the default) and passed as text, whose
+            # special tokens encode to the same ids
+            prompt = r["prompt"]
+            if r["chat"]:
+                msgs = [{"role": "user", "content": prompt}]
+                prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            cmd = exe + ["generate", "--model", str(OUT_DIR), "--json", "--draft-tokens", "1"]
+            cmd += ["--max-tokens", str(args.max_new_tokens), "--prompt", prompt]
+            out = subprocess.run(cmd + extra, capture_output=True, text=True, cwd=ROOT)
+            if out.returncode != 0:
+                raise SystemExit(f"mtpserve generate failed on {r['id']}:\n{out.stderr[-2000:]}")
+            st = json.loads(out.stdout.strip().splitlines()[-1])["stats"]
+            c = per_cat.setdefault(r["category"], [0, 0])
+            c[0] += st["accepted"]
+            c[1] += st["proposed"]
+            tps.append(st["generation_tps"])
+        acc = sum(v[0] for v in per_cat.values()) / max(1, sum(v[1] for v in per_cat.values()))
+        report["modes"][mode] = {
+            "acceptance": acc,
+            "proposed": sum(v[1] for v in per_cat.values()),
+            "per_category": {k: v[0] / max(1, v[1]) for k, v in sorted(per_cat.items())},
+            "mean_generation_tps": sum(tps) / len(tps),
+        }
+        print(
+            f"engine {mode}: acceptance {acc:.3f}; "
+            + ", ".join(f"{k} {v:.3f}" for k, v in report["modes"][mode]["per_category"].items())
+        )
+    (RUN_DIR / "engine_accept.json").write_text(json.dumps(report, indent=2))
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -1147,14 +1244,30 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "step", choices=["prepare", "train", "evaluate", "export", "verify", "accept", "all"]
+        "step",
+        choices=[
+            "prepare",
+            "train",
+            "evaluate",
+            "export",
+            "verify",
+            "accept",
+            "engine-accept",
+            "all",
+        ],
     )
     ap.add_argument("--stdlib", default=str(DEFAULT_STDLIB), help="CPython 3.11 Lib/ folder")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--steps", type=int, default=0, help="override the number of training steps")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads (results do not depend on it)"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # the machine is shared: sleeping (not spinning) OpenMP workers degrade far less when
+    # another process takes a core
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     steps = {
         "prepare": prepare,
@@ -1163,12 +1276,15 @@ def main(argv=None) -> None:
         "export": export,
         "verify": verify,
         "accept": accept,
+        "engine-accept": engine_accept,
     }
     if args.step == "all":
         if not (RUN_DIR / "train.npy").exists():
             prepare(args)
         for name in ("train", "export", "evaluate", "verify", "accept"):
             steps[name](args)
+        if (ROOT / "engine" / "runtime.py").exists():
+            engine_accept(args)
     else:
         steps[args.step](args)
 
