@@ -79,7 +79,7 @@ def machine_key(model_dir: Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 6) -> CostTable:
+def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9) -> CostTable:
     """Time real cycles on a dummy sequence (greedy, 128-token context), median of ``reps``."""
     from engine.api import GenerationRequest
     from engine.runtime import DraftPolicy
@@ -95,45 +95,52 @@ def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 6) -> CostTa
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
-    cycle: list[float] = []
-    for k in range(max_k + 1):
-        times = []
-        for rep in range(reps + 2):
-            t = time.perf_counter()
-            result = run_cycle(trunk, head, seq, k)
-            commit(seq, result, 1)
-            if rep >= 2:  # warm-up: compile and allocate
-                times.append(time.perf_counter() - t)
-        cycle.append(median(times))
-
-    trunk_costs: list[float] = []
-    for n in range(1, max_k + 2):
-        times = []
-        for rep in range(reps + 2):
-            t = time.perf_counter()
-            ids = mx.array([seq.tokens[-1]] * n)[None]
-            hidden = trunk_hidden(trunk, ids, seq.trunk_cache, capture=True)
-            mx.eval(hidden, seq.trunk_cache.arrays())
-            seq.trunk_cache.commit(0, n)
-            if rep >= 2:
-                times.append(time.perf_counter() - t)
-        trunk_costs.append(median(times))
-
-    head_times = []
-    state = mx.zeros((1, 1, trunk.args.hidden_size))
-    for rep in range(reps + 2):
+    def time_cycle(k: int) -> float:
         t = time.perf_counter()
-        out, logits = head(trunk, mx.array([[seq.tokens[-1]]]), state, seq.head_cache)
+        commit(seq, run_cycle(trunk, head, seq, k), 1)
+        return time.perf_counter() - t
+
+    def time_trunk(n: int) -> float:
+        t = time.perf_counter()
+        ids = mx.array([seq.tokens[-1]] * n)[None]
+        hidden = trunk_hidden(trunk, ids, seq.trunk_cache, capture=True)
+        mx.eval(hidden, seq.trunk_cache.arrays())
+        seq.trunk_cache.commit(1, n)
+        seq.head_pending.append(hidden[:, :1])
+        seq.tokens.append(seq.tokens[-1])
+        return time.perf_counter() - t
+
+    def time_head() -> float:
+        t = time.perf_counter()
+        _, logits = head(trunk, mx.array([[seq.tokens[-1]]]), probe, seq.head_cache)
         mx.eval(mx.argmax(logits, axis=-1))
         seq.head_cache.trim(1)
+        return time.perf_counter() - t
+
+    probe = mx.zeros((1, 1, trunk.args.hidden_size))
+    # Interleave the configurations rep by rep so that noise from other processes hits all
+    # alike; the first two reps compile and warm up.
+    cycle_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    trunk_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    head_times: list[float] = []
+    for rep in range(reps + 2):
+        for k in range(max_k + 1):
+            c = time_cycle(k)
+            t = time_trunk(k + 1)
+            if rep >= 2:
+                cycle_times[k].append(c)
+                trunk_times[k].append(t)
+        h = time_head()
         if rep >= 2:
-            head_times.append(time.perf_counter() - t)
+            head_times.append(h)
+    cycle = [median(x) for x in cycle_times]
+    trunk_costs = [median(x) for x in trunk_times]
     return CostTable(cycle, trunk_costs, median(head_times), platform.platform())
 
 
-def load_or_measure(engine: Any) -> CostTable:
+def load_or_measure(engine: Any, refresh: bool = False) -> CostTable:
     path = CACHE_DIR / f"costs-{machine_key(engine.loaded.model_dir)}.json"
-    if path.exists():
+    if path.exists() and not refresh:
         try:
             return CostTable(**json.loads(path.read_text()))
         except (TypeError, ValueError):

@@ -63,7 +63,8 @@ def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str
         item = json.loads(line)
         if item.get("chat"):
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True,
+                [{"role": "user", "content": item["prompt"]}],
+                add_generation_prompt=True,
                 tokenize=True,
             )
             ids = ids["input_ids"] if isinstance(ids, dict) else ids
@@ -93,8 +94,12 @@ def mlx_lm_sampler(params: Any) -> Any:
 
     if params.greedy:
         return make_sampler(temp=0.0)
-    return make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
-                        min_p=params.min_p, top_k=params.top_k)
+    return make_sampler(
+        temp=params.temperature,
+        top_p=params.top_p if params.top_p < 1 else 0.0,
+        min_p=params.min_p,
+        top_k=params.top_k,
+    )
 
 
 def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int, row: Row) -> None:
@@ -106,7 +111,10 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
     mx.random.seed(params.seed or 0)
     last = None
     for last in stream_generate(
-        engine.loaded.model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+        engine.loaded.model,
+        tokenizer,
+        mx.array(prompt_ids),
+        max_tokens=max_tokens,
         sampler=mlx_lm_sampler(params),
     ):
         pass
@@ -117,8 +125,9 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
     row.prompt_seconds += last.prompt_tokens / max(last.prompt_tps, 1e-9)
 
 
-def run_ours(engine: Any, prompt_ids: list[int], params: Any, k: int | None, max_tokens: int,
-             row: Row) -> None:
+def run_ours(
+    engine: Any, prompt_ids: list[int], params: Any, k: int | None, max_tokens: int, row: Row
+) -> None:
     from engine.api import GenerationRequest
 
     request = GenerationRequest(prompt_ids, params, max_tokens, draft_tokens=k, ignore_eos=True)
@@ -160,17 +169,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     params_all = tree_flatten(engine.trunk.parameters())
     head_bytes = sum(a.nbytes for n, a in params_all if n.startswith("mtp."))
     trunk_bytes = sum(a.nbytes for n, a in params_all if not n.startswith("mtp.")) - (
-        engine.trunk.model.embed_tokens.weight.nbytes if not engine.trunk.args.tie_word_embeddings else 0
+        engine.trunk.model.embed_tokens.weight.nbytes
+        if not engine.trunk.args.tie_word_embeddings
+        else 0
     )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
-    costs = load_or_measure(engine)
+    costs = load_or_measure(engine, refresh=True)  # the bench always measures afresh
 
-    configs = [("mlx_lm", "mlx_lm")] + [(f"K={k}" if k is not None else "auto", k) for k in ks]
-    rows = {(s, c): Row(s, c) for s in samplers for c, _ in configs}
+    configs: list[tuple[str, Any, float | None]] = [("mlx_lm", "mlx_lm", None)]
+    configs += [(f"K={k}" if k is not None else "auto", k, None) for k in ks]
+    if args.confidence is not None and engine.has_head:
+        k_cut = max(k for k in ks if k is not None)
+        configs.append((f"K={k_cut},p>={args.confidence:g}", k_cut, args.confidence))
+    rows = {(s, c): Row(s, c) for s in samplers for c, _, _ in configs}
 
     # Warm-up: compile every K's blocks and mlx-lm's graph once.
     for sname, params in samplers.items():
-        for cname, k in configs:
+        for cname, k, confidence in configs:
             warm = Row(sname, cname)
+            engine.draft_confidence = confidence
             if k == "mlx_lm":
                 run_mlx_lm(engine, prompts[0]["ids"], params, 8, warm)
             else:
@@ -182,8 +198,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for i, prompt in enumerate(prompts):
                 for sname, base in samplers.items():
                     params = base if base.greedy else _with_seed(base, 1000 * repeat + i)
-                    for cname, k in configs:
+                    for cname, k, confidence in configs:
                         row = rows[(sname, cname)]
+                        engine.draft_confidence = confidence
                         mx.reset_peak_memory()
                         if k == "mlx_lm":
                             run_mlx_lm(engine, prompt["ids"], params, args.max_tokens, row)
@@ -195,9 +212,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # Profiled pass: split cycle time per stage (a few prompts suffice).
     engine.profile = True
     for sname, base in samplers.items():
-        for cname, k in configs:
+        for cname, k, confidence in configs:
             if k == "mlx_lm":
                 continue
+            engine.draft_confidence = confidence
             profiled = Row(sname, cname)
             for i, prompt in enumerate(prompts[: args.profile_prompts]):
                 params = base if base.greedy else _with_seed(base, i)
@@ -209,28 +227,45 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 row.split[n] for n in ("draft", "verify", "accept", "rollback")
             )
     engine.profile = False
+    engine.draft_confidence = None
 
     for (sname, cname), row in rows.items():
-        row.decode_tps = row.completion_tokens / row.generation_seconds if row.generation_seconds else 0
+        row.decode_tps = (
+            row.completion_tokens / row.generation_seconds if row.generation_seconds else 0
+        )
         row.prefill_tps = row.prompt_tokens / row.prompt_seconds if row.prompt_seconds else 0
         row.acceptance = row.accepted / row.proposed if row.proposed else 0.0
         row.tokens_per_cycle = row.completion_tokens / row.cycles if row.cycles else 1.0
-        base_row = rows[(sname, "K=0")] if (sname, "K=0") in rows else None
+        base_row = rows.get((sname, "K=0"))
         if base_row and base_row.decode_tps:
             row.speedup = row.decode_tps / base_row.decode_tps
-        if cname.startswith("K=") and row.cycles:
+        if cname.startswith("K=") and "," not in cname and row.cycles:
             k = int(cname[2:])
-            per_position = [a / p if p else 0.0 for a, p in zip(row.accepted_per_position, row.proposed_per_position, strict=True)]
+            per_position = [
+                a / p if p else 0.0
+                for a, p in zip(row.accepted_per_position, row.proposed_per_position, strict=True)
+            ]
             if k < len(costs.cycle):
-                row.predicted_speedup = expected_tokens(per_position, k) / costs.cycle[k] * costs.cycle[0]
+                row.predicted_speedup = (
+                    expected_tokens(per_position, k) / costs.cycle[k] * costs.cycle[0]
+                )
                 measured_cycle = row.generation_seconds / row.cycles
                 if row.predicted_speedup and abs(row.speedup / row.predicted_speedup - 1) > 0.10:
-                    row.gap_note = _gap_note(measured_cycle, costs, k, row, rows.get((sname, "K=0")))
+                    row.gap_note = _gap_note(
+                        measured_cycle, costs, k, row, rows.get((sname, "K=0"))
+                    )
             heads_per_cycle = k
-            row.bandwidth_gbps = (trunk_bytes + heads_per_cycle * head_bytes) * row.cycles / row.generation_seconds / 1e9
-        elif cname == "auto" and row.cycles:
+            row.bandwidth_gbps = (
+                (trunk_bytes + heads_per_cycle * head_bytes)
+                * row.cycles
+                / row.generation_seconds
+                / 1e9
+            )
+        elif row.cycles and cname != "mlx_lm":
             steps = sum(k * n for k, n in enumerate(row.k_histogram))
-            row.bandwidth_gbps = (trunk_bytes * row.cycles + head_bytes * steps) / row.generation_seconds / 1e9
+            row.bandwidth_gbps = (
+                (trunk_bytes * row.cycles + head_bytes * steps) / row.generation_seconds / 1e9
+            )
         elif cname == "mlx_lm" and row.generation_seconds:
             row.bandwidth_gbps = trunk_bytes * row.completion_tokens / row.generation_seconds / 1e9
 
@@ -259,40 +294,53 @@ def _gap_note(measured_cycle: float, costs: Any, k: int, row: Row, plain: Row | 
     plain step time with the cost table the prediction used."""
     notes = []
     if abs(measured_cycle / costs.cycle[k] - 1) > 0.10:
-        notes.append(f"cycle {measured_cycle * 1e3:.1f} ms in run vs {costs.cycle[k] * 1e3:.1f} ms measured")
+        notes.append(
+            f"cycle {measured_cycle * 1e3:.1f} ms in run vs {costs.cycle[k] * 1e3:.1f} ms measured"
+        )
     if plain and plain.cycles:
         step = plain.generation_seconds / plain.cycles
         if abs(step / costs.cycle[0] - 1) > 0.10:
-            notes.append(f"K=0 step {step * 1e3:.1f} ms in run vs {costs.cycle[0] * 1e3:.1f} ms measured")
+            notes.append(
+                f"K=0 step {step * 1e3:.1f} ms in run vs {costs.cycle[0] * 1e3:.1f} ms measured"
+            )
     if row.split:
-        biggest = max(("draft", "verify", "accept", "rollback", "overhead"), key=lambda n: row.split.get(n, 0))
+        biggest = max(
+            ("draft", "verify", "accept", "rollback", "overhead"), key=lambda n: row.split.get(n, 0)
+        )
         notes.append(f"largest stage: {biggest}")
     return "; ".join(notes)
 
 
 def format_table(result: dict[str, Any]) -> str:
     head = (
-        f"{'sampler':<14}{'config':<8}{'decode tok/s':>13}{'prefill tok/s':>14}{'speed-up':>9}"
+        f"{'sampler':<14}{'config':<12}{'decode tok/s':>13}{'prefill tok/s':>14}{'speed-up':>9}"
         f"{'predicted':>10}{'accept':>8}{'per position':>26}{'tok/cycle':>10}{'GB/s':>7}"
         f"{'peak MiB':>9}  split ms (draft/verify/accept/rollback/overhead)"
     )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         per_pos = ",".join(
-            f"{a / p:.2f}" for a, p in zip(r["accepted_per_position"], r["proposed_per_position"], strict=False) if p
+            f"{a / p:.2f}"
+            for a, p in zip(r["accepted_per_position"], r["proposed_per_position"], strict=False)
+            if p
         )
-        split = "/".join(
-            f"{r['split'].get(n, 0) * 1e3:.1f}" for n in ("draft", "verify", "accept", "rollback", "overhead")
-        ) if r["split"] else ""
+        split = (
+            "/".join(
+                f"{r['split'].get(n, 0) * 1e3:.1f}"
+                for n in ("draft", "verify", "accept", "rollback", "overhead")
+            )
+            if r["split"]
+            else ""
+        )
         predicted = f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else ""
         lines.append(
-            f"{r['sampler']:<14}{r['config']:<8}{r['decode_tps']:>13.1f}{r['prefill_tps']:>14.0f}"
+            f"{r['sampler']:<14}{r['config']:<12}{r['decode_tps']:>13.1f}{r['prefill_tps']:>14.0f}"
             f"{r['speedup']:>8.2f}x{predicted:>10}{r['acceptance']:>8.2f}{per_pos:>26}"
             f"{r['tokens_per_cycle']:>10.2f}{r['bandwidth_gbps']:>7.2f}"
             f"{r['peak_memory_bytes'] / 2**20:>9.1f}  {split}"
         )
         if r["gap_note"]:
-            lines.append(f"{'':<22}prediction gap: {r['gap_note']}")
+            lines.append(f"{'':<26}prediction gap: {r['gap_note']}")
     lines.append(
         f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
         f"{result['head_bytes'] / 2**20:.1f} MiB; BLAS: {result['blas']}"
@@ -309,7 +357,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     samplers = sorted({r["sampler"] for r in result["rows"]})
     for s in samplers:
-        rows = [r for r in result["rows"] if r["sampler"] == s and r["config"].startswith("K=")]
+        rows = [
+            r
+            for r in result["rows"]
+            if r["sampler"] == s and r["config"].startswith("K=") and "," not in r["config"]
+        ]
         ks = [int(r["config"][2:]) for r in rows]
         ax1.plot(ks, [r["speedup"] for r in rows], "o-", label=f"{s} measured")
         ax1.plot(ks, [r["predicted_speedup"] or 1.0 for r in rows], "x--", label=f"{s} predicted")
@@ -340,8 +392,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(table)
-        print(f"\nwrote {out}/results.json, {out}/table.txt, {out}/speedup.png "
-              f"({result['wall_seconds']:.0f}s)")
+        print(
+            f"\nwrote {out}/results.json, {out}/table.txt, {out}/speedup.png "
+            f"({result['wall_seconds']:.0f}s)"
+        )
     return 0
 
 
@@ -358,6 +412,12 @@ def register(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--profile-prompts", type=int, default=2)
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        help="also run the largest K with a draft-confidence cut at this head probability",
+    )
     p.add_argument("--out", default="bench-results")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)

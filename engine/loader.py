@@ -175,8 +175,7 @@ def attach_head(
             head,
             group_size=quantization["group_size"],
             bits=quantization["bits"],
-            class_predicate=lambda p, m: hasattr(m, "to_quantized")
-            and f"{p}.scales" in weights,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
         )
     head.load_weights(list(sanitize_head(weights, shift_norms).items()), strict=True)
     head.eval()
@@ -247,9 +246,11 @@ def _load_head(
         shift = metadata[SIDECAR_NORMS_SHIFTED] != "true"
     else:
         shift = _source_is_raw_hf(model_dir)
-    quantization = json.loads(metadata["mtpserve.quantization"]) if (
-        "mtpserve.quantization" in metadata
-    ) else None
+    quantization = (
+        json.loads(metadata["mtpserve.quantization"])
+        if ("mtpserve.quantization" in metadata)
+        else None
+    )
     try:
         head = attach_head(net, tensors, shift, quantization)
     except ValueError as exc:

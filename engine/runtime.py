@@ -59,6 +59,8 @@ class Engine:
     autok: Any = None
     #: sync after each cycle stage so the stats split time per stage (benchmarks only)
     profile: bool = False
+    #: draft-confidence cut (see engine.speculative); off unless the bench shows it pays
+    draft_confidence: float | None = None
 
     @classmethod
     def load(
@@ -157,13 +159,15 @@ class Engine:
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
         policy = policy or self.policy(request.draft_tokens)
-        return start_sequence(
+        seq = start_sequence(
             self.trunk,
             self.loaded.head,
             request.prompt_ids,
             request.sampling,
             use_head=policy.fixed != 0,
         )
+        seq.draft_confidence = self.draft_confidence
+        return seq
 
     def decode(
         self,
@@ -263,7 +267,10 @@ def _logprobs(result: CycleResult, emitted: list[int], top: int | None) -> list[
         top_ids = mx.argsort(-logp, axis=-1)[:, :top]
         top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
         mx.eval(chosen, top_ids, top_vals)
-        pairs = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
+        pairs = [
+            list(zip(i, v, strict=True))
+            for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+        ]
     else:
         mx.eval(chosen)
         pairs = [[] for _ in range(n)]

@@ -42,6 +42,8 @@ class Sequence:
     history: PenaltyHistory | None
     key: mx.array
     head_pending: list[mx.array] = field(default_factory=list)
+    #: stop drafting when the head's top probability is below this (None: always draft K)
+    draft_confidence: float | None = None
 
     @property
     def can_draft(self) -> bool:
@@ -74,9 +76,7 @@ def start_sequence(
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
     seed = params.seed if params.seed is not None else int.from_bytes(_entropy(), "little")
-    history = (
-        PenaltyHistory(trunk.args.vocab_size, prompt_ids) if params.uses_history else None
-    )
+    history = PenaltyHistory(trunk.args.vocab_size, prompt_ids) if params.uses_history else None
     seq = Sequence(
         tokens=list(prompt_ids),
         params=params,
@@ -147,6 +147,12 @@ def run_cycle(
                 d = sample(q, seq.next_key())
                 draft_probs.append(q)
             draft_ids.append(d)
+            if seq.draft_confidence is not None and i + 1 < k:
+                # Confidence cut (llama.cpp's p-min): stop drafting once the head's top
+                # probability falls below the threshold. Costs one host sync per draft step.
+                top = q if not params.greedy else mx.softmax(step_logits.astype(mx.float32), -1)
+                if top.max().item() < seq.draft_confidence:
+                    break
             if i + 1 < k:
                 state, step_logits = head(trunk, d[None], state, seq.head_cache)
                 step_logits = step_logits[0]

@@ -125,7 +125,9 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
             k = mx.repeat(k, repeat, axis=-2)
         ys, steps = [], []
         for t in range(T):
-            y_t, recurrent = _delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
+            y_t, recurrent = _delta_rule_step(
+                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent
+            )
             ys.append(y_t)
             steps.append(recurrent)
         y = mx.stack(ys, axis=1)
@@ -177,7 +179,9 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
 MAX_COMPILED_T = 16
 
 
-def compiled(module: Any, kind: str, build: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+def compiled(
+    module: Any, kind: str, build: Callable[[Any], Callable[..., Any]]
+) -> Callable[..., Any]:
     """The compiled ``build(module)``, cached on the module itself (it dies with the model)."""
     blocks = module.__dict__.setdefault("_mtpserve_compiled", {})
     if kind not in blocks:

@@ -181,7 +181,9 @@ def _accumulate(total: Any, s: Any) -> None:
     total.generation_seconds += s.generation_seconds
     for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
         mine, theirs = getattr(total, name), getattr(s, name)
-        setattr(total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)])
+        setattr(
+            total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)]
+        )
 
 
 def _stats_json(s: Any, peak: int) -> dict[str, Any]:
@@ -229,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
 
-    for name, module in (("bench", "engine.bench"), ("convert", "engine.convert")):
+    for module in ("engine.bench", "engine.convert"):
         try:
             mod = __import__(module, fromlist=["add_arguments"])
         except ImportError:

@@ -134,9 +134,7 @@ def truncated_probs(
         # Smallest set of most likely tokens whose mass reaches top_p: keep a token while the
         # mass of the more likely ones is still below top_p.
         keep_sorted = mass_before < params.top_p
-        keep = mx.put_along_axis(
-            mx.zeros(probs.shape, dtype=mx.bool_), order, keep_sorted, axis=-1
-        )
+        keep = mx.put_along_axis(mx.zeros(probs.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
         probs = mx.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)
 

@@ -35,7 +35,9 @@ if model:
     engine = Engine.load(model, draft_tokens=0)
     request = GenerationRequest(list(range(10, 74)), SamplingParams(temperature=0.0), tokens,
                                 draft_tokens=0, ignore_eos=True)
-    for _ in engine.generate(GenerationRequest(list(range(10, 20)), SamplingParams(temperature=0.0), 4, draft_tokens=0, ignore_eos=True)):
+    warm = GenerationRequest(list(range(10, 20)), SamplingParams(temperature=0.0), 4,
+                             draft_tokens=0, ignore_eos=True)
+    for _ in engine.generate(warm):
         pass
     for event in engine.generate(request):
         pass
@@ -55,13 +57,19 @@ def main() -> None:
         env = {**os.environ, "MTPSERVE_BLAS": blas}
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, args.model, str(args.tokens)],
-            env=env, capture_output=True, text=True, check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     ref, fast = results["reference"], results["openblas"]
     print(f"{'':<22}{'reference BLAS':>16}{'OpenBLAS':>12}{'ratio':>8}")
-    for key, label in (("matmul_gflops", "fp32 matmul GFLOP/s"), ("decode_tps", "decode tok/s"),
-                       ("prefill_tps", "prefill tok/s")):
+    for key, label in (
+        ("matmul_gflops", "fp32 matmul GFLOP/s"),
+        ("decode_tps", "decode tok/s"),
+        ("prefill_tps", "prefill tok/s"),
+    ):
         if key in ref:
             print(f"{label:<22}{ref[key]:>16.1f}{fast[key]:>12.1f}{fast[key] / ref[key]:>7.1f}x")
     print(f"OpenBLAS library: {fast['blas']}")

@@ -103,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from mtpserve.cli import DEMO_MODEL
 
         if not DEMO_MODEL.is_dir():
-            print("mtpserve serve: --model is required (no embedded demo model here)", file=sys.stderr)
+            print("mtpserve serve: --model is required (no demo model here)", file=sys.stderr)
             return 2
         settings.model = str(DEMO_MODEL)
     if settings.preset:

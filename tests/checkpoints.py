@@ -218,7 +218,9 @@ def write_checkpoint(out_dir: Path, v: Variant) -> Path:
     eos = [added["<|im_end|>"], added["<|endoftext|>"]]
     tc = text_config(v, eos)
     config = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration" if v.moe else "Qwen3_5ForConditionalGeneration"],
+        "architectures": [
+            "Qwen3_5MoeForConditionalGeneration" if v.moe else "Qwen3_5ForConditionalGeneration"
+        ],
         "model_type": "qwen3_5_moe" if v.moe else "qwen3_5",
         "text_config": tc,
         "tie_word_embeddings": v.tied,
@@ -226,7 +228,13 @@ def write_checkpoint(out_dir: Path, v: Variant) -> Path:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(
         json.dumps(
-            {"do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95, "eos_token_id": eos},
+            {
+                "do_sample": True,
+                "temperature": 1.0,
+                "top_k": 20,
+                "top_p": 0.95,
+                "eos_token_id": eos,
+            },
             indent=2,
         )
     )
@@ -244,7 +252,9 @@ def write_checkpoint(out_dir: Path, v: Variant) -> Path:
         weight_map = {}
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{v.shards:05d}.safetensors"
-            save_file({n: weights[n] for n in group}, str(out_dir / fname), metadata={"format": "pt"})
+            save_file(
+                {n: weights[n] for n in group}, str(out_dir / fname), metadata={"format": "pt"}
+            )
             weight_map.update({n: fname for n in group})
         total = sum(a.nbytes for a in weights.values())
         (out_dir / "model.safetensors.index.json").write_text(

@@ -20,7 +20,11 @@ MiB = 2**20
 def measure(model_dir: Path, with_head: bool) -> dict:
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(model_dir), "1" if with_head else "0"],
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=300,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -91,17 +91,23 @@ def test_truncated_probs_matches_reference(name: str) -> None:
     counts, seen = history.rows(drafts, 4)
     got = np.array(truncated_probs(mx.array(logits), params, (counts, seen)))
     for row in range(4):
-        expected = reference_probs(
-            logits[row], params, np.array(counts[row]), np.array(seen[row])
-        )
+        expected = reference_probs(logits[row], params, np.array(counts[row]), np.array(seen[row]))
         np.testing.assert_allclose(got[row], expected, atol=2e-5)
         assert np.all((got[row] > 0) == (expected > 0))
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5),
-     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("seed", -5)],
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("seed", -5),
+    ],
 )
 def test_invalid_values_are_rejected_with_the_param_named(field: str, value: float) -> None:
     with pytest.raises(SamplingParamError) as err:
@@ -120,7 +126,11 @@ def test_defaults_resolve_checkpoint_then_preset_then_request(tiny_checkpoint: P
     checkpoint = generation_config_defaults(tiny_checkpoint)
     assert (checkpoint.temperature, checkpoint.top_k, checkpoint.top_p) == (1.0, 20, 0.95)
     only_temperature = resolve(checkpoint, SamplingOverrides(temperature=0.3))
-    assert (only_temperature.temperature, only_temperature.top_k, only_temperature.top_p) == (0.3, 20, 0.95)
+    assert (only_temperature.temperature, only_temperature.top_k, only_temperature.top_p) == (
+        0.3,
+        20,
+        0.95,
+    )
     coding = resolve(checkpoint, preset("coding"), SamplingOverrides(top_p=0.5))
     assert (coding.temperature, coding.top_k, coding.top_p) == (0.6, 20, 0.5)
     assert resolve(checkpoint, preset("non-thinking")).presence_penalty == 1.5
@@ -156,7 +166,10 @@ def _first_tokens(engine, prompt: list[int], params: SamplingParams, k: int, n: 
     rows = []
     for seed in range(n):
         request = GenerationRequest(
-            prompt, SamplingParams(**{**params.__dict__, "seed": seed}), 3, draft_tokens=k,
+            prompt,
+            SamplingParams(**{**params.__dict__, "seed": seed}),
+            3,
+            draft_tokens=k,
             ignore_eos=True,
         )
         rows.append([t for e in engine.generate(request) for t in e.token_ids][:3])
@@ -167,7 +180,9 @@ def _homogeneity_pvalue(a: np.ndarray, b: np.ndarray) -> float:
     """Chi-square homogeneity of two samples of categories; rare categories pooled."""
     cats, counts = np.unique(np.concatenate([a, b]), return_counts=True)
     common = cats[counts >= 10]
-    table = [[int(np.sum(s == c)) for c in common] + [int(np.sum(~np.isin(s, common)))] for s in (a, b)]
+    table = [
+        [int(np.sum(s == c)) for c in common] + [int(np.sum(~np.isin(s, common)))] for s in (a, b)
+    ]
     table = np.array(table)
     table = table[:, table.sum(axis=0) > 0]
     if table.shape[1] < 2:
@@ -191,10 +206,24 @@ def test_speculative_sampling_matches_plain_sampling(load_engine, name: str) -> 
 def test_top_k_one_equals_greedy_exactly(load_engine) -> None:
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode("The quick brown fox")
-    greedy = [t for e in engine.generate(GenerationRequest(prompt, SamplingParams(temperature=0.0), 60, draft_tokens=0, ignore_eos=True)) for t in e.token_ids]
+    greedy = [
+        t
+        for e in engine.generate(
+            GenerationRequest(
+                prompt, SamplingParams(temperature=0.0), 60, draft_tokens=0, ignore_eos=True
+            )
+        )
+        for t in e.token_ids
+    ]
     for k in (0, 1, 3):
         params = SamplingParams(temperature=1.3, top_k=1, seed=k)
-        out = [t for e in engine.generate(GenerationRequest(prompt, params, 60, draft_tokens=k, ignore_eos=True)) for t in e.token_ids]
+        out = [
+            t
+            for e in engine.generate(
+                GenerationRequest(prompt, params, 60, draft_tokens=k, ignore_eos=True)
+            )
+            for t in e.token_ids
+        ]
         assert out == greedy
 
 
@@ -224,13 +253,18 @@ def test_first_cycle_acceptance_equals_overlap_of_truncated_distributions(
     engine = load_engine(variant, draft_tokens=0)
     prompt = engine.tokenizer.encode("The quick")
     params = SamplingParams(temperature=temperature, top_k=20, top_p=0.95)
-    p, q, _, _ = _reference_distributions(engine, make_checkpoint(VARIANTS[variant]), prompt, params)
+    p, q, _, _ = _reference_distributions(
+        engine, make_checkpoint(VARIANTS[variant]), prompt, params
+    )
     theory = float(np.minimum(p, q).sum())
     n, accepted = 1000, 0
     for seed in range(n):
         trace: list[dict] = []
         request = GenerationRequest(
-            prompt, SamplingParams(**{**params.__dict__, "seed": seed}), 2, draft_tokens=1,
+            prompt,
+            SamplingParams(**{**params.__dict__, "seed": seed}),
+            2,
+            draft_tokens=1,
             ignore_eos=True,
         )
         for _ in engine.generate(request, trace=trace.append):
@@ -263,7 +297,9 @@ def test_every_emitted_and_drafted_token_respects_truncation(load_engine, make_c
         generated = [t for e in engine.generate(request, trace=trace.append) for t in e.token_ids]
         everything = prompt + generated
         logits = np.array(model.language_model(mx.array(everything)[None])[0])
-        hidden = np.array(model.language_model.model(mx.array(everything)[None])[0]).astype(np.float64)
+        hidden = np.array(model.language_model.model(mx.array(everything)[None])[0]).astype(
+            np.float64
+        )
         for position in range(len(prompt), len(everything)):
             top3 = set(np.argsort(-logits[position - 1])[:3].tolist())
             assert everything[position] in top3
