@@ -51,7 +51,8 @@ class MTPHead(nn.Module):
             cache: the head's persistent KV cache; T positions are appended.
 
         Returns:
-            ``(out, logits)``: ``[1, T, H]`` post-norm states and ``[1, T, V]`` draft logits.
+            ``(out, logits)``: ``[1, T, H]`` post-norm states and ``[1, 1, V]`` draft logits of
+            the last pair.
         """
         embedded = trunk.model.embed_tokens(token_ids)
         if token_ids.shape[1] > MAX_COMPILED_T:  # prefill of a long prompt: eager
@@ -69,7 +70,9 @@ class MTPHead(nn.Module):
 
     def output(self, trunk: Any, z: mx.array) -> tuple[mx.array, mx.array]:
         out = self.norm(z)
-        return out, project_to_vocab(trunk, out)
+        # Only the last position drafts; earlier ones just fill the KV cache, so the
+        # vocabulary projection (the head's largest cost) runs on one row.
+        return out, project_to_vocab(trunk, out[:, -1:])
 
 
 def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:
