@@ -67,6 +67,17 @@ class ServerMetrics:
             "mtpserve_spec_draft_tokens_accepted", "MTP draft tokens accepted", registry=r
         )
         self.cycles = Counter("mtpserve_spec_cycles", "Decode cycles run", registry=r)
+        self.cycles_by_k = Counter(
+            "mtpserve_spec_cycles_by_draft_tokens",
+            "Decode cycles run with each draft length K (auto K picks it per cycle)",
+            ["k"],
+            registry=r,
+        )
+        self.draft_tokens_in_use = Gauge(
+            "mtpserve_spec_draft_tokens_mean",
+            "Mean draft length K per cycle of the last finished generation",
+            registry=r,
+        )
         self.generations = Counter(
             "mtpserve_generations", "Finished generations by outcome", ["outcome"], registry=r
         )
@@ -96,6 +107,12 @@ class ServerMetrics:
         self.draft_proposed.inc(stats.proposed)
         self.draft_accepted.inc(stats.accepted)
         self.cycles.inc(stats.cycles)
+        for k, n in enumerate(stats.k_histogram):
+            if n:
+                self.cycles_by_k.labels(k=str(k)).inc(n)
+        if stats.cycles:
+            mean_k = sum(k * n for k, n in enumerate(stats.k_histogram)) / stats.cycles
+            self.draft_tokens_in_use.set(mean_k)
         proposed = self.draft_proposed._value.get()
         accepted = self.draft_accepted._value.get()
         self.acceptance_rate.set(accepted / proposed if proposed else 0.0)

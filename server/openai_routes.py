@@ -158,6 +158,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _trim_zeros(counts: list[int]) -> list[int]:
+    while counts and counts[-1] == 0:
+        counts = counts[:-1]
+    return counts
+
+
 @dataclass
 class Usage:
     """Token counts of what was emitted, plus the engine's speculative figures."""
@@ -168,6 +174,8 @@ class Usage:
     proposed: int = 0
     accepted: int = 0
     cycles: int = 0
+    cycles_by_draft_tokens: list[int] = field(default_factory=list)
+    generation_seconds: float = 0.0
 
     def add_choice(self, stream: ChoiceStream) -> None:
         self.completion_tokens += stream.completion_tokens
@@ -177,6 +185,11 @@ class Usage:
             self.proposed += stats.proposed
             self.accepted += stats.accepted
             self.cycles += stats.cycles
+            self.generation_seconds += stats.generation_seconds
+            mine = self.cycles_by_draft_tokens or [0] * len(stats.k_histogram)
+            self.cycles_by_draft_tokens = [
+                a + b for a, b in zip(mine, stats.k_histogram, strict=False)
+            ]
 
     def body(self) -> dict[str, Any]:
         return {
@@ -189,6 +202,14 @@ class Usage:
                 "accepted": self.accepted,
                 "acceptance_rate": (self.accepted / self.proposed) if self.proposed else 0.0,
                 "cycles": self.cycles,
+                # K actually used per cycle (index = K; auto K chooses per cycle)
+                "cycles_by_draft_tokens": _trim_zeros(self.cycles_by_draft_tokens),
+                "tokens_per_cycle": self.completion_tokens / self.cycles if self.cycles else 0.0,
+                "generation_tokens_per_second": (
+                    self.completion_tokens / self.generation_seconds
+                    if self.generation_seconds
+                    else 0.0
+                ),
             },
         }
 

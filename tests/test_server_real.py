@@ -102,6 +102,9 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert full.usage.completion_tokens <= 40
     spec = full.usage.model_extra["speculative"]
     assert spec["draft_tokens"] == 2 and spec["proposed"] >= spec["accepted"] >= 0
+    # the K in use is visible: every cycle ran K=2, or K=0/1 where max_tokens capped it
+    assert sum(spec["cycles_by_draft_tokens"]) == spec["cycles"] > 0
+    assert len(spec["cycles_by_draft_tokens"]) <= 3 and spec["generation_tokens_per_second"] > 0
     # the emitted tokens' bytes rebuild the text (minus a final EOS, which has no text)
     items = choice.logprobs.content
     if choice.finish_reason == "stop":
@@ -360,3 +363,12 @@ def test_edge_sampling_values_are_served(http: httpx.Client, body: dict) -> None
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_metrics_show_the_draft_length_in_use(client: openai.OpenAI, http: httpx.Client) -> None:
+    client.completions.create(
+        model="demo", prompt="def add(a, b):", max_tokens=24, temperature=0,
+        extra_body={"draft_tokens": 3, "ignore_eos": True},
+    )
+    assert metric(http, 'mtpserve_spec_cycles_by_draft_tokens_total{k="3"}') > 0
+    assert metric(http, "mtpserve_spec_draft_tokens_mean") > 0
