@@ -1,0 +1,77 @@
+"""The `mtpserve generate` contract that tests and benchmarks rely on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mtpserve.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_json_and_trace_contract(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    out = generate(
+        "--model",
+        str(tiny_checkpoint),
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "30",
+        "--temperature",
+        "0",
+        "--draft-tokens",
+        "3",
+        "--ignore-eos",
+        "--json",
+        "--trace",
+        str(trace),
+        "--n",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) == {"prompt_token_ids", "choices", "stats"}
+    assert len(result["choices"]) == 2
+    for choice in result["choices"]:
+        assert set(choice) >= {"token_ids", "text", "finish_reason"}
+        assert len(choice["token_ids"]) == 30 and choice["finish_reason"] == "length"
+    stats = result["stats"]
+    for key in (
+        "draft_tokens",
+        "proposed",
+        "accepted",
+        "acceptance_rate",
+        "accepted_per_position",
+        "cycles",
+        "prompt_tps",
+        "generation_tps",
+        "peak_memory_bytes",
+    ):
+        assert key in stats
+    assert stats["draft_tokens"] == 3 and len(stats["accepted_per_position"]) == 3
+    assert stats["peak_memory_bytes"] > 0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {line["choice"] for line in lines} == {0, 1}
+    assert sum(1 for line in lines if line["choice"] == 0) == stats["cycles"] // 2
+    prompt, generated = result["prompt_token_ids"], result["choices"][0]["token_ids"]
+    for line in (ln for ln in lines if ln["choice"] == 0):
+        c = line["context_len"]
+        assert (prompt + generated)[c : c + len(line["emitted"])] == line["emitted"]
+        assert set(line) == {"choice", "context_len", "draft", "accepted", "emitted"}
+
+
+def test_bad_sampler_value_is_a_clear_error(tiny_checkpoint: Path) -> None:
+    out = generate("--model", str(tiny_checkpoint), "--prompt", "x", "--top-p", "1.5")
+    assert out.returncode == 2 and "top_p" in out.stderr and "Traceback" not in out.stderr
