@@ -240,3 +240,35 @@ def test_converted_layout_gives_the_same_drafts(tmp_path: Path, make_checkpoint)
         )
         outputs.append((tokens, [line["draft"] for line in trace]))
     assert outputs[0] == outputs[1]
+
+
+def test_flat_text_config_with_plain_model_prefix(tmp_path: Path, load_engine) -> None:
+    """A text-only checkpoint: flat config (model_type qwen3_5_text), tensors named
+    ``model.layers.*`` / ``model.embed_tokens`` and the head under ``mtp.*``."""
+    from safetensors.numpy import load_file, save_file
+
+    variant = VARIANTS["dense-untied-sharded"]
+    flat_dir = tmp_path / "flat"
+    write_checkpoint(flat_dir, variant)
+    config = json.loads((flat_dir / "config.json").read_text())
+    (flat_dir / "config.json").write_text(json.dumps(config["text_config"]))
+    index_path = flat_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(flat_dir / shard))
+        renamed = {k.replace("model.language_model.", "model."): v for k, v in tensors.items()}
+        save_file(renamed, str(flat_dir / shard))
+    index["weight_map"] = {
+        k.replace("model.language_model.", "model."): v for k, v in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+
+    flat = Engine.load(str(flat_dir), draft_tokens=2)
+    nested = load_engine(variant.name, draft_tokens=0)
+    prompt = nested.tokenizer.encode(PROMPTS[0])
+    outputs = []
+    for engine in (flat, nested):
+        trace: list[dict] = []
+        tokens, _ = run(engine, greedy_request(prompt, 2, 40, ignore_eos=True), trace)
+        outputs.append((tokens, [line["draft"] for line in trace]))
+    assert flat.has_head and outputs[0] == outputs[1]
