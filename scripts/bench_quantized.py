@@ -240,6 +240,13 @@ trunks decode *slower* than the float32-widened bf16 trunk, and a verify over K+
 proportionally more: the speed-up columns describe this CPU, not Apple GPUs where 4/8-bit
 weights cut the bytes each step reads. Acceptance and memory are what these rows show.
 """
+    doc += """
+**Making such folders.** `mtpserve convert --model SRC --out DIR --bits 4 --head-bits 8` writes
+a normal mlx-lm folder plus `mtp.safetensors` (named in DIR's `config.json`);
+`mtpserve extract-head --model ORIGINAL --into DIR --head-bits 8` adds the head to a folder
+converted without one (e.g. an mlx-community model; a repo id downloads only the shards that
+hold `mtp.*`); `--mtp-weights FILE` points any load at a sidecar explicitly.
+"""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
