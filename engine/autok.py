@@ -139,7 +139,8 @@ def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9) -> CostTa
 
 
 def load_or_measure(engine: Any, refresh: bool = False) -> CostTable:
-    path = CACHE_DIR / f"costs-{machine_key(engine.loaded.model_dir)}.json"
+    key = machine_key(engine.loaded.model_dir)
+    path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}.json"
     if path.exists() and not refresh:
         try:
             return CostTable(**json.loads(path.read_text()))

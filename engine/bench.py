@@ -24,6 +24,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from engine.blas import blas_in_use
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_prompts.jsonl"
 
 
@@ -160,7 +162,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from engine.autok import expected_tokens, load_or_measure
     from engine.runtime import Engine
 
-    engine = Engine.load(args.model, draft_tokens=None, mtp_weights=args.mtp_weights)
+    engine = Engine.load(
+        args.model, draft_tokens=None, mtp_weights=args.mtp_weights, draft_vocab=args.draft_vocab
+    )
     samplers = parse_samplers(args.sampler, engine)
     ks: list[int | None] = [None if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
     if not engine.has_head:
@@ -272,7 +276,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": str(engine.loaded.model_dir),
         "machine": costs.machine,
-        "blas": __import__("engine.blas", fromlist=["blas_in_use"]).blas_in_use(),
+        "blas": blas_in_use(),
+        "draft_vocab_size": engine.draft_vocab_size,
+        "draft_vocab_bytes": engine.draft_vocab_bytes,
         "max_tokens": args.max_tokens,
         "prompts": len(prompts),
         "repeats": args.repeats,
@@ -343,7 +349,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<26}prediction gap: {r['gap_note']}")
     lines.append(
         f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
-        f"{result['head_bytes'] / 2**20:.1f} MiB; BLAS: {result['blas']}"
+        f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "
+        f"for a draft vocabulary of {result['draft_vocab_size']}); BLAS: {result['blas']}"
     )
     return "\n".join(lines)
 
@@ -405,6 +412,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="speed-up, acceptance and memory vs plain decoding and mlx-lm")
     p.add_argument("--model", default=default_model())
     p.add_argument("--mtp-weights", default=None)
+    p.add_argument("--draft-vocab", type=int, default=None, help="see mtpserve generate --help")
     p.add_argument("--draft-tokens", default="0,1,2,3,4,auto")
     p.add_argument("--sampler", default="greedy,preset:qwen")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -72,7 +72,39 @@ class MTPHead(nn.Module):
         out = self.norm(z)
         # Only the last position drafts; earlier ones just fill the KV cache, so the
         # vocabulary projection (the head's largest cost) runs on one row.
-        return out, project_to_vocab(trunk, out[:, -1:])
+        last = out[:, -1:]
+        draft = self.__dict__.get("_draft_vocab")
+        if draft is None:
+            return out, project_to_vocab(trunk, last)
+        ids, weight = draft
+        logits = mx.full((*last.shape[:-1], trunk.args.vocab_size), -mx.inf, dtype=mx.float32)
+        logits[..., ids] = (last @ weight.T).astype(mx.float32)
+        return out, logits
+
+    def set_draft_vocab(self, trunk: Any, ids: list[int] | None) -> int:
+        """Draft only over ``ids`` (others get probability 0 in q); None restores the full
+        vocabulary. Returns the bytes of the gathered projection rows this costs.
+
+        Why: with a small trunk the head's full-vocabulary projection is most of a draft step
+        (docs/BENCHMARKS.md). Exactness is untouched: q is still the distribution the draft
+        was drawn from, and the acceptance rule is exact for any q; only acceptance can drop,
+        by at most the target mass outside ``ids``.
+        """
+        self.__dict__.pop("_mtpserve_compiled", None)  # the output block closes over it
+        if ids is None:
+            self.__dict__.pop("_draft_vocab", None)
+            return 0
+        if trunk.args.tie_word_embeddings:
+            table = trunk.model.embed_tokens
+        else:
+            table = trunk.lm_head
+        if not hasattr(table, "weight") or "scales" in table:
+            raise ValueError("a draft vocabulary needs an unquantized output projection")
+        index = mx.array(sorted(set(ids)), dtype=mx.uint32)
+        weight = table.weight[index]
+        mx.eval(weight)
+        self.__dict__["_draft_vocab"] = (index, weight)
+        return weight.nbytes
 
 
 def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:

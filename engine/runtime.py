@@ -31,8 +31,10 @@ from sampling.params import SamplingOverrides, generation_config_defaults
 
 log = logging.getLogger("mtpserve.engine")
 
-#: K used when the caller asks for automatic K before costs are measured.
+#: Largest K a request may ask for.
 MAX_DRAFT_TOKENS = 8
+#: Optional file in a model folder: token ids by corpus frequency, for the draft vocabulary.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 @dataclass
@@ -61,6 +63,9 @@ class Engine:
     profile: bool = False
     #: draft-confidence cut (see engine.speculative); off unless the bench shows it pays
     draft_confidence: float | None = None
+    #: tokens the head drafts over (see set_draft_vocab) and the bytes that subset costs
+    draft_vocab_size: int = 0
+    draft_vocab_bytes: int = 0
 
     @classmethod
     def load(
@@ -71,6 +76,7 @@ class Engine:
         mtp_weights: str | None = None,
         dtype: str = "auto",
         model_id: str | None = None,
+        draft_vocab: int | None = None,
     ) -> Engine:
         from transformers import AutoTokenizer
 
@@ -84,11 +90,37 @@ class Engine:
             eos_token_ids=_eos_ids(loaded.model_dir, loaded.config, tokenizer),
             sampling_defaults=generation_config_defaults(loaded.model_dir),
         )
+        if loaded.head is not None:
+            engine.set_draft_vocab(draft_vocab)
         if draft_tokens is None and loaded.head is not None:
             from engine.autok import AutoK
 
             engine.autok = AutoK.for_engine(engine)
         return engine
+
+    def set_draft_vocab(self, size: int | None) -> None:
+        """Restrict drafting to ``size`` tokens (0: the full vocabulary; None: the checkpoint's
+        ``draft_vocab.json`` default if it has one, else the full vocabulary).
+
+        The subset is the most frequent tokens listed in ``draft_vocab.json`` (written by
+        ``scripts/draft_vocab.py`` from a corpus) or, without that file, the first ``size`` ids
+        (BPE merge order approximates frequency); every added/special token is always in it.
+        """
+        path = self.loaded.model_dir / DRAFT_VOCAB_FILE
+        listed = json.loads(path.read_text()) if path.exists() else None
+        if size is None:
+            size = listed["default_size"] if listed else 0
+        head = self.loaded.head
+        if not size or size >= self.vocab_size:
+            head.set_draft_vocab(self.trunk, None)
+            self.draft_vocab_size = self.vocab_size
+            return
+        ranked = listed["ids_by_frequency"] if listed else list(range(self.vocab_size))
+        ids = set(ranked[:size]) | set(self.eos_token_ids)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        ids |= {i for i in added if i < self.vocab_size}
+        self.draft_vocab_bytes = head.set_draft_vocab(self.trunk, sorted(ids))
+        self.draft_vocab_size = len(ids)
 
     # -- facts the server and CLI need -------------------------------------------------------
     @property

@@ -45,6 +45,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative draft length K (0 = plain decoding) or 'auto' (default)",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft over the N most frequent tokens (0: full vocabulary; default: the "
+        "checkpoint's draft_vocab.json default, else full)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +92,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
     engine = Engine.load(
-        args.model, draft_tokens=args.draft_tokens, mtp_weights=args.mtp_weights, dtype=args.dtype
+        args.model,
+        draft_tokens=args.draft_tokens,
+        mtp_weights=args.mtp_weights,
+        dtype=args.dtype,
+        draft_vocab=args.draft_vocab,
     )
     if args.chat:
         prompt_ids = engine.tokenizer.apply_chat_template(

@@ -272,3 +272,21 @@ def test_flat_text_config_with_plain_model_prefix(tmp_path: Path, load_engine) -
         tokens, _ = run(engine, greedy_request(prompt, 2, 40, ignore_eos=True), trace)
         outputs.append((tokens, [line["draft"] for line in trace]))
     assert flat.has_head and outputs[0] == outputs[1]
+
+
+def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
+    """Drafting over a token subset changes acceptance, never the output; drafts stay inside it."""
+    engine = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    plain, _ = run(engine, greedy_request(prompt, 0, 120, ignore_eos=True))
+    engine.set_draft_vocab(64)
+    allowed = set(range(64)) | set(engine.eos_token_ids)
+    assert engine.draft_vocab_size >= 64 and engine.draft_vocab_bytes > 0
+    for k in (1, 3):
+        trace: list[dict] = []
+        spec, _ = run(engine, greedy_request(prompt, k, 120, ignore_eos=True), trace)
+        assert spec == plain
+        drafted = {d for line in trace for d in line["draft"]}
+        assert drafted and drafted <= allowed | set(engine.tokenizer.added_tokens_decoder)
+    engine.set_draft_vocab(0)
+    assert engine.draft_vocab_size == engine.vocab_size

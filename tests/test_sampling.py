@@ -338,3 +338,18 @@ def test_generation_config_defaults_reach_generation(tmp_path: Path, make_checkp
     assert run(SamplingOverrides(seed=2)) == greedy
     sampled = {tuple(run(SamplingOverrides(top_k=0, seed=s))) for s in range(4)}
     assert len(sampled) > 1
+
+
+def test_speculative_sampling_with_a_draft_vocabulary_matches_plain(make_checkpoint) -> None:
+    """q restricted to a token subset is still an exact draft distribution."""
+    from engine.runtime import Engine
+
+    engine = Engine.load(str(make_checkpoint(VARIANTS["dense-tied"])), draft_tokens=0)
+    engine.set_draft_vocab(160)
+    prompt = engine.tokenizer.encode("The quick")
+    params = SamplingParams(temperature=1.0, top_k=40)
+    plain = _first_tokens(engine, prompt, params, 0, 700)
+    spec = _first_tokens(engine, prompt, params, 2, 700)
+    for position in range(3):
+        p = _homogeneity_pvalue(plain[:, position], spec[:, position])
+        assert p > ALPHA, f"position {position + 1}: p={p:.2g}"
