@@ -33,6 +33,7 @@ MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.15
 PROBE_EVERY = 8
+COST_EMA = 0.05
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -184,9 +185,14 @@ class RequestAutoK:
                 return 1
         return k
 
-    def observe(self, k: int, n_accepted: int) -> None:
-        """Update a_i for every position whose outcome the cycle revealed."""
+    def observe(self, k: int, n_accepted: int, seconds: float | None = None) -> None:
+        """Update a_i for every position whose outcome the cycle revealed, and the cost of a
+        K-cycle from its measured time (the start-up table drifts: context grows, the machine
+        gets busier or quieter)."""
         for i in range(min(k, n_accepted + 1)):
             hit = 1.0 if i < n_accepted else 0.0
             for table in (self.acceptance, self.shared.acceptance):
                 table[i] += EMA * (hit - table[i])
+        cycle = self.shared.costs.cycle
+        if seconds is not None and k < len(cycle):
+            cycle[k] += COST_EMA * (seconds - cycle[k])

@@ -1,0 +1,43 @@
+"""Automatic K: the cost model of REFERENCE §8 and the per-cycle choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.autok import AutoK, CostTable, best_k, expected_tokens
+
+
+def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
+    a = [0.8, 0.5, 0.5]
+    assert expected_tokens(a, 0) == 1.0
+    assert expected_tokens(a, 1) == pytest.approx(1.8)
+    assert expected_tokens(a, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def test_best_k_follows_costs_and_acceptance() -> None:
+    cheap = CostTable(cycle=[1.0, 1.1, 1.2, 1.3, 1.4], trunk=[1.0] * 5, head_step=0.05)
+    dear = CostTable(cycle=[1.0, 1.9, 2.8, 3.7, 4.6], trunk=[1.0] * 5, head_step=0.9)
+    assert best_k(cheap, [0.9] * 4) == 4  # bandwidth-bound: long drafts pay
+    assert best_k(cheap, [0.05] * 4) == 0  # nothing accepted: do not speculate
+    assert best_k(dear, [0.9] * 4) == 0  # drafting costs more than it returns
+
+
+def test_auto_k_adapts_to_observed_acceptance_and_probes_from_zero() -> None:
+    costs = CostTable(cycle=[1.0, 1.2, 1.4, 1.6, 1.8], trunk=[1.0] * 5, head_step=0.1)
+    request = AutoK(costs).for_request()
+    assert request.choose(None) > 0
+    for _ in range(60):  # the head never gets anything right
+        request.observe(request.choose(None), 0, None)
+    choices = [request.choose(None) for _ in range(16)]
+    assert choices.count(0) >= 14 and 1 in choices  # plain decoding, with a probe now and then
+    for _ in range(80):  # text turns predictable again
+        request.observe(max(1, request.choose(None)), 1, None)
+    assert request.choose(None) > 0
+
+
+def test_observed_cycle_times_update_the_cost_table() -> None:
+    costs = CostTable(cycle=[1.0, 1.2], trunk=[1.0, 1.0], head_step=0.1)
+    request = AutoK(costs).for_request()
+    for _ in range(200):
+        request.observe(1, 1, 3.0)
+    assert costs.cycle[1] == pytest.approx(3.0, rel=0.01)
