@@ -80,8 +80,11 @@ def machine_key(model_dir: Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9) -> CostTable:
-    """Time real cycles on a dummy sequence (greedy, 128-token context), median of ``reps``."""
+def measure_costs(
+    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9, params: Any = None
+) -> CostTable:
+    """Time real cycles on a dummy sequence (128-token context; greedy unless ``params``),
+    median of ``reps`` interleaved repetitions."""
     from engine.api import GenerationRequest
     from engine.runtime import DraftPolicy
     from engine.speculative import commit, run_cycle
@@ -89,7 +92,8 @@ def measure_costs(engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9) -> CostTa
     from sampling.params import SamplingParams
 
     rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
-    request = GenerationRequest(rng_ids, SamplingParams(temperature=0.0), max_tokens=1)
+    params = params or SamplingParams(temperature=0.0)
+    request = GenerationRequest(rng_ids, params, max_tokens=1)
     seq = engine.start(request, DraftPolicy(fixed=max_k))
     trunk, head = engine.trunk, engine.loaded.head
 

@@ -159,7 +159,7 @@ def run_ours(
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from engine.autok import expected_tokens, load_or_measure
+    from engine.autok import load_or_measure, measure_costs
     from engine.runtime import Engine
 
     engine = Engine.load(
@@ -178,6 +178,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         else 0
     )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
     costs = load_or_measure(engine, refresh=True)  # the bench always measures afresh
+    # The prediction for each sampler uses cycle costs measured with that sampler (truncation
+    # and sampling add work per cycle that greedy decoding does not have).
+    sampler_costs = {
+        name: costs if params.greedy else measure_costs(engine, params=params)
+        for name, params in samplers.items()
+    }
 
     configs: list[tuple[str, Any, float | None]] = [("mlx_lm", "mlx_lm", None)]
     configs += [(f"K={k}" if k is not None else "auto", k, None) for k in ks]
@@ -249,14 +255,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 a / p if p else 0.0
                 for a, p in zip(row.accepted_per_position, row.proposed_per_position, strict=True)
             ]
-            if k < len(costs.cycle):
-                row.predicted_speedup = (
-                    expected_tokens(per_position, k) / costs.cycle[k] * costs.cycle[0]
-                )
+            table = sampler_costs[sname]
+            if k < len(table.cycle):
+                row.predicted_speedup = table.predicted_speedup(per_position, k)
                 measured_cycle = row.generation_seconds / row.cycles
                 if row.predicted_speedup and abs(row.speedup / row.predicted_speedup - 1) > 0.10:
                     row.gap_note = _gap_note(
-                        measured_cycle, costs, k, row, rows.get((sname, "K=0"))
+                        measured_cycle, table, k, row, rows.get((sname, "K=0"))
                     )
             heads_per_cycle = k
             row.bandwidth_gbps = (
@@ -284,7 +289,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "trunk_bytes": trunk_bytes,
         "head_bytes": head_bytes,
-        "costs": asdict(costs),
+        "costs": {name: asdict(table) for name, table in sampler_costs.items()},
         "rows": [asdict(r) for r in rows.values()],
     }
 

@@ -123,10 +123,19 @@ def truncated_probs(
 
     logits = logits / params.temperature
     if 0 < params.top_k < vocab:
-        kth = mx.sort(logits, axis=-1)[:, vocab - params.top_k][:, None]
-        logits = mx.where(logits >= kth, logits, -mx.inf)
-    probs = mx.softmax(logits, axis=-1, precise=True)
+        # Everything after top_k happens on the k candidates only (the rest have probability
+        # 0 from here on), then scatters back: no full-vocabulary sort on the hot path.
+        candidates = mx.argpartition(-logits, kth=params.top_k - 1, axis=-1)[:, : params.top_k]
+        kept = mx.softmax(mx.take_along_axis(logits, candidates, axis=-1), axis=-1, precise=True)
+        kept = _top_p_min_p(kept, params)
+        return mx.put_along_axis(
+            mx.zeros(logits.shape, dtype=mx.float32), candidates, kept, axis=-1
+        )
+    return _top_p_min_p(mx.softmax(logits, axis=-1, precise=True), params)
 
+
+def _top_p_min_p(probs: mx.array, params: SamplingParams) -> mx.array:
+    """top_p then min_p on rows of probabilities (any width), each renormalised."""
     if params.top_p < 1.0:
         order = mx.argsort(-probs, axis=-1)
         sorted_probs = mx.take_along_axis(probs, order, axis=-1)
