@@ -28,6 +28,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="MTP draft tokens per cycle: an integer (0 = plain decoding) or 'auto'",
     )
     parser.add_argument("--mtp-weights", dest="mtp_weights", help="MTP head sidecar file")
+    parser.add_argument(
+        "--draft-vocab",
+        dest="draft_vocab",
+        type=int,
+        help="draft over the N most frequent tokens (0: full vocabulary; default: the "
+        "checkpoint's draft_vocab.json, else full)",
+    )
     parser.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--preset", help="sampler preset from configs/presets.toml")
     parser.add_argument(
@@ -56,6 +63,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "host",
             "port",
             "mtp_weights",
+            "draft_vocab",
             "api_key",
             "preset",
             "max_queue",
@@ -82,7 +90,10 @@ def engine_factory(settings: ServerSettings) -> Any:
         from engine.runtime import Engine  # lazy: the server process imports mlx only here
 
         return Engine.load(
-            settings.model, draft_tokens=settings.draft_tokens, mtp_weights=settings.mtp_weights
+            settings.model,
+            draft_tokens=settings.draft_tokens,
+            mtp_weights=settings.mtp_weights,
+            draft_vocab=settings.draft_vocab,
         )
 
     return load

@@ -40,6 +40,7 @@ class ServerSettings(BaseSettings):
     #: Speculative draft length K (0 = plain decoding); None = the engine's automatic choice.
     draft_tokens: int | None = Field(None, ge=0, le=32)
     mtp_weights: str | None = None
+    draft_vocab: int | None = Field(None, ge=0)
     #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
     api_key: SecretStr | None = None
     #: A sampler preset from configs/presets.toml (between generation_config and the request).
