@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.blas import use_fast_blas
+from server.cli import add_serve_arguments, run_serve
 
 use_fast_blas()  # before anything imports mlx
 
@@ -233,21 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)
 
-    try:
-        from server.cli import add_serve_arguments, run_serve
-    except ImportError:  # server not built yet
-        pass
-    else:
-        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        add_serve_arguments(serve)
-        serve.set_defaults(func=run_serve)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
 
-    for module in ("engine.bench", "engine.convert"):
-        try:
-            mod = __import__(module, fromlist=["add_arguments"])
-        except ImportError:
-            continue
-        mod.register(sub)
+    # Importing `engine` preloaded OpenBLAS above, before these modules import mlx.
+    from engine import bench, convert
+
+    bench.register(sub)
+    convert.register(sub)
     return parser
 
 
