@@ -58,18 +58,15 @@ class Row:
 
 
 def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str, Any]]:
+    from engine.runtime import chat_prompt_ids
+
     prompts = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         item = json.loads(line)
         if item.get("chat"):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": item["prompt"]}],
-                add_generation_prompt=True,
-                tokenize=True,
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": item["prompt"]}])
         else:
             ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
         prompts.append({**item, "ids": list(ids)})

@@ -262,6 +262,20 @@ class Engine:
                 return
 
 
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any
+) -> list[int]:
+    """Render the checkpoint's chat template (generation prompt included) and encode it.
+
+    Renders to text first: transformers 5 returns a BatchEncoding from ``tokenize=True``, and
+    text is what the server encodes too, so the CLI, the bench and the server agree.
+    """
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def _apply_stops(
     emitted: list[int], stop_ids: frozenset[int], remaining: int
 ) -> tuple[int, str | None]:

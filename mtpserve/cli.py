@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from engine.api import GenerationRequest, GenerationStats
-    from engine.runtime import Engine
+    from engine.runtime import Engine, chat_prompt_ids
     from sampling.params import SamplingParamError, preset, resolve
 
     if args.n < 1:
@@ -100,14 +100,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
     )
     if args.chat:
-        prompt_ids = engine.tokenizer.apply_chat_template(
+        prompt_ids = chat_prompt_ids(
+            engine.tokenizer,
             [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
             enable_thinking=not args.no_thinking,
         )
-        if isinstance(prompt_ids, dict):  # transformers 5 returns a BatchEncoding
-            prompt_ids = prompt_ids["input_ids"]
     else:
         prompt_ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt_ids = list(prompt_ids)

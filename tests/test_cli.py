@@ -75,3 +75,17 @@ def test_json_and_trace_contract(tiny_checkpoint: Path, tmp_path: Path) -> None:
 def test_bad_sampler_value_is_a_clear_error(tiny_checkpoint: Path) -> None:
     out = generate("--model", str(tiny_checkpoint), "--prompt", "x", "--top-p", "1.5")
     assert out.returncode == 2 and "top_p" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_chat_prompt_uses_the_template(tiny_checkpoint: Path) -> None:
+    out = generate(
+        "--model", str(tiny_checkpoint), "--prompt", "hello", "--chat", "--no-thinking",
+        "--max-tokens", "4", "--temperature", "0", "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    prompt = tokenizer.decode(json.loads(out.stdout)["prompt_token_ids"])
+    assert prompt.startswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith("<think>\n\n</think>\n\n")
