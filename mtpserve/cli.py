@@ -86,6 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from engine.api import GenerationRequest, GenerationStats
+    from engine.detokenizer import IncrementalDetokenizer
     from engine.runtime import Engine, chat_prompt_ids
     from sampling.params import SamplingParamError, preset, resolve
 
@@ -140,11 +141,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             token_ids: list[int] = []
             event = None
+            # UTF-8 safe streaming text without the EOS token (the server's detokenizer).
+            detokenizer = IncrementalDetokenizer(engine.tokenizer, skip_ids=engine.eos_token_ids)
             for event in engine.generate(request, trace=trace):
                 token_ids += event.token_ids
                 if not args.json:
-                    sys.stdout.write(engine.tokenizer.decode(event.token_ids))
+                    sys.stdout.write(detokenizer.add(event.token_ids))
                     sys.stdout.flush()
+            if not args.json:
+                sys.stdout.write(detokenizer.flush())
             assert event is not None and event.stats is not None
             _accumulate(total, event.stats)
             choices.append(
