@@ -329,3 +329,20 @@ def test_cli(make_checkpoint, tmp_path, capsys) -> None:
     assert "not empty" in capsys.readouterr().err
     assert main(["extract-head", "--model", src, "--into", str(tmp_path / "q")]) == 2
     assert "already has an MTP head" in capsys.readouterr().err
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine.mtp.MTPHead.set_draft_vocab refuses a quantized output projection, so a "
+    "quantized folder holding draft_vocab.json (convert copies it) does not load; "
+    "fix: dequantize the gathered rows (mx.dequantize of weight/scales/biases[index])",
+)
+def test_quantized_trunk_with_draft_vocab_loads(converted, tmp_path) -> None:
+    folder = copy_folder(converted("dense-tied", 4, 8), tmp_path / "m")
+    vocab = json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"]
+    (folder / "draft_vocab.json").write_text(
+        json.dumps({"default_size": vocab // 2, "ids_by_frequency": list(range(vocab))})
+    )
+    engine = Engine.load(str(folder), draft_tokens=0)
+    assert engine.draft_vocab_size < vocab
+    assert_speculative_equals_plain(engine, ks=(1, 2))
