@@ -98,10 +98,21 @@ class MTPHead(nn.Module):
             table = trunk.model.embed_tokens
         else:
             table = trunk.lm_head
-        if not hasattr(table, "weight") or "scales" in table:
-            raise ValueError("a draft vocabulary needs an unquantized output projection")
         index = mx.array(sorted(set(ids)), dtype=mx.uint32)
-        weight = table.weight[index]
+        if "scales" in table:
+            # Quantized output projection: dequantize just the gathered rows (on CPUs a float
+            # matmul over the subset is also faster than mlx's quantized kernels).
+            biases = table.get("biases")
+            weight = mx.dequantize(
+                table.weight[index],
+                table.scales[index],
+                None if biases is None else biases[index],
+                group_size=table.group_size,
+                bits=table.bits,
+                mode=getattr(table, "mode", "affine"),
+            ).astype(self.norm.weight.dtype)  # norms are never quantized: the head's float type
+        else:
+            weight = table.weight[index]
         mx.eval(weight)
         self.__dict__["_draft_vocab"] = (index, weight)
         return weight.nbytes

@@ -331,12 +331,6 @@ def test_cli(make_checkpoint, tmp_path, capsys) -> None:
     assert "already has an MTP head" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.mtp.MTPHead.set_draft_vocab refuses a quantized output projection, so a "
-    "quantized folder holding draft_vocab.json (convert copies it) does not load; "
-    "fix: dequantize the gathered rows (mx.dequantize of weight/scales/biases[index])",
-)
 def test_quantized_trunk_with_draft_vocab_loads(converted, tmp_path) -> None:
     folder = copy_folder(converted("dense-tied", 4, 8), tmp_path / "m")
     vocab = json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"]
