@@ -143,16 +143,18 @@ def measure_costs(
     return CostTable(cycle, trunk_costs, median(head_times), platform.platform())
 
 
-def load_or_measure(engine: Any, refresh: bool = False) -> CostTable:
+def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
+    """The cost table for greedy (``params`` None) or for sampling with ``params``."""
     key = machine_key(engine.loaded.model_dir)
-    path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}.json"
+    kind = "greedy" if params is None or params.greedy else "sampled"
+    path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
     if path.exists() and not refresh:
         try:
             return CostTable(**json.loads(path.read_text()))
         except (TypeError, ValueError):
             pass
     t = time.perf_counter()
-    costs = measure_costs(engine)
+    costs = measure_costs(engine, params=params)
     log.info("measured cycle costs in %.1fs: %s", time.perf_counter() - t, costs.cycle)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,15 +166,49 @@ def load_or_measure(engine: Any, refresh: bool = False) -> CostTable:
 
 @dataclass
 class AutoK:
+    """Shared state of one kind of decoding (greedy, or sampled): its cost table and the
+    acceptance prior for new requests. Greedy and sampled decoding differ in both — sampled
+    cycles do more work and accept less — so an engine keeps one AutoK per kind."""
+
     costs: CostTable
     acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_AUTO_K)
 
-    @classmethod
-    def for_engine(cls, engine: Any) -> AutoK:
-        return cls(load_or_measure(engine))
-
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, list(self.acceptance))
+
+
+@dataclass
+class EngineAutoK:
+    """One ``AutoK`` per decoding kind, measured on first use."""
+
+    engine: Any
+    kinds: dict[str, AutoK] = field(default_factory=dict)
+
+    def for_request(self, params: Any) -> RequestAutoK:
+        kind = "greedy" if params.greedy else "sampled"
+        if kind not in self.kinds:
+            sampled = None if params.greedy else _representative_sampler(self.engine, params)
+            self.kinds[kind] = AutoK(load_or_measure(self.engine, params=sampled))
+        return self.kinds[kind].for_request()
+
+
+def _representative_sampler(engine: Any, params: Any) -> Any:
+    """Sampled cycles cost about the same whatever the exact settings; measure with the
+    checkpoint's own defaults (or the request's when those are greedy), without penalties."""
+    from dataclasses import replace
+
+    from sampling.params import resolve
+
+    defaults = resolve(engine.sampling_defaults)
+    base = params if defaults.greedy else defaults
+    return replace(
+        base,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias={},
+        seed=0,
+    )
 
 
 @dataclass

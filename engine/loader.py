@@ -230,6 +230,8 @@ def _load_head(
         if not path.is_absolute() and not (mtp_weights and path.exists()):
             path = model_dir / path
         if not path.exists():
+            if mtp_weights:  # asked for explicitly: a typo must not silently mean "no MTP"
+                raise FileNotFoundError(f"--mtp-weights {mtp_weights!r} does not exist")
             return None, f"MTP sidecar {path} does not exist"
         files = [path]
     else:

@@ -27,7 +27,12 @@ from engine.api import (
     TokenLogprob,
 )
 from engine.speculative import CycleResult, Sequence, commit, run_cycle, start_sequence
-from sampling.params import SamplingOverrides, generation_config_defaults
+from sampling.params import (
+    SamplingOverrides,
+    SamplingParams,
+    generation_config_defaults,
+    resolve,
+)
 
 log = logging.getLogger("mtpserve.engine")
 
@@ -93,9 +98,11 @@ class Engine:
         if loaded.head is not None:
             engine.set_draft_vocab(draft_vocab)
         if draft_tokens is None and loaded.head is not None:
-            from engine.autok import AutoK
+            from engine.autok import EngineAutoK
 
-            engine.autok = AutoK.for_engine(engine)
+            engine.autok = EngineAutoK(engine)
+            # Measure greedy costs now (start-up, not the first request); sampled on first use.
+            engine.autok.for_request(resolve(SamplingOverrides(temperature=0.0)))
         return engine
 
     def set_draft_vocab(self, size: int | None) -> None:
@@ -139,17 +146,18 @@ class Engine:
     def context_length(self) -> int:
         return int(self.loaded.text_config.get("max_position_embeddings", 32768))
 
-    def policy(self, draft_tokens: int | None) -> DraftPolicy:
+    def policy(self, draft_tokens: int | None, params: SamplingParams | None = None) -> DraftPolicy:
         if not self.has_head:
             return DraftPolicy(fixed=0)
         if draft_tokens is None:
             draft_tokens = self.default_draft_tokens
         if draft_tokens is None:
             if self.autok is None:
-                from engine.autok import AutoK
+                from engine.autok import EngineAutoK
 
-                self.autok = AutoK.for_engine(self)
-            return DraftPolicy(fixed=None, chooser=self.autok.for_request())
+                self.autok = EngineAutoK(self)
+            params = params or SamplingParams(temperature=0.0)
+            return DraftPolicy(fixed=None, chooser=self.autok.for_request(params))
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         return DraftPolicy(fixed=draft_tokens)
@@ -183,14 +191,14 @@ class Engine:
     ) -> Iterator[GenerationEvent]:
         """Generate for one request. Synchronous; call from the thread that owns mlx."""
         self.check(request)
-        policy = self.policy(request.draft_tokens)
+        policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
         seq = self.start(request, policy)
         yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
-        policy = policy or self.policy(request.draft_tokens)
+        policy = policy or self.policy(request.draft_tokens, request.sampling)
         seq = start_sequence(
             self.trunk,
             self.loaded.head,
@@ -211,7 +219,7 @@ class Engine:
         prompt_seconds: float = 0.0,
     ) -> Iterator[GenerationEvent]:
         """Decode up to ``request.max_tokens`` more tokens onto ``seq`` (which may continue)."""
-        policy = policy or self.policy(request.draft_tokens)
+        policy = policy or self.policy(request.draft_tokens, request.sampling)
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         stats.prompt_seconds = prompt_seconds
         stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS

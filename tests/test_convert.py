@@ -221,6 +221,9 @@ def test_mtp_weights_points_at_a_sidecar(converted, headless, tmp_path, monkeypa
     wide = converted(Variant("wide", hidden=128, intermediate=256, head_dim=32), 4, 8)
     with pytest.raises(ValueError, match="does not match the trunk"):
         loader.load(str(headless), mtp_weights=str(wide / conv.SIDECAR_NAME))
+    # A path that does not exist is an error, not a silent fall-back to plain decoding.
+    with pytest.raises(FileNotFoundError, match="--mtp-weights"):
+        loader.load(str(headless), mtp_weights=str(tmp_path / "typo.safetensors"))
 
 
 def test_group_size_32_round_trip(converted, make_checkpoint, tmp_path) -> None:
