@@ -31,9 +31,15 @@ log = logging.getLogger("mtpserve.autok")
 
 MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
-EMA = 0.15
-PROBE_EVERY = 8
+EMA = 0.08
+PROBE_EVERY = 16
 COST_EMA = 0.05
+#: a position seen fewer times than this borrows its estimate from the one before it
+MIN_OBSERVATIONS = 8
+#: assumed ratio a_{i+1} / a_i for a position without enough observations of its own
+UNSEEN_DECAY = 0.85
+#: a longer draft must beat the current choice by this much before auto K switches to it
+SWITCH_MARGIN = 0.03
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -172,6 +178,7 @@ class AutoK:
 
     costs: CostTable
     acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_AUTO_K)
+    observations: list[int] = field(default_factory=lambda: [0] * MAX_AUTO_K)
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, list(self.acceptance))
@@ -216,9 +223,26 @@ class RequestAutoK:
     shared: AutoK
     acceptance: list[float]
     plain_cycles: int = 0
+    current: int = 0
+
+    def estimates(self) -> list[float]:
+        """Per-position acceptance; positions with too few observations (never drafted that
+        far) borrow from the previous position, so K=1 data can justify trying K=2."""
+        seen = self.shared.observations
+        out: list[float] = []
+        for i, a in enumerate(self.acceptance):
+            if i > 0 and seen[i] < MIN_OBSERVATIONS:
+                a = out[-1] * UNSEEN_DECAY
+            out.append(a)
+        return out
 
     def choose(self, seq: Any) -> int:
-        k = best_k(self.shared.costs, self.acceptance)
+        costs, acceptance = self.shared.costs, self.estimates()
+        k = best_k(costs, acceptance)
+        rate = lambda j: expected_tokens(acceptance, j) / costs.cycle[j]  # noqa: E731
+        if k != self.current and rate(k) < rate(self.current) * (1 + SWITCH_MARGIN):
+            k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
+        self.current = k
         if k == 0:
             self.plain_cycles += 1
             if self.plain_cycles % PROBE_EVERY == 0:
@@ -233,6 +257,7 @@ class RequestAutoK:
             hit = 1.0 if i < n_accepted else 0.0
             for table in (self.acceptance, self.shared.acceptance):
                 table[i] += EMA * (hit - table[i])
+            self.shared.observations[i] += 1
         cycle = self.shared.costs.cycle
         if seconds is not None and k < len(cycle):
             cycle[k] += COST_EMA * (seconds - cycle[k])

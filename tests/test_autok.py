@@ -41,3 +41,14 @@ def test_observed_cycle_times_update_the_cost_table() -> None:
     for _ in range(200):
         request.observe(1, 1, 3.0)
     assert costs.cycle[1] == pytest.approx(3.0, rel=0.01)
+
+
+def test_unobserved_positions_borrow_from_the_previous_one() -> None:
+    """Only K=1 has ever run: a high first-position acceptance still justifies trying longer
+    drafts when cycles are cheap (otherwise auto K could never leave K=1)."""
+    costs = CostTable(cycle=[1.0, 1.05, 1.1, 1.15, 1.2], trunk=[1.0] * 5, head_step=0.02)
+    request = AutoK(costs).for_request()
+    for _ in range(40):
+        request.observe(1, 1, None)
+    assert request.estimates()[1] == pytest.approx(request.estimates()[0] * 0.85)
+    assert request.choose(None) >= 2
