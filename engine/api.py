@@ -61,6 +61,28 @@ class GenerationStats:
     accept_seconds: float = 0.0
     commit_seconds: float = 0.0
 
+    def add(self, other: GenerationStats) -> None:
+        """Sum another generation's figures into these (for totals over several choices)."""
+        for name in (
+            "prompt_tokens",
+            "completion_tokens",
+            "proposed",
+            "accepted",
+            "cycles",
+            "prompt_seconds",
+            "generation_seconds",
+            "draft_seconds",
+            "verify_seconds",
+            "accept_seconds",
+            "commit_seconds",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.draft_tokens = max(self.draft_tokens, other.draft_tokens)
+        for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine = mine or [0] * len(theirs)
+            setattr(self, name, [a + b for a, b in zip(mine, theirs, strict=True)])
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0

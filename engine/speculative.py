@@ -85,7 +85,13 @@ def start_sequence(
         history=history,
         key=mx.random.key(seed),
     )
-    body = prompt_ids[:-1]
+    _prefill(trunk, head, seq, prompt_ids[:-1])
+    return seq
+
+
+def _prefill(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -> None:
+    """Feed ``body`` (tokens after the cache's end) through the trunk in chunks, and their
+    committed pairs through the head's cache (the last pair stays pending for the next draft)."""
     for start in range(0, len(body), PREFILL_CHUNK):
         chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
         hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
@@ -93,7 +99,6 @@ def start_sequence(
             seq.head_pending.append(hidden)
             _absorb_pending(trunk, head, seq, keep_last=True)
         mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
-    return seq
 
 
 def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
@@ -219,13 +224,7 @@ def extend_sequence(trunk: Any, head: MTPHead | None, seq: Sequence, token_ids: 
         return
     body = [seq.tokens[-1], *token_ids[:-1]]
     seq.tokens.extend(token_ids)
-    for start in range(0, len(body), PREFILL_CHUNK):
-        chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
-        hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
-        if seq.head_cache is not None:
-            seq.head_pending.append(hidden)
-            _absorb_pending(trunk, head, seq, keep_last=True)
-        mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+    _prefill(trunk, head, seq, body)
     if seq.history is not None:
         # Appended text counts as prompt (seen) for the repetition penalty, not as output.
         seq.history.seen[mx.array(token_ids)] = True

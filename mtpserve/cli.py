@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     trace_file = open(args.trace, "w") if args.trace else None  # noqa: SIM115
     choices: list[dict[str, Any]] = []
-    total = GenerationStats(prompt_tokens=len(prompt_ids))
+    total = GenerationStats()
     mx.reset_peak_memory()
     try:
         for i in range(args.n):
@@ -151,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not args.json:
                 sys.stdout.write(detokenizer.flush())
             assert event is not None and event.stats is not None
-            _accumulate(total, event.stats)
+            total.add(event.stats)
             choices.append(
                 {
                     "token_ids": token_ids,
@@ -183,21 +183,6 @@ def _visible_text(engine: Any, token_ids: list[int]) -> str:
     """Decoded text without a trailing EOS token."""
     ids = token_ids[:-1] if token_ids and token_ids[-1] in engine.eos_token_ids else token_ids
     return engine.tokenizer.decode(ids)
-
-
-def _accumulate(total: Any, s: Any) -> None:
-    total.draft_tokens = s.draft_tokens
-    total.completion_tokens += s.completion_tokens
-    total.proposed += s.proposed
-    total.accepted += s.accepted
-    total.cycles += s.cycles
-    total.prompt_seconds += s.prompt_seconds
-    total.generation_seconds += s.generation_seconds
-    for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
-        mine, theirs = getattr(total, name), getattr(s, name)
-        setattr(
-            total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)]
-        )
 
 
 def _stats_json(s: Any, peak: int) -> dict[str, Any]:

@@ -290,3 +290,22 @@ def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
         assert drafted and drafted <= allowed | set(engine.tokenizer.added_tokens_decoder)
     engine.set_draft_vocab(0)
     assert engine.draft_vocab_size == engine.vocab_size
+
+
+def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> None:
+    """Tokens appended after a generation (the next turn) are prefilled into trunk and head
+    caches exactly: continuing equals a fresh run on the whole text."""
+    from engine.speculative import extend_sequence
+
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    first, turn = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[1])
+    request = greedy_request(first, 2, 7, ignore_eos=True)
+    seq = engine.start(request)
+    list(engine.decode(seq, request))
+    extend_sequence(engine.trunk, engine.loaded.head, seq, turn)
+    assert_invariant(seq)
+    so_far = list(seq.tokens)
+    continued = [t for e in engine.decode(seq, greedy_request(so_far, 2, 20, ignore_eos=True))
+                 for t in e.token_ids]
+    fresh, _ = run(engine, greedy_request(so_far, 0, 20, ignore_eos=True))
+    assert continued == fresh
