@@ -523,20 +523,27 @@ async def _collect_chat(
     }
 
 
+def _sse_chunk(
+    job: Job, object_type: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> bytes:
+    """One streamed chunk in OpenAI's shape (chat or text completion)."""
+    body: dict[str, Any] = {
+        "id": job.id,
+        "object": object_type,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return sse_data(body)
+
+
 async def _stream_chat(
     job: Job, new_parser: Callable[[], ChatOutputParser], include_usage: bool, logprobs: bool
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": job.id,
-            "object": "chat.completion.chunk",
-            "created": job.created,
-            "model": job.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return sse_data(body)
+        return _sse_chunk(job, "chat.completion.chunk", choices, usage)
 
     try:
         for index in range(len(job.handles)):
@@ -674,16 +681,7 @@ async def _stream_text(
     job: Job, echoes: list[str], include_usage: bool, logprobs: bool
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": job.id,
-            "object": "text_completion",
-            "created": job.created,
-            "model": job.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return sse_data(body)
+        return _sse_chunk(job, "text_completion", choices, usage)
 
     try:
         for index in range(len(job.handles)):
