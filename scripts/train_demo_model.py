@@ -1240,6 +1240,7 @@ def engine_accept(args) -> None:
 
 
 def main(argv=None) -> None:
+    global RUN_DIR, OUT_DIR, BENCH_PROMPTS
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1263,7 +1264,23 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--threads", type=int, default=2, help="torch threads (results do not depend on it)"
     )
+    ap.add_argument(
+        "--run-dir",
+        default=str(RUN_DIR),
+        help="working folder (tokenizer, token streams, checkpoint, reports)",
+    )
+    ap.add_argument("--out", default=str(OUT_DIR), help="where the checkpoint is exported")
+    ap.add_argument(
+        "--bench-prompts",
+        default=str(BENCH_PROMPTS),
+        help="where `prepare` writes, and the evaluations read, the held-out prompts",
+    )
     args = ap.parse_args(argv)
+    # A retrain into other folders (to check that it reproduces the committed model) must not
+    # overwrite the committed one; every step reads these module-level paths.
+    RUN_DIR = Path(args.run_dir).resolve()
+    OUT_DIR = Path(args.out).resolve()
+    BENCH_PROMPTS = Path(args.bench_prompts).resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     # the machine is shared: sleeping (not spinning) OpenMP workers degrade far less when
     # another process takes a core
