@@ -305,7 +305,49 @@ def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> N
     extend_sequence(engine.trunk, engine.loaded.head, seq, turn)
     assert_invariant(seq)
     so_far = list(seq.tokens)
-    continued = [t for e in engine.decode(seq, greedy_request(so_far, 2, 20, ignore_eos=True))
-                 for t in e.token_ids]
+    continued = [
+        t
+        for e in engine.decode(seq, greedy_request(so_far, 2, 20, ignore_eos=True))
+        for t in e.token_ids
+    ]
     fresh, _ = run(engine, greedy_request(so_far, 0, 20, ignore_eos=True))
     assert continued == fresh
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 8])
+def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
+    """The verify pass's closed-form GDN step (outputs, and the state after every position,
+    which is what rollback commits) equals mlx-lm's step-by-step gated delta rule."""
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from engine.trunk import delta_rule_chunk
+
+    mx.random.seed(length)
+    heads, dk, dv = 4, 32, 16
+    q = 0.2 * mx.random.normal((1, length, heads, dk))
+    k = mx.random.normal((1, length, heads, dk))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((1, length, heads, dv))
+    a, b = mx.random.normal((1, length, heads)), mx.random.normal((1, length, heads))
+    a_log, dt_bias = mx.random.normal((heads,)), mx.random.normal((heads,))
+    start = 0.3 * mx.random.normal((1, heads, dv, dk))
+    log_g = -mx.exp(a_log) * nn.softplus(a + dt_bias)
+
+    y, capture = delta_rule_chunk(q, k, v, log_g, mx.sigmoid(b), start)
+    y_ref, _ = gated_delta_update(q, k, v, a, b, a_log, dt_bias, start, None, use_kernel=False)
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=2e-6)
+    for n in range(1, length + 1):
+        _, state_ref = gated_delta_update(
+            q[:, :n],
+            k[:, :n],
+            v[:, :n],
+            a[:, :n],
+            b[:, :n],
+            a_log,
+            dt_bias,
+            start,
+            None,
+            use_kernel=False,
+        )
+        np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
