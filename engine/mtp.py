@@ -77,9 +77,12 @@ class MTPHead(nn.Module):
         if draft is None:
             return out, project_to_vocab(trunk, last)
         ids, weight = draft
-        logits = mx.full((*last.shape[:-1], trunk.args.vocab_size), -mx.inf, dtype=mx.float32)
-        logits[..., ids] = (last @ weight.T).astype(mx.float32)
-        return out, logits
+        subset = (last @ weight.T).astype(mx.float32)
+        # put_along_axis, not `logits[..., ids] = ...`: on CPU the indexed assignment costs as
+        # much as the projection itself (185 vs 13 us on the demo model).
+        empty = mx.full((*last.shape[:-1], trunk.args.vocab_size), -mx.inf, dtype=mx.float32)
+        index = mx.broadcast_to(ids, subset.shape)
+        return out, mx.put_along_axis(empty, index, subset, axis=-1)
 
     def set_draft_vocab(self, trunk: Any, ids: list[int] | None) -> int:
         """Draft only over ``ids`` (others get probability 0 in q); None restores the full
