@@ -82,8 +82,18 @@ def machine_key(model_dir: Path) -> str:
         str(mx.default_device()),
         mx.__version__,
         os.environ.get("MTPSERVE_BLAS", ""),
+        _code_stamp(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _code_stamp() -> str:
+    """A hash of the code a cycle runs: costs measured before an engine change are stale."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("engine/*.py"), *root.glob("sampling/*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def measure_costs(
@@ -224,6 +234,8 @@ class RequestAutoK:
     acceptance: list[float]
     plain_cycles: int = 0
     current: int = 0
+    #: K of the last observed cycle (-1: none yet)
+    previous: int = -1
 
     def estimates(self) -> list[float]:
         """Per-position acceptance; positions with too few observations (never drafted that
@@ -259,5 +271,9 @@ class RequestAutoK:
                 table[i] += EMA * (hit - table[i])
             self.shared.observations[i] += 1
         cycle = self.shared.costs.cycle
-        if seconds is not None and k < len(cycle):
+        # The first drafting cycle after plain ones also runs the head over every position the
+        # plain cycles skipped (a one-off catch-up): its time is not what a K-cycle costs.
+        catching_up = k > 0 and self.previous == 0
+        if seconds is not None and k < len(cycle) and not catching_up:
             cycle[k] += COST_EMA * (seconds - cycle[k])
+        self.previous = k

@@ -52,3 +52,16 @@ def test_unobserved_positions_borrow_from_the_previous_one() -> None:
         request.observe(1, 1, None)
     assert request.estimates()[1] == pytest.approx(request.estimates()[0] * 0.85)
     assert request.choose(None) >= 2
+
+
+def test_catch_up_cycle_after_plain_ones_does_not_count_as_a_k_cycle() -> None:
+    """After plain cycles the head runs over every skipped position once; that one-off time
+    must not make drafting look expensive (auto K would then stay at K=0 for good)."""
+    costs = CostTable(cycle=[1.0, 1.2], trunk=[1.0, 1.0], head_step=0.1)
+    request = AutoK(costs).for_request()
+    for _ in range(30):
+        request.observe(0, 0, 1.0)
+        request.observe(1, 1, 50.0)  # the catch-up: ignored
+    assert costs.cycle[1] == pytest.approx(1.2)
+    request.observe(1, 1, 2.2)  # a K=1 cycle after a K=1 cycle counts
+    assert costs.cycle[1] > 1.2
