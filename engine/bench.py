@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from engine.api import GenerationStats
 from engine.blas import blas_in_use
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_prompts.jsonl"
@@ -31,30 +32,36 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_pr
 
 @dataclass
 class Row:
+    """One (sampler, config) cell: the summed generation statistics and what is derived."""
+
     sampler: str
     config: str  # "K=0", "K=2", "auto", "mlx_lm"
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_seconds: float = 0.0
-    prompt_seconds: float = 0.0
-    proposed: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    proposed_per_position: list[int] = field(default_factory=list)
-    cycles: int = 0
-    k_histogram: list[int] = field(default_factory=list)
+    totals: GenerationStats = field(default_factory=GenerationStats)
     peak_memory_bytes: int = 0
     # profiled pass, seconds per cycle
     split: dict[str, float] = field(default_factory=dict)
-    # derived
-    decode_tps: float = 0.0
-    prefill_tps: float = 0.0
     speedup: float = 0.0
     predicted_speedup: float | None = None
-    acceptance: float = 0.0
-    tokens_per_cycle: float = 0.0
     bandwidth_gbps: float = 0.0
     gap_note: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        """Flat: the statistics' fields next to the derived figures (results.json's rows)."""
+        t = self.totals
+        out = {"sampler": self.sampler, "config": self.config, **asdict(t)}
+        out.update(
+            decode_tps=t.generation_tps,
+            prefill_tps=t.prompt_tps,
+            acceptance=t.acceptance_rate,
+            tokens_per_cycle=t.tokens_per_cycle or 1.0,
+            peak_memory_bytes=self.peak_memory_bytes,
+            split=self.split,
+            speedup=self.speedup,
+            predicted_speedup=self.predicted_speedup,
+            bandwidth_gbps=self.bandwidth_gbps,
+            gap_note=self.gap_note,
+        )
+        return out
 
 
 def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str, Any]]:
@@ -118,10 +125,14 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
     ):
         pass
     assert last is not None
-    row.completion_tokens += last.generation_tokens
-    row.prompt_tokens += last.prompt_tokens
-    row.generation_seconds += last.generation_tokens / max(last.generation_tps, 1e-9)
-    row.prompt_seconds += last.prompt_tokens / max(last.prompt_tps, 1e-9)
+    row.totals.add(
+        GenerationStats(
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.generation_tokens,
+            prompt_seconds=last.prompt_tokens / max(last.prompt_tps, 1e-9),
+            generation_seconds=last.generation_tokens / max(last.generation_tps, 1e-9),
+        )
+    )
 
 
 def run_ours(
@@ -133,24 +144,7 @@ def run_ours(
     event = None
     for event in engine.generate(request):
         pass
-    s = event.stats
-    row.completion_tokens += s.completion_tokens
-    row.prompt_tokens += s.prompt_tokens
-    row.generation_seconds += s.generation_seconds
-    row.prompt_seconds += s.prompt_seconds
-    row.proposed += s.proposed
-    row.accepted += s.accepted
-    row.cycles += s.cycles
-    for name in ("accepted_per_position", "proposed_per_position", "k_histogram"):
-        mine, theirs = getattr(row, name), getattr(s, name)
-        setattr(row, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs, strict=True)])
-    if engine.profile:
-        row.split["draft"] = row.split.get("draft", 0.0) + s.draft_seconds
-        row.split["verify"] = row.split.get("verify", 0.0) + s.verify_seconds
-        row.split["accept"] = row.split.get("accept", 0.0) + s.accept_seconds
-        row.split["rollback"] = row.split.get("rollback", 0.0) + s.commit_seconds
-        row.split["total"] = row.split.get("total", 0.0) + s.generation_seconds
-        row.split["cycles"] = row.split.get("cycles", 0.0) + s.cycles
+    row.totals.add(event.stats)
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,53 +221,50 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for i, prompt in enumerate(prompts[: args.profile_prompts]):
                 params = base if base.greedy else _with_seed(base, i)
                 run_ours(engine, prompt["ids"], params, k, args.max_tokens, profiled)
-            cycles = max(profiled.split.pop("cycles", 1.0), 1.0)
-            row = rows[(sname, cname)]
-            row.split = {n: v / cycles for n, v in profiled.split.items()}
-            row.split["overhead"] = row.split["total"] - sum(
-                row.split[n] for n in ("draft", "verify", "accept", "rollback")
-            )
+            t = profiled.totals
+            cycles = max(t.cycles, 1)
+            rows[(sname, cname)].split = {
+                "draft": t.draft_seconds / cycles,
+                "verify": t.verify_seconds / cycles,
+                "accept": t.accept_seconds / cycles,
+                "rollback": t.commit_seconds / cycles,
+                "overhead": (
+                    t.generation_seconds
+                    - t.draft_seconds
+                    - t.verify_seconds
+                    - t.accept_seconds
+                    - t.commit_seconds
+                )
+                / cycles,
+            }
     engine.profile = False
     engine.draft_confidence = None
 
     for (sname, cname), row in rows.items():
-        row.decode_tps = (
-            row.completion_tokens / row.generation_seconds if row.generation_seconds else 0
+        t = row.totals
+        plain = rows.get((sname, "K=0"))
+        if plain and plain.totals.generation_tps:
+            row.speedup = t.generation_tps / plain.totals.generation_tps
+        if not t.generation_seconds:
+            continue
+        if cname == "mlx_lm":
+            row.bandwidth_gbps = trunk_bytes * t.completion_tokens / t.generation_seconds / 1e9
+            continue
+        head_steps = sum(k * n for k, n in enumerate(t.k_histogram))
+        row.bandwidth_gbps = (trunk_bytes * t.cycles + head_bytes * head_steps) / (
+            t.generation_seconds * 1e9
         )
-        row.prefill_tps = row.prompt_tokens / row.prompt_seconds if row.prompt_seconds else 0
-        row.acceptance = row.accepted / row.proposed if row.proposed else 0.0
-        row.tokens_per_cycle = row.completion_tokens / row.cycles if row.cycles else 1.0
-        base_row = rows.get((sname, "K=0"))
-        if base_row and base_row.decode_tps:
-            row.speedup = row.decode_tps / base_row.decode_tps
-        if cname.startswith("K=") and "," not in cname and row.cycles:
+        if cname.startswith("K=") and "," not in cname and t.cycles:
             k = int(cname[2:])
             per_position = [
                 a / p if p else 0.0
-                for a, p in zip(row.accepted_per_position, row.proposed_per_position, strict=True)
+                for a, p in zip(t.accepted_per_position, t.proposed_per_position, strict=True)
             ]
             table = sampler_costs[sname]
             if k < len(table.cycle):
                 row.predicted_speedup = table.predicted_speedup(per_position, k)
-                measured_cycle = row.generation_seconds / row.cycles
-                if row.predicted_speedup and abs(row.speedup / row.predicted_speedup - 1) > 0.10:
-                    row.gap_note = _gap_note(
-                        measured_cycle, table, k, row, rows.get((sname, "K=0"))
-                    )
-            heads_per_cycle = k
-            row.bandwidth_gbps = (
-                (trunk_bytes + heads_per_cycle * head_bytes)
-                * row.cycles
-                / row.generation_seconds
-                / 1e9
-            )
-        elif row.cycles and cname != "mlx_lm":
-            steps = sum(k * n for k, n in enumerate(row.k_histogram))
-            row.bandwidth_gbps = (
-                (trunk_bytes * row.cycles + head_bytes * steps) / row.generation_seconds / 1e9
-            )
-        elif cname == "mlx_lm" and row.generation_seconds:
-            row.bandwidth_gbps = trunk_bytes * row.completion_tokens / row.generation_seconds / 1e9
+                if abs(row.speedup / row.predicted_speedup - 1) > 0.10:
+                    row.gap_note = _gap_note(t.generation_seconds / t.cycles, table, k, row, plain)
 
     return {
         "model": str(engine.loaded.model_dir),
@@ -287,7 +278,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "trunk_bytes": trunk_bytes,
         "head_bytes": head_bytes,
         "costs": {name: asdict(table) for name, table in sampler_costs.items()},
-        "rows": [asdict(r) for r in rows.values()],
+        "rows": [r.as_json() for r in rows.values()],
     }
 
 
@@ -305,8 +296,8 @@ def _gap_note(measured_cycle: float, costs: Any, k: int, row: Row, plain: Row | 
         notes.append(
             f"cycle {measured_cycle * 1e3:.1f} ms in run vs {costs.cycle[k] * 1e3:.1f} ms measured"
         )
-    if plain and plain.cycles:
-        step = plain.generation_seconds / plain.cycles
+    if plain and plain.totals.cycles:
+        step = plain.totals.generation_seconds / plain.totals.cycles
         if abs(step / costs.cycle[0] - 1) > 0.10:
             notes.append(
                 f"K=0 step {step * 1e3:.1f} ms in run vs {costs.cycle[0] * 1e3:.1f} ms measured"

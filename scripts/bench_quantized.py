@@ -71,14 +71,15 @@ def worker(args: argparse.Namespace) -> None:
         "rows": {},
     }
     for k, row in rows.items():
+        t = row.totals
         out["rows"][k] = {
-            "tps": row.completion_tokens / row.generation_seconds,
-            "acceptance": row.accepted / row.proposed if row.proposed else None,
-            "a1": (row.accepted_per_position[0] / row.proposed_per_position[0])
-            if k and row.proposed_per_position[0]
+            "tps": t.generation_tps,
+            "acceptance": t.acceptance_rate if t.proposed else None,
+            "a1": (t.accepted_per_position[0] / t.proposed_per_position[0])
+            if k and t.proposed_per_position[0]
             else None,
-            "tokens_per_cycle": row.completion_tokens / row.cycles if row.cycles else None,
-            "tokens": row.completion_tokens,
+            "tokens_per_cycle": t.tokens_per_cycle or None,
+            "tokens": t.completion_tokens,
         }
     print("RESULT " + json.dumps(out))
 

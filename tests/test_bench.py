@@ -1,0 +1,73 @@
+"""`mtpserve bench` end to end on a tiny checkpoint: every row, file and derived figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out_dir = tmp_path / "bench"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mtpserve.cli",
+            "bench",
+            "--model",
+            str(tiny_checkpoint),
+            "--draft-tokens",
+            "0,2,auto",
+            "--sampler",
+            "greedy,preset:qwen",
+            "--max-tokens",
+            "12",
+            "--limit",
+            "2",
+            "--profile-prompts",
+            "1",
+            "--out",
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={"MTPSERVE_CACHE": str(tmp_path / "cache"), **_env()},
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads((out_dir / "results.json").read_text())
+    assert (out_dir / "speedup.png").stat().st_size > 0
+    table = (out_dir / "table.txt").read_text()
+    rows = {(r["sampler"], r["config"]): r for r in result["rows"]}
+    assert set(rows) == {
+        (s, c) for s in ("greedy", "preset:qwen") for c in ("mlx_lm", "K=0", "K=2", "auto")
+    }
+    for (sampler, config), row in rows.items():
+        assert row["completion_tokens"] == 2 * 12, (sampler, config)
+        assert row["decode_tps"] > 0 and row["prefill_tps"] > 0
+        assert f"{row['decode_tps']:.1f}" in table
+        if config == "K=0":
+            assert row["speedup"] == 1.0 and row["acceptance"] == 0.0
+        if config == "K=2":
+            assert row["proposed"] > 0 and 0.0 <= row["acceptance"] <= 1.0
+            assert sum(row["proposed_per_position"]) == row["proposed"]
+            assert row["predicted_speedup"] is not None and row["predicted_speedup"] > 0
+            split = row["split"]
+            assert split["draft"] > 0 and split["verify"] > 0
+            assert row["bandwidth_gbps"] > 0
+        if config == "mlx_lm":
+            assert row["cycles"] == 0 and row["speedup"] > 0
+    k2 = rows[("greedy", "K=2")]
+    assert k2["tokens_per_cycle"] == k2["completion_tokens"] / k2["cycles"]
+    assert result["head_bytes"] > 0 and result["trunk_bytes"] > result["head_bytes"]
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "MTPSERVE_CACHE"}
