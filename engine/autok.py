@@ -3,9 +3,12 @@
 REFERENCE §8: with per-position acceptance a_1..a_K (a_i = P(d_i accepted | d_1..d_{i-1}
 accepted)) a cycle emits E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens and costs C(K). We
 *measure* C(K) on the machine in use — a whole cycle (K head steps, one verify over K+1
-positions, acceptance, the one sync) for K = 0..max — instead of modelling it, and keep the
-trunk's T-token forward and the head-step costs beside it for the cost model the benchmark
-prints. Costs are cached per model, machine and mlx version under ``~/.cache/mtpserve``.
+positions, acceptance, the one sync) for K = 0..max — instead of modelling it, plus the one
+part of a cycle that depends on acceptance: the head's first step catches up on every position
+the previous cycle committed (1..K+1), timed for each count, so C(K) = cycle[K] + E[catch-up].
+The trunk's T-token forward and the head-step costs are kept beside it for the benchmark's
+table. Costs are cached per model, machine, mlx version and engine code under
+``~/.cache/mtpserve``.
 
 Acceptance is estimated per draft position with an exponential moving average: a global one
 (all requests, the prior for new requests) and a per-request one. K = 0 (no speculation) wins
@@ -45,29 +48,60 @@ CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtps
 
 @dataclass
 class CostTable:
-    """Measured seconds: ``cycle[K]`` for K = 0..max; ``trunk[T-1]`` for a T-token verify
-    forward; ``head_step`` for one draft step."""
+    """Measured seconds: ``cycle[K]`` for a K-cycle whose head catches up on one committed
+    position (K = 0..max); ``absorb[n-1]`` for the head's catch-up over n positions at once;
+    ``trunk[T-1]`` for a T-token verify forward; ``head_step`` for one draft step.
+
+    Why ``absorb``: a cycle's first draft step runs the head over every position the previous
+    cycle committed (1..K+1 of them), so a K-cycle costs more the more the last one accepted.
+    """
 
     cycle: list[float]
     trunk: list[float]
     head_step: float
+    absorb: list[float] = field(default_factory=list)
     machine: str = ""
 
+    def catch_up(self, n: int) -> float:
+        """Extra seconds when the head catches up on ``n`` positions instead of one."""
+        if not self.absorb or n <= 1:
+            return 0.0
+        return self.absorb[min(n, len(self.absorb)) - 1] - self.absorb[0]
+
+    def cycle_cost(self, acceptance: list[float], k: int) -> float:
+        """Expected seconds of a K-cycle in steady state (the previous cycle also drafted K):
+        the measured cycle plus the expected catch-up over the positions a K-cycle commits."""
+        if k == 0:
+            return self.cycle[0]
+        return self.cycle[k] + sum(
+            p * self.catch_up(n) for n, p in enumerate(committed_distribution(acceptance, k), 1)
+        )
+
+    def rate(self, acceptance: list[float], k: int) -> float:
+        """Expected tokens per second with K drafts."""
+        return expected_tokens(acceptance, k) / self.cycle_cost(acceptance, k)
+
     def predicted_speedup(self, acceptance: list[float], k: int) -> float:
-        return expected_tokens(acceptance, k) / self.cycle[k] * self.cycle[0]
+        return self.rate(acceptance, k) / self.rate(acceptance, 0)
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
-    total, run = 1.0, 1.0
+    return sum(n * p for n, p in enumerate(committed_distribution(acceptance, k), 1))
+
+
+def committed_distribution(acceptance: list[float], k: int) -> list[float]:
+    """P(a K-cycle emits n tokens) for n = 1..K+1: n-1 drafts accepted, then a rejection (or,
+    for n = K+1, all K accepted and the bonus token)."""
+    probs, run = [], 1.0
     for i in range(k):
-        run *= acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
-        total += run
-    return total
+        a = acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
+        probs.append(run * (1 - a))
+        run *= a
+    return [*probs, run]
 
 
 def best_k(costs: CostTable, acceptance: list[float]) -> int:
-    rates = [expected_tokens(acceptance, k) / costs.cycle[k] for k in range(len(costs.cycle))]
-    return max(range(len(rates)), key=rates.__getitem__)
+    return max(range(len(costs.cycle)), key=lambda k: costs.rate(acceptance, k))
 
 
 def machine_key(model_dir: Path) -> str:
@@ -103,7 +137,7 @@ def measure_costs(
     median of ``reps`` interleaved repetitions."""
     from engine.api import GenerationRequest
     from engine.runtime import DraftPolicy
-    from engine.speculative import commit, run_cycle
+    from engine.speculative import _absorb_pending, commit, run_cycle
     from engine.trunk import trunk_hidden
     from sampling.params import SamplingParams
 
@@ -116,7 +150,15 @@ def measure_costs(
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
+    def settle() -> None:
+        """Run the head (untimed) over all but the last pending position, so every timed
+        K-cycle catches up on exactly one, as ``CostTable.cycle`` defines."""
+        if len(seq.head_pending) and sum(h.shape[1] for h in seq.head_pending) > 1:
+            _absorb_pending(trunk, head, seq, keep_last=True)
+            mx.eval(seq.head_cache.state, *seq.head_pending)
+
     def time_cycle(k: int) -> float:
+        settle()
         t = time.perf_counter()
         commit(seq, run_cycle(trunk, head, seq, k), 1)
         return time.perf_counter() - t
@@ -138,25 +180,41 @@ def measure_costs(
         seq.head_cache.trim(1)
         return time.perf_counter() - t
 
+    def time_absorb(n: int) -> float:
+        t = time.perf_counter()
+        _, logits = head(trunk, mx.array([[seq.tokens[-1]] * n]), probe_n[:, :n], seq.head_cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        seq.head_cache.trim(n)
+        return time.perf_counter() - t
+
     probe = mx.zeros((1, 1, trunk.args.hidden_size))
+    probe_n = mx.zeros((1, max_k + 1, trunk.args.hidden_size))
     # Interleave the configurations rep by rep so that noise from other processes hits all
     # alike; the first two reps compile and warm up.
     cycle_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     trunk_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    absorb_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     head_times: list[float] = []
     for rep in range(reps + 2):
         for k in range(max_k + 1):
             c = time_cycle(k)
             t = time_trunk(k + 1)
+            settle()
+            a = time_absorb(k + 1)
             if rep >= 2:
                 cycle_times[k].append(c)
                 trunk_times[k].append(t)
+                absorb_times[k].append(a)
         h = time_head()
         if rep >= 2:
             head_times.append(h)
-    cycle = [median(x) for x in cycle_times]
-    trunk_costs = [median(x) for x in trunk_times]
-    return CostTable(cycle, trunk_costs, median(head_times), platform.platform())
+    return CostTable(
+        cycle=[median(x) for x in cycle_times],
+        trunk=[median(x) for x in trunk_times],
+        head_step=median(head_times),
+        absorb=[median(x) for x in absorb_times],
+        machine=platform.platform(),
+    )
 
 
 def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
@@ -234,8 +292,9 @@ class RequestAutoK:
     acceptance: list[float]
     plain_cycles: int = 0
     current: int = 0
-    #: K of the last observed cycle (-1: none yet)
+    #: K of the last observed cycle (-1: none yet) and how many tokens it committed
     previous: int = -1
+    previous_emitted: int = 1
 
     def estimates(self) -> list[float]:
         """Per-position acceptance; positions with too few observations (never drafted that
@@ -251,7 +310,7 @@ class RequestAutoK:
     def choose(self, seq: Any) -> int:
         costs, acceptance = self.shared.costs, self.estimates()
         k = best_k(costs, acceptance)
-        rate = lambda j: expected_tokens(acceptance, j) / costs.cycle[j]  # noqa: E731
+        rate = lambda j: costs.rate(acceptance, j)  # noqa: E731
         if k != self.current and rate(k) < rate(self.current) * (1 + SWITCH_MARGIN):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k
@@ -270,10 +329,13 @@ class RequestAutoK:
             for table in (self.acceptance, self.shared.acceptance):
                 table[i] += EMA * (hit - table[i])
             self.shared.observations[i] += 1
-        cycle = self.shared.costs.cycle
-        # The first drafting cycle after plain ones also runs the head over every position the
-        # plain cycles skipped (a one-off catch-up): its time is not what a K-cycle costs.
-        catching_up = k > 0 and self.previous == 0
-        if seconds is not None and k < len(cycle) and not catching_up:
-            cycle[k] += COST_EMA * (seconds - cycle[k])
-        self.previous = k
+        costs = self.shared.costs
+        # ``cycle[k]`` is a K-cycle that catches up on one position: take out the catch-up over
+        # what the previous cycle committed. The first drafting cycle after plain ones catches
+        # up on every position they skipped (a one-off): it does not update the table at all.
+        after_plain = k > 0 and self.previous == 0
+        if seconds is not None and k < len(costs.cycle) and not after_plain:
+            if k > 0:
+                seconds -= costs.catch_up(self.previous_emitted)
+            costs.cycle[k] += COST_EMA * (seconds - costs.cycle[k])
+        self.previous, self.previous_emitted = k, n_accepted + 1

@@ -65,3 +65,28 @@ def test_catch_up_cycle_after_plain_ones_does_not_count_as_a_k_cycle() -> None:
     assert costs.cycle[1] == pytest.approx(1.2)
     request.observe(1, 1, 2.2)  # a K=1 cycle after a K=1 cycle counts
     assert costs.cycle[1] > 1.2
+
+
+def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
+    """A K-cycle's head first catches up on what the previous cycle committed (1..K+1
+    positions); the expected cost weighs each catch-up by how often that many are committed."""
+    from engine.autok import committed_distribution
+
+    costs = CostTable(
+        cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 0.75, 1.0]
+    )
+    dist = committed_distribution([0.6, 0.5], 2)
+    assert dist == pytest.approx([0.4, 0.3, 0.3]) and sum(dist) == pytest.approx(1.0)
+    assert expected_tokens([0.6, 0.5], 2) == pytest.approx(1 + 0.6 + 0.3)
+    assert costs.cycle_cost([1.0, 1.0], 2) == pytest.approx(3.0 + 0.5)  # always 3 committed
+    assert costs.cycle_cost([0.0, 0.0], 2) == pytest.approx(3.0)  # always 1: no extra
+    assert costs.cycle_cost([0.6, 0.5], 2) == pytest.approx(3.0 + 0.3 * 0.25 + 0.3 * 0.5)
+    assert costs.cycle_cost([1.0, 1.0], 0) == 1.0
+
+
+def test_observed_time_is_stored_without_the_catch_up() -> None:
+    costs = CostTable(cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 1.5])
+    request = AutoK(costs).for_request()
+    for _ in range(300):
+        request.observe(1, 1, 3.0)  # every cycle commits 2, so the next catches up on 2
+    assert costs.cycle[1] == pytest.approx(2.0, rel=0.01)  # 3.0 minus the 1.0 extra catch-up
