@@ -14,6 +14,9 @@ Acceptance is estimated per draft position with an exponential moving average: a
 (all requests, the prior for new requests) and a per-request one. K = 0 (no speculation) wins
 when acceptance is too low to pay for drafting; a probe with K = 1 every ``PROBE_EVERY`` plain
 cycles keeps the estimate alive so speculation resumes when the text gets predictable again.
+Observed cycle times keep the cost table current; a plain cycle every ``2 * PROBE_EVERY``
+drafting cycles does the same for K = 0, which otherwise would never be re-measured once
+drafting wins (a stale K=0 cost could then keep a losing K forever).
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ PRIOR_ACCEPTANCE = 0.6
 EMA = 0.08
 PROBE_EVERY = 16
 COST_EMA = 0.05
+#: probes are rare, so each moves its K's cost further
+PROBE_COST_EMA = 0.25
 #: a position seen fewer times than this borrows its estimate from the one before it
 MIN_OBSERVATIONS = 8
 #: assumed ratio a_{i+1} / a_i for a position without enough observations of its own
 UNSEEN_DECAY = 0.85
 #: a longer draft must beat the current choice by this much before auto K switches to it
 SWITCH_MARGIN = 0.03
+#: cycles of one K run back to back when measuring (the first one is not counted)
+CYCLES_IN_A_ROW = 6
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -190,14 +197,17 @@ def measure_costs(
     probe = mx.zeros((1, 1, trunk.args.hidden_size))
     probe_n = mx.zeros((1, max_k + 1, trunk.args.hidden_size))
     # Interleave the configurations rep by rep so that noise from other processes hits all
-    # alike; the first two reps compile and warm up.
+    # alike; the first two reps compile and warm up. Within a rep each K runs a few cycles in a
+    # row, as in decoding: a lone cycle between other work finds colder caches (it measured
+    # ~15% slower than the same cycle in a run).
     cycle_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     trunk_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     absorb_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     head_times: list[float] = []
     for rep in range(reps + 2):
         for k in range(max_k + 1):
-            c = time_cycle(k)
+            row = [time_cycle(k) for _ in range(CYCLES_IN_A_ROW)]
+            c = median(row[1:])
             t = time_trunk(k + 1)
             settle()
             a = time_absorb(k + 1)
@@ -291,6 +301,8 @@ class RequestAutoK:
     shared: AutoK
     acceptance: list[float]
     plain_cycles: int = 0
+    drafting_cycles: int = 0
+    probing: bool = False
     current: int = 0
     #: K of the last observed cycle (-1: none yet) and how many tokens it committed
     previous: int = -1
@@ -314,10 +326,17 @@ class RequestAutoK:
         if k != self.current and rate(k) < rate(self.current) * (1 + SWITCH_MARGIN):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k
+        self.probing = False
         if k == 0:
             self.plain_cycles += 1
             if self.plain_cycles % PROBE_EVERY == 0:
+                self.probing = True
                 return 1
+        else:
+            self.drafting_cycles += 1
+            if self.drafting_cycles % (2 * PROBE_EVERY) == 0:
+                self.probing = True
+                return 0
         return k
 
     def observe(self, k: int, n_accepted: int, seconds: float | None = None) -> None:
@@ -337,5 +356,6 @@ class RequestAutoK:
         if seconds is not None and k < len(costs.cycle) and not after_plain:
             if k > 0:
                 seconds -= costs.catch_up(self.previous_emitted)
-            costs.cycle[k] += COST_EMA * (seconds - costs.cycle[k])
+            weight = PROBE_COST_EMA if self.probing else COST_EMA
+            costs.cycle[k] += weight * (seconds - costs.cycle[k])
         self.previous, self.previous_emitted = k, n_accepted + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.autok import AutoK, CostTable, best_k, expected_tokens
+from engine.autok import PROBE_EVERY, AutoK, CostTable, best_k, expected_tokens
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -32,7 +32,9 @@ def test_auto_k_adapts_to_observed_acceptance_and_probes_from_zero() -> None:
     assert choices.count(0) >= 14 and 1 in choices  # plain decoding, with a probe now and then
     for _ in range(80):  # text turns predictable again
         request.observe(max(1, request.choose(None)), 1, None)
-    assert request.choose(None) > 0
+    choices = [request.choose(None) for _ in range(2 * PROBE_EVERY)]
+    # drafting again, with one plain cycle per 2 * PROBE_EVERY to keep K=0's cost current
+    assert choices.count(0) == 1 and min(c for c in choices if c) > 0
 
 
 def test_observed_cycle_times_update_the_cost_table() -> None:
@@ -90,3 +92,16 @@ def test_observed_time_is_stored_without_the_catch_up() -> None:
     for _ in range(300):
         request.observe(1, 1, 3.0)  # every cycle commits 2, so the next catches up on 2
     assert costs.cycle[1] == pytest.approx(2.0, rel=0.01)  # 3.0 minus the 1.0 extra catch-up
+
+
+def test_a_plain_probe_while_drafting_corrects_a_stale_plain_cost() -> None:
+    """K=0 looked dear at start-up (3.0) but is really cheap (1.0): drafting cycles never
+    measure K=0, so only the plain probe can reveal it; auto K must then stop drafting."""
+    costs = CostTable(cycle=[3.0, 3.2], trunk=[1.0, 1.0], head_step=0.1)
+    request = AutoK(costs).for_request()
+    for _ in range(40 * PROBE_EVERY):
+        k = request.choose(None)
+        request.observe(k, 0, 1.0 if k == 0 else 3.2)
+        request.acceptance[0] = 0.5  # E(K=1) = 1.5 tokens per 3.2: worse than 1 per 1.0
+    assert costs.cycle[0] == pytest.approx(1.0, rel=0.05)
+    assert [request.choose(None) for _ in range(8)].count(0) >= 7
