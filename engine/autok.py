@@ -10,13 +10,14 @@ The trunk's T-token forward and the head-step costs are kept beside it for the b
 table. Costs are cached per model, machine, mlx version and engine code under
 ``~/.cache/mtpserve``.
 
-Acceptance is estimated per draft position with an exponential moving average: a global one
-(all requests, the prior for new requests) and a per-request one. K = 0 (no speculation) wins
-when acceptance is too low to pay for drafting; a probe with K = 1 every ``PROBE_EVERY`` plain
-cycles keeps the estimate alive so speculation resumes when the text gets predictable again.
-Observed cycle times keep the cost table current; a plain cycle every ``2 * PROBE_EVERY``
-drafting cycles does the same for K = 0, which otherwise would never be re-measured once
-drafting wins (a stale K=0 cost could then keep a losing K forever).
+Acceptance is estimated per draft position from decayed counts (``AcceptanceCounts``): a
+per-request one, and one shared by all requests of a kind that new requests start from. K = 0
+(no speculation) wins when acceptance is too low to pay for drafting; a probe with K = 1 every
+``PROBE_EVERY`` plain cycles keeps the estimate alive so speculation resumes when the text gets
+predictable again. Observed cycle times keep the cost table current. While drafting, a probe
+every ``PROBE_EVERY`` cycles alternates between a plain cycle, which re-measures K = 0
+(otherwise never timed again once drafting wins, so a stale K=0 cost could keep a losing K
+forever), and a draft one token longer, which reveals the next position's acceptance.
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ log = logging.getLogger("mtpserve.autok")
 
 MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
-EMA = 0.08
+#: weight of the prior in pseudo-observations: a few hits outweigh it
+PRIOR_WEIGHT = 2.0
+#: per-observation decay of a request's counts (~20-observation memory: text changes)
+REQUEST_FORGET = 0.95
+#: the same for the counts shared across requests (the prior of new requests)
+SHARED_FORGET = 0.99
+#: a new request starts from the shared counts scaled down to at most this many observations
+INHERITED_OBSERVATIONS = 8.0
 PROBE_EVERY = 16
 COST_EMA = 0.05
 #: probes are rare, so each moves its K's cost further
 PROBE_COST_EMA = 0.25
-#: a position seen fewer times than this borrows its estimate from the one before it
-MIN_OBSERVATIONS = 8
-#: assumed ratio a_{i+1} / a_i for a position without enough observations of its own
+#: prior ratio a_{i+1} / a_i: a position drafted rarely leans on the one before it
 UNSEEN_DECAY = 0.85
 #: a longer draft must beat the current choice by this much before auto K switches to it
 SWITCH_MARGIN = 0.03
@@ -249,17 +255,46 @@ def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> C
 
 
 @dataclass
+class AcceptanceCounts:
+    """Per draft position, decayed counts of accepted and revealed drafts.
+
+    The estimate of a_i is the posterior mean ``(hits_i + w * prior_i) / (trials_i + w)`` with
+    ``prior_1 = PRIOR_ACCEPTANCE`` and ``prior_{i+1} = UNSEEN_DECAY * estimate_i``: a position
+    never drafted borrows from the one before it (so K=1 data can justify trying K=2), and a
+    handful of observations outweighs the prior (a K=1 probe from K=0 that hits moves it at
+    once, where a moving average of 0.08 needed a dozen probes, i.e. ~200 plain cycles).
+    """
+
+    hits: list[float] = field(default_factory=lambda: [0.0] * MAX_AUTO_K)
+    trials: list[float] = field(default_factory=lambda: [0.0] * MAX_AUTO_K)
+
+    def estimates(self) -> list[float]:
+        out: list[float] = []
+        for hits, trials in zip(self.hits, self.trials, strict=True):
+            prior = out[-1] * UNSEEN_DECAY if out else PRIOR_ACCEPTANCE
+            out.append((hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT))
+        return out
+
+    def observe(self, position: int, hit: bool, forget: float) -> None:
+        self.hits[position] = self.hits[position] * forget + float(hit)
+        self.trials[position] = self.trials[position] * forget + 1.0
+
+    def scaled_to(self, max_trials: float) -> AcceptanceCounts:
+        scale = min(1.0, max_trials / max(max(self.trials), 1e-9))
+        return AcceptanceCounts([h * scale for h in self.hits], [t * scale for t in self.trials])
+
+
+@dataclass
 class AutoK:
     """Shared state of one kind of decoding (greedy, or sampled): its cost table and the
-    acceptance prior for new requests. Greedy and sampled decoding differ in both — sampled
-    cycles do more work and accept less — so an engine keeps one AutoK per kind."""
+    acceptance counts new requests start from. Greedy and sampled decoding differ in both —
+    sampled cycles do more work and accept less — so an engine keeps one AutoK per kind."""
 
     costs: CostTable
-    acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * MAX_AUTO_K)
-    observations: list[int] = field(default_factory=lambda: [0] * MAX_AUTO_K)
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
 
     def for_request(self) -> RequestAutoK:
-        return RequestAutoK(self, list(self.acceptance))
+        return RequestAutoK(self, self.counts.scaled_to(INHERITED_OBSERVATIONS))
 
 
 @dataclass
@@ -299,7 +334,7 @@ def _representative_sampler(engine: Any, params: Any) -> Any:
 @dataclass
 class RequestAutoK:
     shared: AutoK
-    acceptance: list[float]
+    counts: AcceptanceCounts
     plain_cycles: int = 0
     drafting_cycles: int = 0
     probing: bool = False
@@ -309,15 +344,8 @@ class RequestAutoK:
     previous_emitted: int = 1
 
     def estimates(self) -> list[float]:
-        """Per-position acceptance; positions with too few observations (never drafted that
-        far) borrow from the previous position, so K=1 data can justify trying K=2."""
-        seen = self.shared.observations
-        out: list[float] = []
-        for i, a in enumerate(self.acceptance):
-            if i > 0 and seen[i] < MIN_OBSERVATIONS:
-                a = out[-1] * UNSEEN_DECAY
-            out.append(a)
-        return out
+        """This request's per-position acceptance estimates."""
+        return self.counts.estimates()
 
     def choose(self, seq: Any) -> int:
         costs, acceptance = self.shared.costs, self.estimates()
@@ -334,9 +362,13 @@ class RequestAutoK:
                 return 1
         else:
             self.drafting_cycles += 1
-            if self.drafting_cycles % (2 * PROBE_EVERY) == 0:
+            if self.drafting_cycles % PROBE_EVERY == 0:
+                # Alternate: a plain cycle re-measures K=0; a one-longer draft reveals the next
+                # position, which a K-cycle never does (one early miss there would otherwise
+                # pin its estimate, and K, for good).
                 self.probing = True
-                return 0
+                deeper = (self.drafting_cycles // PROBE_EVERY) % 2 == 1
+                return k + 1 if deeper and k < len(costs.cycle) - 1 else 0
         return k
 
     def observe(self, k: int, n_accepted: int, seconds: float | None = None) -> None:
@@ -344,10 +376,8 @@ class RequestAutoK:
         K-cycle from its measured time (the start-up table drifts: context grows, the machine
         gets busier or quieter)."""
         for i in range(min(k, n_accepted + 1)):
-            hit = 1.0 if i < n_accepted else 0.0
-            for table in (self.acceptance, self.shared.acceptance):
-                table[i] += EMA * (hit - table[i])
-            self.shared.observations[i] += 1
+            self.counts.observe(i, i < n_accepted, REQUEST_FORGET)
+            self.shared.counts.observe(i, i < n_accepted, SHARED_FORGET)
         costs = self.shared.costs
         # ``cycle[k]`` is a K-cycle that catches up on one position: take out the catch-up over
         # what the previous cycle committed. The first drafting cycle after plain ones catches

@@ -99,9 +99,38 @@ def test_a_plain_probe_while_drafting_corrects_a_stale_plain_cost() -> None:
     measure K=0, so only the plain probe can reveal it; auto K must then stop drafting."""
     costs = CostTable(cycle=[3.0, 3.2], trunk=[1.0, 1.0], head_step=0.1)
     request = AutoK(costs).for_request()
-    for _ in range(40 * PROBE_EVERY):
+    for step in range(40 * PROBE_EVERY):
         k = request.choose(None)
-        request.observe(k, 0, 1.0 if k == 0 else 3.2)
-        request.acceptance[0] = 0.5  # E(K=1) = 1.5 tokens per 3.2: worse than 1 per 1.0
+        # half the drafts are accepted: E(K=1) = 1.5 tokens per 3.2, worse than 1 per 1.0
+        request.observe(k, step % 2, 1.0 if k == 0 else 3.2)
     assert costs.cycle[0] == pytest.approx(1.0, rel=0.05)
     assert [request.choose(None) for _ in range(8)].count(0) >= 7
+
+
+def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
+    """A fresh request starts at the prior (0.6): with these costs K=0 wins. Probes that hit
+    must bring drafting back within a few probes, not a dozen."""
+    costs = CostTable(cycle=[1.0, 1.65, 2.0, 2.35, 2.7], trunk=[1.0] * 5, head_step=0.3)
+    request = AutoK(costs).for_request()
+    choices = []
+    for _ in range(4 * PROBE_EVERY):
+        k = request.choose(None)
+        choices.append(k)
+        request.observe(k, k, None)  # every draft is accepted
+    assert choices[0] == 0 and sum(c > 0 for c in choices[-8:]) >= 7
+    assert choices.index(next(c for c in choices if c > 1)) <= 2 * PROBE_EVERY + 1
+
+
+def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
+    """One early miss at position 2 makes K=1 look best; K=1 cycles never reveal position 2
+    again. The one-longer probe must, and auto K must then go deeper."""
+    costs = CostTable(cycle=[1.0, 1.3, 1.4, 1.5, 1.6], trunk=[1.0] * 5, head_step=0.1)
+    request = AutoK(costs).for_request()
+    for _ in range(3):
+        request.observe(1, 1, None)
+    request.observe(2, 1, None)  # the miss
+    for _ in range(6 * PROBE_EVERY):
+        k = request.choose(None)
+        request.observe(k, k, None)  # from now on everything is accepted
+    assert request.estimates()[1] > 0.8
+    assert request.choose(None) >= 3
