@@ -124,7 +124,7 @@ def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
 def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
     """One early miss at position 2 makes K=1 look best; K=1 cycles never reveal position 2
     again. The one-longer probe must, and auto K must then go deeper."""
-    costs = CostTable(cycle=[1.0, 1.3, 1.75, 2.2, 2.65], trunk=[1.0] * 5, head_step=0.4)
+    costs = CostTable(cycle=[1.0, 1.3, 1.7, 2.2, 2.65], trunk=[1.0] * 5, head_step=0.4)
     request = AutoK(costs).for_request()
     for _ in range(3):
         request.observe(1, 1, None)
