@@ -14,10 +14,9 @@ Acceptance is estimated per draft position from decayed counts (``AcceptanceCoun
 per-request one, and one shared by all requests of a kind that new requests start from. K = 0
 (no speculation) wins when acceptance is too low to pay for drafting; a probe with K = 1 every
 ``PROBE_EVERY`` plain cycles keeps the estimate alive so speculation resumes when the text gets
-predictable again. Observed cycle times keep the cost table current. While drafting, a probe
-every ``PROBE_EVERY`` cycles alternates between a plain cycle, which re-measures K = 0
-(otherwise never timed again once drafting wins, so a stale K=0 cost could keep a losing K
-forever), and a draft one token longer, which reveals the next position's acceptance.
+predictable again; while drafting, a draft one token longer every ``PROBE_EVERY`` cycles does
+the same for the next position. Cycle times observed in a run of one K correct that K's cost
+(``RequestAutoK.observe``).
 """
 
 from __future__ import annotations
@@ -40,22 +39,27 @@ MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
 #: weight of the prior in pseudo-observations: a few hits outweigh it
 PRIOR_WEIGHT = 2.0
-#: per-observation decay of a request's counts (~20-observation memory: text changes)
-REQUEST_FORGET = 0.95
+#: per-cycle decay of a request's counts (~50-cycle memory: text changes, but a burst of
+#: misses must not swing a long-run 0.9 estimate down to "stop drafting")
+REQUEST_FORGET = 0.98
 #: the same for the counts shared across requests (the prior of new requests)
 SHARED_FORGET = 0.99
 #: a new request starts from the shared counts scaled down to at most this many observations
-INHERITED_OBSERVATIONS = 8.0
+INHERITED_OBSERVATIONS = 16.0
 PROBE_EVERY = 16
-COST_EMA = 0.05
-#: probes are rare, so each moves its K's cost further
-PROBE_COST_EMA = 0.25
+#: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
+MAX_PROBE_INTERVAL = 128
 #: prior ratio a_{i+1} / a_i: a position drafted rarely leans on the one before it
 UNSEEN_DECAY = 0.85
 #: a longer draft must beat the current choice by this much before auto K switches to it
 SWITCH_MARGIN = 0.03
+#: ... and drafting must beat plain decoding by this much before auto K starts: near break-even
+#: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
+START_MARGIN = 0.08
+#: weight of one steady-state cycle's time in its K's cost
+COST_EMA = 0.05
 #: cycles of one K run back to back when measuring (the first one is not counted)
-CYCLES_IN_A_ROW = 6
+CYCLES_IN_A_ROW = 8
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -275,9 +279,15 @@ class AcceptanceCounts:
             out.append((hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT))
         return out
 
-    def observe(self, position: int, hit: bool, forget: float) -> None:
-        self.hits[position] = self.hits[position] * forget + float(hit)
-        self.trials[position] = self.trials[position] * forget + 1.0
+    def decay(self, forget: float) -> None:
+        """Age every count by one cycle (also cycles that revealed nothing: old evidence from
+        before a long plain stretch must fade, or one bad patch would stop drafting for good)."""
+        self.hits = [h * forget for h in self.hits]
+        self.trials = [t * forget for t in self.trials]
+
+    def observe(self, position: int, hit: bool) -> None:
+        self.hits[position] += float(hit)
+        self.trials[position] += 1.0
 
     def scaled_to(self, max_trials: float) -> AcceptanceCounts:
         scale = min(1.0, max_trials / max(max(self.trials), 1e-9))
@@ -337,7 +347,7 @@ class RequestAutoK:
     counts: AcceptanceCounts
     plain_cycles: int = 0
     drafting_cycles: int = 0
-    probing: bool = False
+    probe_interval: int = PROBE_EVERY
     current: int = 0
     #: K of the last observed cycle (-1: none yet) and how many tokens it committed
     previous: int = -1
@@ -351,41 +361,44 @@ class RequestAutoK:
         costs, acceptance = self.shared.costs, self.estimates()
         k = best_k(costs, acceptance)
         rate = lambda j: costs.rate(acceptance, j)  # noqa: E731
-        if k != self.current and rate(k) < rate(self.current) * (1 + SWITCH_MARGIN):
+        margin = START_MARGIN if self.current == 0 else SWITCH_MARGIN
+        if k != self.current and rate(k) < rate(self.current) * (1 + margin):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k
-        self.probing = False
         if k == 0:
             self.plain_cycles += 1
-            if self.plain_cycles % PROBE_EVERY == 0:
-                self.probing = True
+            if self.plain_cycles >= self.probe_interval:
+                # Back off while probes keep failing: each costs a drafting cycle and the
+                # head's catch-up over every plain position (5% of the time at interval 16).
+                self.plain_cycles = 0
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
                 return 1
         else:
+            self.probe_interval = PROBE_EVERY
             self.drafting_cycles += 1
-            if self.drafting_cycles % PROBE_EVERY == 0:
-                # Alternate: a plain cycle re-measures K=0; a one-longer draft reveals the next
-                # position, which a K-cycle never does (one early miss there would otherwise
-                # pin its estimate, and K, for good).
-                self.probing = True
-                deeper = (self.drafting_cycles // PROBE_EVERY) % 2 == 1
-                return k + 1 if deeper and k < len(costs.cycle) - 1 else 0
+            if k < MAX_AUTO_K and self.drafting_cycles % PROBE_EVERY == 0:
+                # A K-cycle never reveals position K+1: one early miss there would pin its
+                # estimate, and K, for good. A one-longer draft now and then reveals it.
+                return k + 1
         return k
 
     def observe(self, k: int, n_accepted: int, seconds: float | None = None) -> None:
-        """Update a_i for every position whose outcome the cycle revealed, and the cost of a
-        K-cycle from its measured time (the start-up table drifts: context grows, the machine
-        gets busier or quieter)."""
+        """Update a_i for every position whose outcome the cycle revealed, and ``cycle[k]``
+        from the cycle's measured time (less the head's catch-up beyond one position).
+
+        Only a cycle that follows one of the same K updates the table: a cycle timed amid other
+        K's (a probe, the first after a switch) runs with colder caches than in a run of its
+        own K (measured: a K=0 probe amid K=2 cycles took 4.5 ms, 3.1 ms in a plain run), and
+        it would skew the ratios that decide K. So a K that auto K runs gets its table entry
+        corrected from the run, and one that the table over-prices is simply not chosen.
+        """
+        self.counts.decay(REQUEST_FORGET)
+        self.shared.counts.decay(SHARED_FORGET)
         for i in range(min(k, n_accepted + 1)):
-            self.counts.observe(i, i < n_accepted, REQUEST_FORGET)
-            self.shared.counts.observe(i, i < n_accepted, SHARED_FORGET)
+            self.counts.observe(i, i < n_accepted)
+            self.shared.counts.observe(i, i < n_accepted)
         costs = self.shared.costs
-        # ``cycle[k]`` is a K-cycle that catches up on one position: take out the catch-up over
-        # what the previous cycle committed. The first drafting cycle after plain ones catches
-        # up on every position they skipped (a one-off): it does not update the table at all.
-        after_plain = k > 0 and self.previous == 0
-        if seconds is not None and k < len(costs.cycle) and not after_plain:
-            if k > 0:
-                seconds -= costs.catch_up(self.previous_emitted)
-            weight = PROBE_COST_EMA if self.probing else COST_EMA
-            costs.cycle[k] += weight * (seconds - costs.cycle[k])
+        if seconds is not None and k == self.previous and k < len(costs.cycle):
+            net = seconds - (costs.catch_up(self.previous_emitted) if k else 0.0)
+            costs.cycle[k] += COST_EMA * (net - costs.cycle[k])
         self.previous, self.previous_emitted = k, n_accepted + 1

@@ -26,23 +26,17 @@ def test_auto_k_adapts_to_observed_acceptance_and_probes_from_zero() -> None:
     costs = CostTable(cycle=[1.0, 1.2, 1.4, 1.6, 1.8], trunk=[1.0] * 5, head_step=0.1)
     request = AutoK(costs).for_request()
     assert request.choose(None) > 0
-    for _ in range(60):  # the head never gets anything right
-        request.observe(request.choose(None), 0, None)
-    choices = [request.choose(None) for _ in range(16)]
-    assert choices.count(0) >= 14 and 1 in choices  # plain decoding, with a probe now and then
-    for _ in range(80):  # text turns predictable again
-        request.observe(max(1, request.choose(None)), 1, None)
+    choices = []
+    for _ in range(400):  # the head never gets anything right
+        choices.append(request.choose(None))
+        request.observe(choices[-1], 0)
+    plain = choices[choices.index(0) :]
+    # plain decoding, with probes (and, as old evidence fades, short retries) now and then
+    assert plain.count(0) > 0.9 * len(plain)
+    for _ in range(300):  # text turns predictable again: the next probe hits
+        request.observe(k := request.choose(None), k)
     choices = [request.choose(None) for _ in range(2 * PROBE_EVERY)]
-    # drafting again, with one plain cycle per 2 * PROBE_EVERY to keep K=0's cost current
-    assert choices.count(0) == 1 and min(c for c in choices if c) > 0
-
-
-def test_observed_cycle_times_update_the_cost_table() -> None:
-    costs = CostTable(cycle=[1.0, 1.2], trunk=[1.0, 1.0], head_step=0.1)
-    request = AutoK(costs).for_request()
-    for _ in range(200):
-        request.observe(1, 1, 3.0)
-    assert costs.cycle[1] == pytest.approx(3.0, rel=0.01)
+    assert min(choices) > 0  # drafting again
 
 
 def test_unobserved_positions_borrow_from_the_previous_one() -> None:
@@ -51,22 +45,9 @@ def test_unobserved_positions_borrow_from_the_previous_one() -> None:
     costs = CostTable(cycle=[1.0, 1.05, 1.1, 1.15, 1.2], trunk=[1.0] * 5, head_step=0.02)
     request = AutoK(costs).for_request()
     for _ in range(40):
-        request.observe(1, 1, None)
+        request.observe(1, 1)
     assert request.estimates()[1] == pytest.approx(request.estimates()[0] * 0.85)
     assert request.choose(None) >= 2
-
-
-def test_catch_up_cycle_after_plain_ones_does_not_count_as_a_k_cycle() -> None:
-    """After plain cycles the head runs over every skipped position once; that one-off time
-    must not make drafting look expensive (auto K would then stay at K=0 for good)."""
-    costs = CostTable(cycle=[1.0, 1.2], trunk=[1.0, 1.0], head_step=0.1)
-    request = AutoK(costs).for_request()
-    for _ in range(30):
-        request.observe(0, 0, 1.0)
-        request.observe(1, 1, 50.0)  # the catch-up: ignored
-    assert costs.cycle[1] == pytest.approx(1.2)
-    request.observe(1, 1, 2.2)  # a K=1 cycle after a K=1 cycle counts
-    assert costs.cycle[1] > 1.2
 
 
 def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
@@ -86,27 +67,6 @@ def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
     assert costs.cycle_cost([1.0, 1.0], 0) == 1.0
 
 
-def test_observed_time_is_stored_without_the_catch_up() -> None:
-    costs = CostTable(cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 1.5])
-    request = AutoK(costs).for_request()
-    for _ in range(300):
-        request.observe(1, 1, 3.0)  # every cycle commits 2, so the next catches up on 2
-    assert costs.cycle[1] == pytest.approx(2.0, rel=0.01)  # 3.0 minus the 1.0 extra catch-up
-
-
-def test_a_plain_probe_while_drafting_corrects_a_stale_plain_cost() -> None:
-    """K=0 looked dear at start-up (3.0) but is really cheap (1.0): drafting cycles never
-    measure K=0, so only the plain probe can reveal it; auto K must then stop drafting."""
-    costs = CostTable(cycle=[3.0, 3.2], trunk=[1.0, 1.0], head_step=0.1)
-    request = AutoK(costs).for_request()
-    for step in range(40 * PROBE_EVERY):
-        k = request.choose(None)
-        # half the drafts are accepted: E(K=1) = 1.5 tokens per 3.2, worse than 1 per 1.0
-        request.observe(k, step % 2, 1.0 if k == 0 else 3.2)
-    assert costs.cycle[0] == pytest.approx(1.0, rel=0.05)
-    assert [request.choose(None) for _ in range(8)].count(0) >= 7
-
-
 def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
     """A fresh request starts at the prior (0.6): with these costs K=0 wins. Probes that hit
     must bring drafting back within a few probes, not a dozen."""
@@ -116,7 +76,7 @@ def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
     for _ in range(4 * PROBE_EVERY):
         k = request.choose(None)
         choices.append(k)
-        request.observe(k, k, None)  # every draft is accepted
+        request.observe(k, k)  # every draft is accepted
     assert choices[0] == 0 and sum(c > 0 for c in choices[-8:]) >= 7
     assert choices.index(next(c for c in choices if c > 1)) <= 2 * PROBE_EVERY + 1
 
@@ -127,10 +87,27 @@ def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
     costs = CostTable(cycle=[1.0, 1.3, 1.7, 2.2, 2.65], trunk=[1.0] * 5, head_step=0.4)
     request = AutoK(costs).for_request()
     for _ in range(3):
-        request.observe(1, 1, None)
-    request.observe(2, 1, None)  # the miss
+        request.observe(1, 1)
+    request.observe(2, 1)  # the miss
     for _ in range(6 * PROBE_EVERY):
         k = request.choose(None)
-        request.observe(k, k, None)  # from now on everything is accepted
+        request.observe(k, k)  # from now on everything is accepted
     assert request.estimates()[1] > 0.7
     assert request.choose(None) >= 2
+
+
+def test_only_steady_state_cycles_update_their_cost() -> None:
+    """A cycle after one of another K (probe, switch) runs with colder caches: ignored. A run
+    of one K corrects that K's entry, net of the head's catch-up beyond one position."""
+    costs = CostTable(cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 1.5, 1.5])
+    request = AutoK(costs).for_request()
+    for _ in range(30):
+        request.observe(0, 0, 1.0)
+        request.observe(1, 1, 50.0)  # each K=1 cycle follows a K=0 one: ignored
+    assert costs.cycle[1] == pytest.approx(2.0)
+    for _ in range(300):
+        request.observe(1, 1, 3.0)  # each commits 2, so the next catches up on 2 (+1.0)
+    assert costs.cycle[1] == pytest.approx(2.0, rel=0.01)
+    for _ in range(300):
+        request.observe(1, 0, 4.0)  # each commits 1: no catch-up beyond one
+    assert costs.cycle[1] == pytest.approx(4.0, rel=0.01)

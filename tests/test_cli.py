@@ -79,8 +79,17 @@ def test_bad_sampler_value_is_a_clear_error(tiny_checkpoint: Path) -> None:
 
 def test_chat_prompt_uses_the_template(tiny_checkpoint: Path) -> None:
     out = generate(
-        "--model", str(tiny_checkpoint), "--prompt", "hello", "--chat", "--no-thinking",
-        "--max-tokens", "4", "--temperature", "0", "--json",
+        "--model",
+        str(tiny_checkpoint),
+        "--prompt",
+        "hello",
+        "--chat",
+        "--no-thinking",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
     )
     assert out.returncode == 0, out.stderr
     from transformers import AutoTokenizer

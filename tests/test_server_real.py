@@ -367,7 +367,10 @@ def test_edge_sampling_values_are_served(http: httpx.Client, body: dict) -> None
 
 def test_metrics_show_the_draft_length_in_use(client: openai.OpenAI, http: httpx.Client) -> None:
     client.completions.create(
-        model="demo", prompt="def add(a, b):", max_tokens=24, temperature=0,
+        model="demo",
+        prompt="def add(a, b):",
+        max_tokens=24,
+        temperature=0,
         extra_body={"draft_tokens": 3, "ignore_eos": True},
     )
     assert metric(http, 'mtpserve_spec_cycles_by_draft_tokens_total{k="3"}') > 0
