@@ -71,3 +71,24 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "MTPSERVE_CACHE"}
+
+
+def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None:
+    from engine.api import GenerationStats
+    from engine.autok import CostTable
+    from engine.bench import Row, _gap_note
+
+    costs = CostTable(
+        cycle=[0.003, 0.006, 0.008],
+        trunk=[0.003, 0.004, 0.0045],
+        head_step=0.001,
+        absorb=[0.001, 0.0012, 0.0014],
+    )
+    plain = Row("greedy", "K=0", GenerationStats(cycles=100, generation_seconds=0.3))
+    row = Row("greedy", "K=2")
+    # the run's verify took 2 ms more than the table's 3-token forward; draft as expected
+    expected_draft = 0.5 * 0.0012 + 0.5 * 0.0014 + 0.001  # acceptance 1.0, then 0.5
+    row.split = {"draft": expected_draft, "verify": 0.0065}
+    note = _gap_note(0.010, costs, 2, row, plain, [1.0, 0.5])
+    assert "K=2 cycle 10.0 ms in run" in note and "K=0 step 3.0 ms in run vs 3.0 ms" in note
+    assert note.endswith("mostly verify, +2.0 ms")
