@@ -67,3 +67,23 @@ def load_engine(make_checkpoint: Callable[[Variant], Path]) -> Callable[..., obj
 @pytest.fixture(scope="session")
 def tiny_engine(load_engine: Callable[..., object]) -> object:
     return load_engine("dense-tied", draft_tokens=2)
+
+
+# -- HTTP clients of a module's ``server`` fixture (a fake_engine.LiveServer) ------------------
+
+
+@pytest.fixture
+def client(server: object) -> object:
+    """The openai SDK pointed at the module's live server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(server: object):
+    """An httpx client on the module's live server (raw bodies, SSE, metrics)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c

@@ -55,17 +55,6 @@ def server(engine: FakeEngine):
         yield srv
 
 
-@pytest.fixture
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-@pytest.fixture
-def http(server: LiveServer):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 

@@ -44,7 +44,7 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def live(tiny_checkpoint: Path):
+def server(tiny_checkpoint: Path):
     from engine.runtime import Engine
 
     settings = ServerSettings(model=str(tiny_checkpoint), served_model_names=["demo"], max_n=8)
@@ -59,17 +59,6 @@ def live(tiny_checkpoint: Path):
         yield srv
 
 
-@pytest.fixture
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture
-def http(live: LiveServer):
-    with httpx.Client(base_url=live.url, timeout=60) as c:
-        yield c
-
-
 def metric(http: httpx.Client, name: str) -> float:
     """Sum of all samples of ``name`` in /metrics (labels ignored unless part of ``name``)."""
     total = 0.0
@@ -79,9 +68,9 @@ def metric(http: httpx.Client, name: str) -> float:
     return total
 
 
-def test_models(client: openai.OpenAI, live: LiveServer) -> None:
+def test_models(client: openai.OpenAI, server: LiveServer) -> None:
     ids = [m.id for m in client.models.list().data]
-    assert ids[0] == live.model and "demo" in ids
+    assert ids[0] == server.model and "demo" in ids
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
@@ -121,9 +110,9 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert text == (choice.message.content or "") and finish == choice.finish_reason
 
 
-def test_completions_string_tokens_and_stream(client: openai.OpenAI, live: LiveServer) -> None:
+def test_completions_string_tokens_and_stream(client: openai.OpenAI, server: LiveServer) -> None:
     prompt = "def add(a, b):\n"
-    ids = live.engine.tokenizer.encode(prompt)
+    ids = server.engine.tokenizer.encode(prompt)
     a = client.completions.create(model="demo", prompt=prompt, max_tokens=30, temperature=0)
     b = client.completions.create(model="demo", prompt=ids, max_tokens=30, temperature=0)
     assert a.choices[0].text == b.choices[0].text
@@ -177,7 +166,7 @@ def extra(message: Any) -> str | None:
     return (message.model_extra or {}).get("reasoning_content")
 
 
-def test_tools_accepted_by_template(client: openai.OpenAI, live: LiveServer) -> None:
+def test_tools_accepted_by_template(client: openai.OpenAI, server: LiveServer) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {
@@ -200,7 +189,7 @@ def test_tools_accepted_by_template(client: openai.OpenAI, live: LiveServer) -> 
     assert r.usage.prompt_tokens > 100  # the tool schema and instructions are in the prompt
 
 
-def test_eight_concurrent_greedy_streams_equal_sequential(live: LiveServer) -> None:
+def test_eight_concurrent_greedy_streams_equal_sequential(server: LiveServer) -> None:
     prompts = [f"Request {i}: " + f"tell me about item {i}. " * (1 + i % 3) for i in range(8)]
 
     async def one(ac: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
@@ -222,7 +211,7 @@ def test_eight_concurrent_greedy_streams_equal_sequential(live: LiveServer) -> N
         return content, reasoning
 
     async def run(concurrent: bool) -> list[tuple[str, str]]:
-        async with httpx.AsyncClient(base_url=live.url, timeout=120) as ac:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
             if concurrent:
                 return list(await asyncio.gather(*(one(ac, p) for p in prompts)))
             return [await one(ac, p) for p in prompts]
@@ -233,7 +222,7 @@ def test_eight_concurrent_greedy_streams_equal_sequential(live: LiveServer) -> N
     assert len(set(sequential)) > 1
 
 
-def test_mid_stream_disconnect_cancels(live: LiveServer, http: httpx.Client) -> None:
+def test_mid_stream_disconnect_cancels(server: LiveServer, http: httpx.Client) -> None:
     cancelled_before = metric(http, 'mtpserve_generations_total{outcome="cancelled"}')
     tokens_before = metric(http, "mtpserve_generation_tokens_total")
     body = {
@@ -245,7 +234,7 @@ def test_mid_stream_disconnect_cancels(live: LiveServer, http: httpx.Client) -> 
         "ignore_eos": True,
     }
     with (
-        httpx.Client(base_url=live.url, timeout=60) as c,
+        httpx.Client(base_url=server.url, timeout=60) as c,
         c.stream("POST", "/v1/completions", json=body) as r,
     ):
         seen = 0
