@@ -256,10 +256,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         if cname.startswith("K=") and "," not in cname and t.cycles:
             k = int(cname[2:])
-            per_position = [
-                a / p if p else 0.0
-                for a, p in zip(t.accepted_per_position, t.proposed_per_position, strict=True)
-            ]
+            per_position = conditional_acceptance(t)
             table = sampler_costs[sname]
             if k < len(table.cycle):
                 row.predicted_speedup = table.predicted_speedup(per_position, k)
@@ -282,6 +279,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "costs": {name: asdict(table) for name, table in sampler_costs.items()},
         "rows": [r.as_json() for r in rows.values()],
     }
+
+
+def conditional_acceptance(stats: GenerationStats) -> list[float]:
+    """a_i = P(draft i accepted | drafts 1..i-1 accepted), what the cost model multiplies.
+
+    The statistics count, per position, the cycles that proposed it and those that accepted it,
+    so accepted/proposed is the *unconditional* P(draft i accepted) (what the table shows); the
+    conditional rate divides by the cycles that accepted the position before instead.
+    """
+    rates: list[float] = []
+    reached = stats.proposed_per_position[0] if stats.proposed_per_position else 0
+    for accepted in stats.accepted_per_position:
+        rates.append(accepted / reached if reached else 0.0)
+        reached = accepted
+    return rates
 
 
 def _with_seed(params: Any, seed: int) -> Any:

@@ -92,3 +92,16 @@ def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None
     note = _gap_note(0.010, costs, 2, row, plain, [1.0, 0.5])
     assert "K=2 cycle 10.0 ms in run" in note and "K=0 step 3.0 ms in run vs 3.0 ms" in note
     assert note.endswith("mostly verify, +2.0 ms")
+
+
+def test_prediction_uses_conditional_per_position_acceptance() -> None:
+    """Stats count P(draft i accepted) unconditionally (8 of 10 cycles accepted draft 1, 4 of
+    10 draft 2); the cost model multiplies conditional rates: 0.8, then 4 of those 8."""
+    from engine.api import GenerationStats
+    from engine.autok import expected_tokens
+    from engine.bench import conditional_acceptance
+
+    stats = GenerationStats(accepted_per_position=[8, 4], proposed_per_position=[10, 10])
+    rates = conditional_acceptance(stats)
+    assert rates == [0.8, 0.5]
+    assert expected_tokens(rates, 2) == 1 + 0.8 + 0.4  # = 1 + (8 + 4) / 10 tokens per cycle
