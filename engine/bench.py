@@ -265,8 +265,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         t.generation_seconds / t.cycles, table, k, row, plain, per_position
                     )
 
+    # Peak memory with and without the head, each in a fresh process (peaks must not mix).
+    memory = None
+    if engine.has_head and not args.mtp_weights:
+        from engine.memory import measure
+
+        model_dir = engine.loaded.model_dir
+        memory = {"trunk_only": measure(model_dir, False), "with_head": measure(model_dir, True)}
+
     return {
         "model": str(engine.loaded.model_dir),
+        "memory": memory,
         "machine": costs.machine,
         "blas": blas_in_use(),
         "draft_vocab_size": engine.draft_vocab_size,
@@ -364,6 +373,15 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if r["gap_note"]:
             lines.append(f"{'':<26}prediction gap: {r['gap_note']}")
+    if result.get("memory"):
+        plain, head = result["memory"]["trunk_only"], result["memory"]["with_head"]
+        lines.append(
+            f"peak memory (fresh processes, 64 greedy tokens): trunk only: load "
+            f"{plain['load_peak'] / 2**20:.1f} MiB, generate {plain['generate_peak'] / 2**20:.1f} "
+            f"MiB; with head: load {head['load_peak'] / 2**20:.1f} MiB, generate "
+            f"{head['generate_peak'] / 2**20:.1f} MiB (head weights "
+            f"{head['head_bytes'] / 2**20:.1f} MiB)"
+        )
     lines.append(
         f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
         f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "

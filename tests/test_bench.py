@@ -65,6 +65,10 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
     k2 = rows[("greedy", "K=2")]
     assert k2["tokens_per_cycle"] == k2["completion_tokens"] / k2["cycles"]
     assert result["head_bytes"] > 0 and result["trunk_bytes"] > result["head_bytes"]
+    memory = result["memory"]
+    assert memory["trunk_only"]["head_bytes"] == 0 and memory["with_head"]["head_bytes"] > 0
+    assert memory["with_head"]["generate_peak"] > memory["trunk_only"]["generate_peak"]
+    assert "peak memory (fresh processes" in table
 
 
 def _env() -> dict[str, str]:

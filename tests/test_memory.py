@@ -4,29 +4,12 @@ fresh process so peaks do not mix."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 from checkpoints import Variant
 
-SCRIPT = Path(__file__).parent / "scripts" / "peak_memory.py"
-ROOT = Path(__file__).parent.parent
+from engine.memory import measure
+
 BIG = Variant("big", hidden=512, layers=8, intermediate=2560, heads=8, kv_heads=2, head_dim=32)
 MiB = 2**20
-
-
-def measure(model_dir: Path, with_head: bool) -> dict:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model_dir), "1" if with_head else "0"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_head_adds_only_its_own_bytes(make_checkpoint) -> None:
