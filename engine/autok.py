@@ -15,8 +15,8 @@ per-request one, and one shared by all requests of a kind that new requests star
 (no speculation) wins when acceptance is too low to pay for drafting; a probe with K = 1 every
 ``PROBE_EVERY`` plain cycles keeps the estimate alive so speculation resumes when the text gets
 predictable again; while drafting, a draft one token longer every ``PROBE_EVERY`` cycles does
-the same for the next position. Cycle times observed in a run of one K correct that K's cost
-(``RequestAutoK.observe``).
+the same for the next position. Costs come from the start-up table only (see
+``RequestAutoK.observe`` for why cycle times seen in a run do not update it).
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ SWITCH_MARGIN = 0.03
 #: ... and drafting must beat plain decoding by this much before auto K starts: near break-even
 #: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
 START_MARGIN = 0.08
-#: weight of one steady-state cycle's time in its K's cost
-COST_EMA = 0.05
 #: cycles of one K run back to back when measuring (the first one is not counted)
 CYCLES_IN_A_ROW = 8
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
@@ -349,9 +347,6 @@ class RequestAutoK:
     drafting_cycles: int = 0
     probe_interval: int = PROBE_EVERY
     current: int = 0
-    #: K of the last observed cycle (-1: none yet) and how many tokens it committed
-    previous: int = -1
-    previous_emitted: int = 1
 
     def estimates(self) -> list[float]:
         """This request's per-position acceptance estimates."""
@@ -382,23 +377,18 @@ class RequestAutoK:
                 return k + 1
         return k
 
-    def observe(self, k: int, n_accepted: int, seconds: float | None = None) -> None:
-        """Update a_i for every position whose outcome the cycle revealed, and ``cycle[k]``
-        from the cycle's measured time (less the head's catch-up beyond one position).
+    def observe(self, k: int, n_accepted: int) -> None:
+        """Update a_i for every position whose outcome the cycle revealed.
 
-        Only a cycle that follows one of the same K updates the table: a cycle timed amid other
-        K's (a probe, the first after a switch) runs with colder caches than in a run of its
-        own K (measured: a K=0 probe amid K=2 cycles took 4.5 ms, 3.1 ms in a plain run), and
-        it would skew the ratios that decide K. So a K that auto K runs gets its table entry
-        corrected from the run, and one that the table over-prices is simply not chosen.
+        Cycle costs stay as measured at start-up. Only their ratios decide K, and in a run
+        only the K in use could be re-timed: on this 2-core machine a K=0 step timed in a run
+        wandered by +-15% within minutes (3.3 -> 4.0 -> 3.4 ms) while the other K's kept their
+        start-up figures, so the ratios — and K — followed the noise (the sampled bench row fell
+        to 0.94x of plain decoding). The start-up table is measured interleaved, K by K, so its
+        ratios are fair; a uniform slow-down of the machine changes no ratio.
         """
         self.counts.decay(REQUEST_FORGET)
         self.shared.counts.decay(SHARED_FORGET)
         for i in range(min(k, n_accepted + 1)):
             self.counts.observe(i, i < n_accepted)
             self.shared.counts.observe(i, i < n_accepted)
-        costs = self.shared.costs
-        if seconds is not None and k == self.previous and k < len(costs.cycle):
-            net = seconds - (costs.catch_up(self.previous_emitted) if k else 0.0)
-            costs.cycle[k] += COST_EMA * (net - costs.cycle[k])
-        self.previous, self.previous_emitted = k, n_accepted + 1

@@ -236,15 +236,12 @@ class Engine:
                 return
             k = policy.choose(seq, request.max_tokens - generated) if seq.can_draft else 0
             context_len = len(seq.tokens)
-            t_cycle = time.perf_counter()
             result = run_cycle(self.trunk, self.loaded.head, seq, k, self.profile)
             n_keep, finish = _apply_stops(result.emitted, stop_ids, request.max_tokens - generated)
             t_commit = time.perf_counter()
             emitted = commit(seq, result, n_keep)
             if policy.chooser is not None:
-                policy.chooser.observe(
-                    len(result.draft_ids), result.n_accepted, time.perf_counter() - t_cycle
-                )
+                policy.chooser.observe(len(result.draft_ids), result.n_accepted)
             generated += len(emitted)
             _record(stats, result, generated, time.perf_counter() - t_commit)
             if trace is not None:

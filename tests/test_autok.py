@@ -94,20 +94,3 @@ def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
         request.observe(k, k)  # from now on everything is accepted
     assert request.estimates()[1] > 0.7
     assert request.choose(None) >= 2
-
-
-def test_only_steady_state_cycles_update_their_cost() -> None:
-    """A cycle after one of another K (probe, switch) runs with colder caches: ignored. A run
-    of one K corrects that K's entry, net of the head's catch-up beyond one position."""
-    costs = CostTable(cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 1.5, 1.5])
-    request = AutoK(costs).for_request()
-    for _ in range(30):
-        request.observe(0, 0, 1.0)
-        request.observe(1, 1, 50.0)  # each K=1 cycle follows a K=0 one: ignored
-    assert costs.cycle[1] == pytest.approx(2.0)
-    for _ in range(300):
-        request.observe(1, 1, 3.0)  # each commits 2, so the next catches up on 2 (+1.0)
-    assert costs.cycle[1] == pytest.approx(2.0, rel=0.01)
-    for _ in range(300):
-        request.observe(1, 0, 4.0)  # each commits 1: no catch-up beyond one
-    assert costs.cycle[1] == pytest.approx(4.0, rel=0.01)
