@@ -14,8 +14,8 @@ Acceptance is estimated per draft position from decayed counts (``AcceptanceCoun
 per-request one, and one shared by all requests of a kind that new requests start from. K = 0
 (no speculation) wins when acceptance is too low to pay for drafting; a probe with K = 1 every
 ``PROBE_EVERY`` plain cycles keeps the estimate alive so speculation resumes when the text gets
-predictable again; while drafting, a draft one token longer every ``PROBE_EVERY`` cycles does
-the same for the next position. Costs come from the start-up table only (see
+predictable again; while drafting, a draft one token longer every ``DEEPER_PROBE_EVERY``
+cycles does the same for the next position. Costs come from the start-up table only (see
 ``RequestAutoK.observe`` for why cycle times seen in a run do not update it).
 """
 
@@ -47,10 +47,12 @@ SHARED_FORGET = 0.99
 #: a new request starts from the shared counts scaled down to at most this many observations
 INHERITED_OBSERVATIONS = 16.0
 PROBE_EVERY = 16
+#: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
+DEEPER_PROBE_EVERY = 8
 #: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
 MAX_PROBE_INTERVAL = 128
 #: prior ratio a_{i+1} / a_i: a position drafted rarely leans on the one before it
-UNSEEN_DECAY = 0.85
+UNSEEN_DECAY = 0.95
 #: a longer draft must beat the current choice by this much before auto K switches to it
 SWITCH_MARGIN = 0.03
 #: ... and drafting must beat plain decoding by this much before auto K starts: near break-even
@@ -288,8 +290,15 @@ class AcceptanceCounts:
         self.trials[position] += 1.0
 
     def scaled_to(self, max_trials: float) -> AcceptanceCounts:
-        scale = min(1.0, max_trials / max(max(self.trials), 1e-9))
-        return AcceptanceCounts([h * scale for h in self.hits], [t * scale for t in self.trials])
+        """The same rates with each position's trials capped at ``max_trials``. Per position: a
+        deep position is revealed far less often than the first, and scaling all by the first
+        position's count would leave it with almost no inherited evidence (its estimate then
+        sits at the prior, and auto K stops one position short)."""
+        scales = [min(1.0, max_trials / t) if t > 0 else 1.0 for t in self.trials]
+        return AcceptanceCounts(
+            [h * f for h, f in zip(self.hits, scales, strict=True)],
+            [t * f for t, f in zip(self.trials, scales, strict=True)],
+        )
 
 
 @dataclass
@@ -371,7 +380,7 @@ class RequestAutoK:
         else:
             self.probe_interval = PROBE_EVERY
             self.drafting_cycles += 1
-            if k < MAX_AUTO_K and self.drafting_cycles % PROBE_EVERY == 0:
+            if k < MAX_AUTO_K and self.drafting_cycles % DEEPER_PROBE_EVERY == 0:
                 # A K-cycle never reveals position K+1: one early miss there would pin its
                 # estimate, and K, for good. A one-longer draft now and then reveals it.
                 return k + 1

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine.autok import PROBE_EVERY, AutoK, CostTable, best_k, expected_tokens
+from engine.autok import (
+    DEEPER_PROBE_EVERY,
+    PROBE_EVERY,
+    UNSEEN_DECAY,
+    AcceptanceCounts,
+    AutoK,
+    CostTable,
+    best_k,
+    expected_tokens,
+)
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -46,7 +55,7 @@ def test_unobserved_positions_borrow_from_the_previous_one() -> None:
     request = AutoK(costs).for_request()
     for _ in range(40):
         request.observe(1, 1)
-    assert request.estimates()[1] == pytest.approx(request.estimates()[0] * 0.85)
+    assert request.estimates()[1] == pytest.approx(request.estimates()[0] * UNSEEN_DECAY)
     assert request.choose(None) >= 2
 
 
@@ -82,15 +91,26 @@ def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
 
 
 def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
-    """One early miss at position 2 makes K=1 look best; K=1 cycles never reveal position 2
-    again. The one-longer probe must, and auto K must then go deeper."""
-    costs = CostTable(cycle=[1.0, 1.3, 1.7, 2.2, 2.65], trunk=[1.0] * 5, head_step=0.4)
+    """One early miss at position 2 makes K=1 look best, and K=1 cycles never reveal position 2
+    again (the miss only fades with age). The one-longer probe reveals it within a few probes,
+    and auto K goes deeper."""
+    costs = CostTable(cycle=[1.0, 1.3, 1.76, 2.3, 2.8], trunk=[1.0] * 5, head_step=0.4)
     request = AutoK(costs).for_request()
     for _ in range(3):
         request.observe(1, 1)
     request.observe(2, 1)  # the miss
-    for _ in range(6 * PROBE_EVERY):
+    for _ in range(3 * DEEPER_PROBE_EVERY):
         k = request.choose(None)
         request.observe(k, k)  # from now on everything is accepted
-    assert request.estimates()[1] > 0.7
+    assert request.estimates()[1] > 0.8
     assert request.choose(None) >= 2
+
+
+def test_a_new_request_inherits_evidence_of_rarely_revealed_positions() -> None:
+    """Position 4 is revealed 20x less often than position 1 (and accepted only half the
+    time); a new request must start from that rate, not from the prior."""
+    shared = AcceptanceCounts(hits=[190.0, 180.0, 170.0, 5.0], trials=[200.0, 190.0, 180.0, 10.0])
+    inherited = shared.scaled_to(16.0)
+    assert inherited.trials == [16.0, 16.0, 16.0, 10.0]
+    assert inherited.estimates()[3] == pytest.approx(shared.estimates()[3], abs=0.02)
+    assert inherited.estimates()[3] < 0.6
