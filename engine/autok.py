@@ -79,31 +79,43 @@ class CostTable:
     absorb: list[float] = field(default_factory=list)
     machine: str = ""
 
-    def catch_up(self, n: int) -> float:
-        """Extra seconds when the head catches up on ``n`` positions instead of one."""
-        if not self.absorb or n <= 1:
-            return 0.0
-        return self.absorb[min(n, len(self.absorb)) - 1] - self.absorb[0]
+    def catch_up(self, committed: list[float]) -> float:
+        """Expected seconds of the head's catch-up after a cycle whose committed-token counts
+        have distribution ``committed`` (``committed_distribution``). Without a measured
+        ``absorb`` a catch-up over one position is taken to cost one head step."""
+        absorb = self.absorb or [self.head_step]
+        return sum(p * absorb[min(n, len(absorb)) - 1] for n, p in enumerate(committed, 1))
 
     def cycle_cost(self, acceptance: list[float], k: int) -> float:
         """Expected seconds of a K-cycle in steady state (the previous cycle also drafted K):
-        the measured cycle plus the expected catch-up over the positions a K-cycle commits."""
-        if k == 0:
-            return self.cycle[0]
-        return self.cycle[k] + sum(
-            p * self.catch_up(n) for n, p in enumerate(committed_distribution(acceptance, k), 1)
-        )
+        the measured cycle (which caught up on one position) plus the expected extra
+        catch-up over the positions a K-cycle commits."""
+        return self._cycle_cost(k, committed_distribution(acceptance, k))
 
-    def rate(self, acceptance: list[float], k: int) -> float:
-        """Expected tokens per second with K drafts."""
-        return expected_tokens(acceptance, k) / self.cycle_cost(acceptance, k)
+    def rates(self, acceptance: list[float]) -> list[float]:
+        """Expected tokens per second for every K of the table."""
+        rates = []
+        for k in range(len(self.cycle)):
+            committed = committed_distribution(acceptance, k)
+            rates.append(_mean_tokens(committed) / self._cycle_cost(k, committed))
+        return rates
 
     def predicted_speedup(self, acceptance: list[float], k: int) -> float:
-        return self.rate(acceptance, k) / self.rate(acceptance, 0)
+        rates = self.rates(acceptance)
+        return rates[k] / rates[0]
+
+    def _cycle_cost(self, k: int, committed: list[float]) -> float:
+        if k == 0:
+            return self.cycle[0]
+        return self.cycle[k] + self.catch_up(committed) - self.catch_up([1.0])
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
-    return sum(n * p for n, p in enumerate(committed_distribution(acceptance, k), 1))
+    return _mean_tokens(committed_distribution(acceptance, k))
+
+
+def _mean_tokens(committed: list[float]) -> float:
+    return sum(n * p for n, p in enumerate(committed, 1))
 
 
 def committed_distribution(acceptance: list[float], k: int) -> list[float]:
@@ -118,7 +130,8 @@ def committed_distribution(acceptance: list[float], k: int) -> list[float]:
 
 
 def best_k(costs: CostTable, acceptance: list[float]) -> int:
-    return max(range(len(costs.cycle)), key=lambda k: costs.rate(acceptance, k))
+    rates = costs.rates(acceptance)
+    return max(range(len(rates)), key=rates.__getitem__)
 
 
 def machine_key(model_dir: Path) -> str:
@@ -170,7 +183,7 @@ def measure_costs(
     def settle() -> None:
         """Run the head (untimed) over all but the last pending position, so every timed
         K-cycle catches up on exactly one, as ``CostTable.cycle`` defines."""
-        if len(seq.head_pending) and sum(h.shape[1] for h in seq.head_pending) > 1:
+        if sum(h.shape[1] for h in seq.head_pending) > 1:
             _absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(seq.head_cache.state, *seq.head_pending)
 
@@ -362,11 +375,10 @@ class RequestAutoK:
         return self.counts.estimates()
 
     def choose(self, seq: Any) -> int:
-        costs, acceptance = self.shared.costs, self.estimates()
-        k = best_k(costs, acceptance)
-        rate = lambda j: costs.rate(acceptance, j)  # noqa: E731
+        rates = self.shared.costs.rates(self.estimates())
+        k = max(range(len(rates)), key=rates.__getitem__)
         margin = START_MARGIN if self.current == 0 else SWITCH_MARGIN
-        if k != self.current and rate(k) < rate(self.current) * (1 + margin):
+        if k != self.current and rates[k] < rates[self.current] * (1 + margin):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k
         if k == 0:

@@ -328,11 +328,7 @@ def _gap_note(
         step = plain.totals.generation_seconds / plain.totals.cycles
         notes.append(versus("K=0 step", step, costs.cycle[0]))
     if row.split and k > 0:
-        absorb = costs.absorb or [costs.head_step]
-        catch_up = sum(
-            p * absorb[min(n, len(absorb)) - 1]
-            for n, p in enumerate(committed_distribution(acceptance, k), 1)
-        )
+        catch_up = costs.catch_up(committed_distribution(acceptance, k))
         expected = {"draft": catch_up + (k - 1) * costs.head_step, "verify": costs.trunk[k]}
         gaps = {stage: row.split[stage] - expected[stage] for stage in expected}
         stage = max(gaps, key=lambda n: abs(gaps[n]))
