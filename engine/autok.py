@@ -253,7 +253,7 @@ def measure_costs(
 def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
     """The cost table for greedy (``params`` None) or for sampling with ``params``."""
     key = machine_key(engine.loaded.model_dir)
-    kind = "greedy" if params is None or params.greedy else "sampled"
+    kind = "greedy" if params is None else _kind(params)
     path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
     if path.exists() and not refresh:
         try:
@@ -335,11 +335,20 @@ class EngineAutoK:
     kinds: dict[str, AutoK] = field(default_factory=dict)
 
     def for_request(self, params: Any) -> RequestAutoK:
-        kind = "greedy" if params.greedy else "sampled"
-        if kind not in self.kinds:
+        self.costs(params)
+        return self.kinds[_kind(params)].for_request()
+
+    def costs(self, params: Any, refresh: bool = False) -> CostTable:
+        """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
+        kind = _kind(params)
+        if kind not in self.kinds or refresh:
             sampled = None if params.greedy else _representative_sampler(self.engine, params)
-            self.kinds[kind] = AutoK(load_or_measure(self.engine, params=sampled))
-        return self.kinds[kind].for_request()
+            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampled))
+        return self.kinds[kind].costs
+
+
+def _kind(params: Any) -> str:
+    return "greedy" if params.greedy else "sampled"
 
 
 def _representative_sampler(engine: Any, params: Any) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,7 +151,6 @@ def run_ours(
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from engine.autok import load_or_measure, measure_costs
     from engine.runtime import Engine
 
     engine = Engine.load(
@@ -168,12 +168,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if not engine.trunk.args.tie_word_embeddings
         else 0
     )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
-    costs = load_or_measure(engine, refresh=True)  # the bench always measures afresh
-    # The prediction for each sampler uses cycle costs measured with that sampler (truncation
-    # and sampling add work per cycle that greedy decoding does not have).
+    # The bench always measures afresh, one table per decoding kind (truncation and sampling
+    # add work per cycle that greedy decoding does not have), and installs it in the engine's
+    # auto K: the prediction and the `auto` rows decide from the same figures.
     sampler_costs = {
-        name: costs if params.greedy else measure_costs(engine, params=params)
+        name: engine.autok.costs(params, refresh=True)
         for name, params in samplers.items()
+        if engine.has_head  # a checkpoint without a head only decodes plainly: nothing to model
     }
 
     configs: list[tuple[str, Any, float | None]] = [("mlx_lm", "mlx_lm", None)]
@@ -254,10 +255,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         row.bandwidth_gbps = (trunk_bytes * t.cycles + head_bytes * head_steps) / (
             t.generation_seconds * 1e9
         )
-        if cname.startswith("K=") and "," not in cname and t.cycles:
+        table = sampler_costs.get(sname)
+        if table and cname.startswith("K=") and "," not in cname and t.cycles:
             k = int(cname[2:])
             per_position = conditional_acceptance(t)
-            table = sampler_costs[sname]
             if k < len(table.cycle):
                 row.predicted_speedup = table.predicted_speedup(per_position, k)
                 if abs(row.speedup / row.predicted_speedup - 1) > 0.10:
@@ -276,7 +277,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": str(engine.loaded.model_dir),
         "memory": memory,
-        "machine": costs.machine,
+        "machine": platform.platform(),
         "blas": blas_in_use(),
         "draft_vocab_size": engine.draft_vocab_size,
         "draft_vocab_bytes": engine.draft_vocab_bytes,
