@@ -440,11 +440,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     from mtpserve.cli import default_model
+    from server.cli import DRAFT_VOCAB_HELP
 
     p = sub.add_parser("bench", help="speed-up, acceptance and memory vs plain decoding and mlx-lm")
     p.add_argument("--model", default=default_model())
     p.add_argument("--mtp-weights", default=None)
-    p.add_argument("--draft-vocab", type=int, default=None, help="see mtpserve generate --help")
+    p.add_argument("--draft-vocab", type=int, default=None, help=DRAFT_VOCAB_HELP)
     p.add_argument("--draft-tokens", default="0,1,2,3,4,auto")
     p.add_argument("--sampler", default="greedy,preset:qwen")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.blas import use_fast_blas
-from server.cli import add_serve_arguments, run_serve
+from server.cli import DRAFT_VOCAB_HELP, add_serve_arguments, run_serve
 
 use_fast_blas()  # before anything imports mlx
 
@@ -50,8 +50,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help="draft over the N most frequent tokens (0: full vocabulary; default: the "
-        "checkpoint's draft_vocab.json default, else full)",
+        help=DRAFT_VOCAB_HELP,
     )
 
 

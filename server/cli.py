@@ -16,6 +16,12 @@ from typing import Any
 
 from server.settings import ServerSettings, load_settings
 
+#: shared by `serve`, `generate` and `bench`
+DRAFT_VOCAB_HELP = (
+    "draft over the N most frequent tokens (0: full vocabulary; default: the checkpoint's "
+    "draft_vocab.json default, else full)"
+)
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder or Hugging Face repo id")
@@ -32,8 +38,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         dest="draft_vocab",
         type=int,
-        help="draft over the N most frequent tokens (0: full vocabulary; default: the "
-        "checkpoint's draft_vocab.json, else full)",
+        help=DRAFT_VOCAB_HELP,
     )
     parser.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--preset", help="sampler preset from configs/presets.toml")
