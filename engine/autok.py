@@ -33,6 +33,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.blas import blas_in_use
+
 log = logging.getLogger("mtpserve.autok")
 
 MAX_AUTO_K = 4
@@ -145,7 +147,7 @@ def machine_key(model_dir: Path) -> str:
         str(os.cpu_count()),
         str(mx.default_device()),
         mx.__version__,
-        os.environ.get("MTPSERVE_BLAS", ""),
+        blas_in_use(),
         _code_stamp(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

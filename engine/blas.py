@@ -1,10 +1,19 @@
-"""Make mlx's CPU matmuls use OpenBLAS instead of the reference BLAS the mlx-cpu wheel links.
+"""Give mlx's CPU matmuls a fast BLAS instead of the reference BLAS the mlx-cpu wheel links.
 
-The Linux mlx-cpu wheel bundles netlib's reference BLAS (a few GFLOP/s). Loading OpenBLAS with
-RTLD_GLOBAL *before* mlx is imported puts its ``cblas_*`` symbols first in the global lookup
-scope, so libmlx binds to them instead (measured in docs/BENCHMARKS.md: ~30x on fp32 matmul).
-Nothing happens on macOS (Accelerate) or when OpenBLAS is absent; ``MTPSERVE_BLAS`` may name a
-library explicitly, or be set to ``none`` to keep the bundled one (for before/after measurements).
+The Linux mlx-cpu wheel bundles netlib's reference BLAS (a few GFLOP/s). Loading another BLAS
+with RTLD_GLOBAL *before* mlx is imported puts its ``cblas_*`` symbols first in the global
+lookup scope, so libmlx binds to them instead.
+
+Which one: BLIS (Debian ``libblis4-pthread``) first, OpenBLAS as the fallback. Decoding is a
+chain of small products — T = 1..K+1 rows against each weight matrix — and there OpenBLAS's
+sgemm pays for packing the whole weight matrix and for waking its threads on every call: a
+[2, 256] x [256, 768] product costs ~46 us with OpenBLAS (2 threads) and ~22 us with BLIS on one
+thread. Big products (prefill) want every core instead. BLIS takes its thread count at run time,
+so decoding runs on one thread and ``all_cores()`` widens it around prefill
+(docs/BENCHMARKS.md §1 has the measurements).
+
+Nothing happens on macOS (Accelerate). ``MTPSERVE_BLAS`` may name a library explicitly, or be
+``none`` to keep the bundled one (for before/after measurements).
 """
 
 from __future__ import annotations
@@ -12,8 +21,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
+    "/usr/lib/aarch64-linux-gnu/blis-pthread/libblis.so.4",
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -22,11 +35,13 @@ CANDIDATES = (
 )
 
 _loaded: str | None = None
+#: BLIS's run-time thread setter, when the loaded library is BLIS.
+_set_threads: ctypes._CFuncPtr | None = None
 
 
 def use_fast_blas() -> str | None:
-    """Preload OpenBLAS if possible; return the library path in use (None: bundled BLAS)."""
-    global _loaded
+    """Preload the fast BLAS if possible; return the library path in use (None: bundled)."""
+    global _loaded, _set_threads
     if _loaded is not None or not sys.platform.startswith("linux"):
         return _loaded
     choice = os.environ.get("MTPSERVE_BLAS", "")
@@ -37,10 +52,32 @@ def use_fast_blas() -> str | None:
         return None
     for path in (choice,) if choice else CANDIDATES:
         if path and os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             _loaded = path
+            setter = getattr(lib, "bli_thread_set_num_threads", None)
+            if setter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_long], None
+                _set_threads = setter
+                setter(1)  # decoding: one thread (see the module docstring)
             return path
     return None
+
+
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """Run the block's matmuls on every core (prefill); back to one thread afterwards.
+
+    The block must evaluate what it builds: mlx is lazy, and the setting applies when the
+    products run. No effect unless the BLAS is BLIS.
+    """
+    if _set_threads is None:
+        yield
+        return
+    _set_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        _set_threads(1)
 
 
 def blas_in_use() -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, trunk_hidden
 from sampling.acceptance import accept_drafts, accept_greedy
@@ -92,6 +93,11 @@ def start_sequence(
 def _prefill(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -> None:
     """Feed ``body`` (tokens after the cache's end) through the trunk in chunks, and their
     committed pairs through the head's cache (the last pair stays pending for the next draft)."""
+    with all_cores():
+        _prefill_chunks(trunk, head, seq, body)
+
+
+def _prefill_chunks(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -> None:
     for start in range(0, len(body), PREFILL_CHUNK):
         chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
         hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
