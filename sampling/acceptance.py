@@ -40,10 +40,16 @@ def accept_drafts(
         ``(n_accepted, next_token)``: scalar int32 number of accepted drafts m (0..K) and the
         token emitted after them (residual draw at m < K, bonus draw from p_{K+1} at m == K).
     """
+    if draft_ids.shape[0] == 0:  # plain decoding: a draw from p_1
+        return mx.array(0, dtype=mx.int32), sample(target_probs, mx.random.split(key)[1])[0]
+    return _compiled_rule(draft_ids, draft_probs, target_probs, key)
+
+
+def _rule(
+    draft_ids: mx.array, draft_probs: mx.array, target_probs: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
     k = draft_ids.shape[0]
     u_key, draw_key = mx.random.split(key)
-    if k == 0:
-        return mx.array(0, dtype=mx.int32), sample(target_probs, draw_key)[0]
 
     rows = mx.arange(k)
     p_at_d = target_probs[rows, draft_ids]
@@ -64,6 +70,10 @@ def accept_drafts(
     chosen = candidates[n_accepted]
     next_token = sample(chosen[None], draw_key)[0]
     return n_accepted, next_token
+
+
+#: Compiled once per K (shapes): ~25 small ops that cost more dispatched one by one on CPUs.
+_compiled_rule = mx.compile(_rule)
 
 
 def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:

@@ -23,7 +23,7 @@ from scipy.stats import chi2_contingency
 
 from engine.api import GenerationRequest
 from sampling.acceptance import accept_drafts
-from sampling.distribution import PenaltyHistory, truncated_probs
+from sampling.distribution import PenaltyHistory, sample, truncated_probs
 from sampling.params import (
     SamplingOverrides,
     SamplingParamError,
@@ -134,6 +134,29 @@ def test_defaults_resolve_checkpoint_then_preset_then_request(tiny_checkpoint: P
     coding = resolve(checkpoint, preset("coding"), SamplingOverrides(top_p=0.5))
     assert (coding.temperature, coding.top_k, coding.top_p) == (0.6, 20, 0.5)
     assert resolve(checkpoint, preset("non-thinking")).presence_penalty == 1.5
+
+
+def test_sample_draws_each_row_from_its_probabilities() -> None:
+    """The inverse-CDF draw: frequencies match each row (chi-square), zero-probability tokens
+    (inside the row and at its end) are never drawn, unnormalised rows are normalised."""
+    rows = np.array(
+        [
+            [0.1, 0.0, 0.4, 0.2, 0.3, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+            [3.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+        ],
+        dtype=np.float32,
+    )
+    n = 20000
+    keys = mx.random.split(mx.random.key(5), n)
+    probs = mx.array(rows)
+    draws = np.array(mx.stack([sample(probs, keys[i]) for i in range(n)]).tolist())
+    for r, row in enumerate(rows):
+        counts = np.bincount(draws[:, r], minlength=row.size)
+        assert counts[row == 0].sum() == 0
+        expected = row[row > 0] / row.sum() * n
+        chi2 = ((counts[row > 0] - expected) ** 2 / expected).sum()
+        assert chi2 < 20.5  # at most 4 degrees of freedom, alpha 0.001
 
 
 def test_acceptance_rule_reproduces_target_distribution() -> None:
