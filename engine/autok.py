@@ -68,8 +68,10 @@ CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtps
 @dataclass
 class CostTable:
     """Measured seconds: ``cycle[K]`` for a K-cycle whose head catches up on one committed
-    position (K = 0..max); ``absorb[n-1]`` for the head's catch-up over n positions at once;
-    ``trunk[T-1]`` for a T-token verify forward; ``head_step`` for one draft step.
+    position (K = 1..max), ``cycle[0]`` for a plain cycle as the decode loop runs them (one
+    launched ahead of the other, see engine.speculative); ``absorb[n-1]`` for the head's
+    catch-up over n positions at once; ``trunk[T-1]`` for a T-token verify forward;
+    ``head_step`` for one draft step.
 
     Why ``absorb``: a cycle's first draft step runs the head over every position the previous
     cycle committed (1..K+1 of them), so a K-cycle costs more the more the last one accepted.
@@ -195,6 +197,13 @@ def measure_costs(
         commit(seq, run_cycle(trunk, head, seq, k), 1)
         return time.perf_counter() - t
 
+    def time_plain_cycles(n: int) -> list[float]:
+        """Plain cycles through the decode loop, which runs them one ahead (the gap between
+        two events is one cycle's cost: the next one was launched before this one was read)."""
+        request = GenerationRequest(seq.tokens, params, n, draft_tokens=0, ignore_eos=True)
+        stamps = [time.perf_counter() for _ in engine.decode(seq, request)]
+        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
     def time_trunk(n: int) -> float:
         t = time.perf_counter()
         ids = mx.array([seq.tokens[-1]] * n)[None]
@@ -231,7 +240,10 @@ def measure_costs(
     head_times: list[float] = []
     for rep in range(reps + 2):
         for k in range(max_k + 1):
-            row = [time_cycle(k) for _ in range(CYCLES_IN_A_ROW)]
+            if k == 0:
+                row = time_plain_cycles(CYCLES_IN_A_ROW)
+            else:
+                row = [time_cycle(k) for _ in range(CYCLES_IN_A_ROW)]
             c = median(row[1:])
             t = time_trunk(k + 1)
             settle()

@@ -26,7 +26,18 @@ from engine.api import (
     RequestError,
     TokenLogprob,
 )
-from engine.speculative import CycleResult, Sequence, commit, run_cycle, start_sequence
+from engine.speculative import (
+    CacheSnapshot,
+    CycleResult,
+    LaunchedCycle,
+    Sequence,
+    commit,
+    commit_unread,
+    finish_unread,
+    launch_cycle,
+    read_cycle,
+    start_sequence,
+)
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -229,42 +240,82 @@ class Engine:
         stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
         t_gen = time.perf_counter()
         generated = 0
-        while True:
-            if cancelled():
-                stats.generation_seconds = time.perf_counter() - t_gen
-                yield GenerationEvent([], finish_reason="cancelled", stats=stats)
-                return
-            k = policy.choose(seq, request.max_tokens - generated) if seq.can_draft else 0
-            context_len = len(seq.tokens)
-            result = run_cycle(self.trunk, self.loaded.head, seq, k, self.profile)
-            n_keep, finish = _apply_stops(result.emitted, stop_ids, request.max_tokens - generated)
-            t_commit = time.perf_counter()
-            emitted = commit(seq, result, n_keep)
-            if policy.chooser is not None:
-                policy.chooser.observe(len(result.draft_ids), result.n_accepted)
-            generated += len(emitted)
-            _record(stats, result, generated, time.perf_counter() - t_commit)
-            if trace is not None:
-                trace(
-                    {
-                        "context_len": context_len,
-                        "draft": result.draft_ids,
-                        "accepted": result.n_accepted,
-                        "emitted": emitted,
-                    }
+        chooser = policy.chooser
+        # Plain decoding runs one cycle ahead (engine.speculative's docstring): ``ahead`` is a
+        # cycle launched before the previous one was read back, ``undo`` what cancels it.
+        ahead: LaunchedCycle | None = None
+        undo: CacheSnapshot | None = None
+        k_next: int | None = None
+        try:
+            while True:
+                if cancelled():
+                    stats.generation_seconds = time.perf_counter() - t_gen
+                    yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+                    return
+                remaining = request.max_tokens - generated
+                context_len = len(seq.tokens)
+                if ahead is None:
+                    if k_next is None:
+                        k_next = policy.choose(seq, remaining) if seq.can_draft else 0
+                    current = launch_cycle(self.trunk, self.loaded.head, seq, k_next, self.profile)
+                else:
+                    current, ahead, undo = ahead, None, None
+                k_next = None
+                observed = False
+                if current.k == 0 and not self.profile and remaining > 1:
+                    # Its token is kept whatever it is: commit it unread, then decide the next
+                    # cycle (a plain cycle reveals nothing to auto K) and, if it is plain too,
+                    # launch it now, before reading this one back.
+                    commit_unread(seq, current)
+                    if chooser is not None:
+                        chooser.observe(0, 0)
+                        observed = True
+                    k_next = policy.choose(seq, remaining - 1) if seq.can_draft else 0
+                    if k_next == 0:
+                        undo = CacheSnapshot.of(seq)
+                        ahead = launch_cycle(self.trunk, self.loaded.head, seq, 0)
+                        k_next = None
+                result = read_cycle(seq, current)
+                n_keep, finish = _apply_stops(result.emitted, stop_ids, remaining)
+                t_commit = time.perf_counter()
+                if current.committed:
+                    emitted = finish_unread(seq, result)
+                else:
+                    emitted = commit(seq, result, n_keep)
+                if chooser is not None and not observed:
+                    chooser.observe(len(result.draft_ids), result.n_accepted)
+                generated += len(emitted)
+                _record(stats, result, generated, time.perf_counter() - t_commit)
+                if trace is not None:
+                    trace(
+                        {
+                            "context_len": context_len,
+                            "draft": result.draft_ids,
+                            "accepted": result.n_accepted,
+                            "emitted": emitted,
+                        }
+                    )
+                logprobs = (
+                    _logprobs(result, emitted, request.top_logprobs)
+                    if request.top_logprobs is not None
+                    else None
                 )
-            logprobs = (
-                _logprobs(result, emitted, request.top_logprobs)
-                if request.top_logprobs is not None
-                else None
-            )
-            stats.generation_seconds = time.perf_counter() - t_gen
-            yield GenerationEvent(emitted, logprobs, finish, stats)
-            if finish is not None:
-                if policy.fixed is None:
-                    used = [k for k, n in enumerate(stats.k_histogram) if n]
-                    stats.draft_tokens = max(used, default=0)
-                return
+                stats.generation_seconds = time.perf_counter() - t_gen
+                if finish is not None:
+                    if policy.fixed is None:
+                        used = [k for k, n in enumerate(stats.k_histogram) if n]
+                        stats.draft_tokens = max(used, default=0)
+                    if undo is not None:  # the look-ahead cycle is not wanted
+                        undo.restore(seq)
+                        ahead = undo = None
+                yield GenerationEvent(emitted, logprobs, finish, stats)
+                if finish is not None:
+                    return
+        finally:
+            # Stopped early (cancelled, or the consumer went away): drop the look-ahead cycle
+            # so the sequence holds exactly what was emitted.
+            if undo is not None:
+                undo.restore(seq)
 
 
 def chat_prompt_ids(

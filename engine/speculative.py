@@ -13,6 +13,13 @@ every stop:
 ``run_cycle`` is the whole step in one place; K=0 takes the same path (no draft, a one-position
 verify, the same acceptance function drawing the next token from p_1). Only one device->host
 transfer happens per cycle: the accepted count, the drafts and the next token, together.
+
+``run_cycle`` = ``read_cycle(launch_cycle(...))``: launching builds the graph and starts it
+evaluating; reading waits for it. Plain (K=0) cycles use the gap (as mlx-lm's generate does): a
+K=0 cycle keeps its one token whatever it is, so ``commit_unread`` commits it before it is read
+back and the next cycle is launched on the device token while the host still waits — the graph
+of one step is built while the previous one runs. ``Sequence.unread_token`` is that token; a
+look-ahead cycle that turns out unwanted (a stop) is undone with ``CacheSnapshot``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Sequence:
     head_pending: list[mx.array] = field(default_factory=list)
     #: stop drafting when the head's top probability is below this (None: always draft K)
     draft_confidence: float | None = None
+    #: the token after ``tokens`` while only the device has it (``commit_unread``), ``[1]``
+    unread_token: mx.array | None = None
 
     @property
     def can_draft(self) -> bool:
@@ -53,6 +62,39 @@ class Sequence:
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+@dataclass
+class LaunchedCycle:
+    """A cycle whose graph is built and evaluating; nothing read back yet."""
+
+    k: int
+    drafts: mx.array  # [K]
+    n_accepted: mx.array  # scalar
+    next_token: mx.array  # scalar
+    logits: mx.array  # [K+1, V]
+    hidden: mx.array  # [1, K+1, H]
+    draft_seconds: float
+    verify_seconds: float
+    launched_at: float
+    committed: bool = False  # by commit_unread
+
+
+@dataclass
+class CacheSnapshot:
+    """What launching a plain cycle changes: the trunk cache and the PRNG key (a plain cycle
+    touches neither the head cache nor the history). Restoring undoes a launched cycle."""
+
+    trunk: list[tuple[Any, ...]]
+    key: mx.array
+
+    @classmethod
+    def of(cls, seq: Sequence) -> CacheSnapshot:
+        return cls(seq.trunk_cache.snapshot(), seq.key)
+
+    def restore(self, seq: Sequence) -> None:
+        seq.trunk_cache.restore(self.trunk)
+        seq.key = self.key
 
 
 @dataclass
@@ -136,9 +178,18 @@ def run_cycle(
     survive stop conditions and then calls ``commit``. ``profile`` adds a sync after the draft
     and after the verify forward so their times can be split (benchmarks only: it costs speed).
     """
+    return read_cycle(seq, launch_cycle(trunk, head, seq, k, profile))
+
+
+def launch_cycle(
+    trunk: Any, head: MTPHead | None, seq: Sequence, k: int, profile: bool = False
+) -> LaunchedCycle:
+    """Build a cycle's graph (draft, verify, accept) and start evaluating it."""
     params = seq.params
     if not seq.can_draft:
         k = 0
+    if k > 0 and seq.unread_token is not None:
+        raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
     t0 = time.perf_counter()
 
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
@@ -158,6 +209,8 @@ def run_cycle(
                 d = sample(q, seq.next_key())
                 draft_probs.append(q)
             draft_ids.append(d)
+            if not profile:
+                mx.async_eval(d)  # start this step while the next one is built
             if seq.draft_confidence is not None and i + 1 < k:
                 # Confidence cut (llama.cpp's p-min): stop drafting once the head's top
                 # probability falls below the threshold. Costs one host sync per draft step.
@@ -174,7 +227,10 @@ def run_cycle(
     t1 = time.perf_counter()
 
     # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
-    verify_in = mx.concatenate([mx.array([seq.tokens[-1]], dtype=mx.int32), drafts])[None]
+    last = seq.unread_token
+    if last is None:
+        last = mx.array([seq.tokens[-1]], dtype=mx.int32)
+    verify_in = mx.concatenate([last, drafts])[None]
     hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
     logits = project_to_vocab(trunk, hidden)[0]
     history = seq.history.rows(drafts, k + 1) if seq.history else None
@@ -182,26 +238,71 @@ def run_cycle(
         mx.eval(logits, seq.trunk_cache.arrays())
     t_verified = time.perf_counter()
 
-    # 3. Accept (on device) and sync once.
+    # 3. Accept (on device); read_cycle syncs once.
     if params.greedy:
         n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
     else:
         p_all = truncated_probs(logits, params, history)
         n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
-    mx.eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
-    n_accepted = n_acc.item()
-    draft_list = drafts.tolist()
-    t2 = time.perf_counter()
-    seq.head_pending.append(hidden)  # trimmed to the kept positions by commit
+    mx.async_eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
+    return LaunchedCycle(
+        k=len(draft_ids),
+        drafts=drafts,
+        n_accepted=n_acc,
+        next_token=next_token,
+        logits=logits,
+        hidden=hidden,
+        draft_seconds=t1 - t0,
+        verify_seconds=t_verified - t1,
+        launched_at=t_verified,
+    )
+
+
+def read_cycle(seq: Sequence, launched: LaunchedCycle) -> CycleResult:
+    """Wait for a launched cycle and read back what it emits (the one device->host sync)."""
+    mx.eval(launched.n_accepted, launched.next_token, launched.drafts)
+    n_accepted = launched.n_accepted.item()
+    draft_list = launched.drafts.tolist()
+    next_token = launched.next_token.item()
+    if not launched.committed:
+        seq.head_pending.append(launched.hidden)  # trimmed to the kept positions by commit
     return CycleResult(
         draft_ids=draft_list,
         n_accepted=n_accepted,
-        emitted=draft_list[:n_accepted] + [next_token.item()],
-        verify_logits=logits,
-        draft_seconds=t1 - t0,
-        verify_seconds=t_verified - t1,
-        accept_seconds=t2 - t_verified,
+        emitted=draft_list[:n_accepted] + [next_token],
+        verify_logits=launched.logits,
+        draft_seconds=launched.draft_seconds,
+        verify_seconds=launched.verify_seconds,
+        accept_seconds=time.perf_counter() - launched.launched_at,
     )
+
+
+def commit_unread(seq: Sequence, launched: LaunchedCycle) -> None:
+    """Commit a plain (K=0) cycle before its token is read back.
+
+    A K=0 cycle keeps its one token whatever it is (a stop token is emitted too), so its
+    commit needs no host value: the trunk keeps the one position, the head gets its pending
+    pair, the penalties count the device token, and the token becomes ``seq.unread_token``
+    for the next launch. ``read_cycle`` then only appends it to ``seq.tokens``
+    (``finish_unread``).
+    """
+    if launched.k != 0:
+        raise ValueError("only a plain cycle keeps its token unconditionally")
+    seq.trunk_cache.commit(1, 1)
+    if seq.head_cache is not None:
+        seq.head_pending.append(launched.hidden)
+    token = launched.next_token.reshape(1)
+    if seq.history is not None:
+        seq.history.extend(token)
+    seq.unread_token = token
+    launched.committed = True
+
+
+def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
+    """``commit`` for a cycle already committed by ``commit_unread``: the host side only."""
+    seq.tokens.extend(result.emitted)
+    seq.unread_token = None
+    return result.emitted
 
 
 def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:

@@ -140,6 +140,25 @@ class TrunkCache:
             else:
                 c.commit(n_keep, self.kernel)
 
+    def snapshot(self) -> list[tuple[Any, ...]]:
+        """What a forward changes, per layer: a KV cache's length (positions past it are
+        ignored and overwritten, as after ``trim``), a GDN layer's state references (replaced,
+        never mutated)."""
+        return [
+            (c.offset,)
+            if isinstance(c, KVCache)
+            else (c.conv, c.recurrent, c.conv_window, c.capture)
+            for c in self.layers
+        ]
+
+    def restore(self, snapshot: list[tuple[Any, ...]]) -> None:
+        """Undo the forwards run since ``snapshot``."""
+        for c, saved in zip(self.layers, snapshot, strict=True):
+            if isinstance(c, KVCache):
+                c.trim(c.offset - saved[0])
+            else:
+                c.conv, c.recurrent, c.conv_window, c.capture = saved
+
     def arrays(self) -> list[mx.array]:
         """Every array the next cycle will read (for evaluation together with a cycle)."""
         out: list[mx.array] = []

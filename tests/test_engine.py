@@ -111,11 +111,12 @@ def test_trace_indices_follow_the_contract(tiny_engine) -> None:
             assert line["draft"][n] != everything[c + n]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int) -> None:
+@pytest.mark.parametrize("k", [0, 1, 3, None])
+def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None) -> None:
     """max_tokens and EOS at every position (inside draft blocks too), and a consumer that stops
     early: the caches hold exactly prompt+emitted (minus the last), and continuing gives what a
-    fresh run on prompt+emitted gives."""
+    fresh run on prompt+emitted gives. K=0 and auto K (None) run plain cycles one ahead: a stop
+    must undo the cycle launched past it."""
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode(PROMPTS[2])
     reference, _ = run(engine, greedy_request(prompt, 0, 24, ignore_eos=True))
@@ -154,6 +155,34 @@ def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int) -> Non
     next(stream)
     stream.close()  # the consumer walks away after the first event
     check_continuation(seq)
+
+
+@pytest.mark.parametrize("k", [0, None])
+def test_plain_look_ahead_changes_no_token(load_engine, k: int | None) -> None:
+    """Plain cycles launched one ahead (the default) emit exactly what cycles run one at a
+    time emit (profiling disables the look-ahead): same seed, sampled with penalties (whose
+    history then counts device tokens not yet read back), greedy, and auto K's mix."""
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    # This checkpoint's logits are steep (std ~10): a high temperature makes draws vary and
+    # the penalties change them (checked below), so a history missing a token would show.
+    sampled = SamplingParams(
+        temperature=8.0, top_k=40, presence_penalty=2.0, repetition_penalty=3.0, seed=2
+    )
+    unpenalised = SamplingParams(temperature=8.0, top_k=40, seed=2)
+
+    def tokens(params: SamplingParams, profile: bool) -> list[int]:
+        engine.profile = profile
+        try:
+            request = GenerationRequest(prompt, params, 60, draft_tokens=k, ignore_eos=True)
+            return run(engine, request)[0]
+        finally:
+            engine.profile = False
+
+    for params in (sampled, GREEDY):
+        ahead = tokens(params, profile=False)
+        assert ahead == tokens(params, profile=True) and len(ahead) == 60
+    assert tokens(sampled, False) != tokens(unpenalised, False)
 
 
 def test_cancelled_request_ends_within_one_cycle(tiny_engine) -> None:
