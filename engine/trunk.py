@@ -245,9 +245,11 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
 # ops. mx.compile turns each layer into one call with fused elementwise kernels. Shapes depend
 # only on T (= K+1), never on the context length, so each block compiles once per K.
 
-#: Largest T that runs compiled; longer inputs (prefill) run eagerly instead of compiling a graph
-#: for every prompt length.
-MAX_COMPILED_T = 16
+#: Largest T that runs compiled: the longest verify pass (K <= 8, engine.runtime's
+#: MAX_DRAFT_TOKENS). Longer inputs — prefill, and the head's catch-up after a stretch of plain
+#: cycles — run eagerly instead of compiling a graph for every length (a compile costs tens of
+#: ms; auto K's probes after 16..128 plain cycles compiled a new length nearly every time).
+MAX_COMPILED_T = 9
 
 
 def compiled(

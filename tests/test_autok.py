@@ -6,6 +6,8 @@ import pytest
 
 from engine.autok import (
     DEEPER_PROBE_EVERY,
+    EXPLORE_TRIALS,
+    MAX_AUTO_K,
     PROBE_EVERY,
     UNSEEN_DECAY,
     AcceptanceCounts,
@@ -14,6 +16,8 @@ from engine.autok import (
     best_k,
     expected_tokens,
 )
+
+EXPLORE_TRIALS_INT = int(EXPLORE_TRIALS) + 1
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -76,11 +80,26 @@ def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
     assert costs.cycle_cost([1.0, 1.0], 0) == 1.0
 
 
+def test_a_request_without_evidence_explores_at_the_longest_k() -> None:
+    """No counts to go on (the first request of its kind): draft MAX_AUTO_K until position 1
+    has a few observations, then follow them — plain decoding if nothing is accepted."""
+    costs = CostTable(cycle=[1.0, 1.65, 2.0, 2.35, 2.7], trunk=[1.0] * 5, head_step=0.3)
+    hits, misses = AutoK(costs).for_request(), AutoK(costs).for_request()
+    first = [hits.choose(None), misses.choose(None)]
+    assert first == [MAX_AUTO_K, MAX_AUTO_K]
+    for _ in range(10):
+        hits.observe(k := hits.choose(None), k)
+        misses.observe(k := misses.choose(None), 0)
+    assert hits.choose(None) >= 3 and misses.choose(None) == 0
+
+
 def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
-    """A fresh request starts at the prior (0.6): with these costs K=0 wins. Probes that hit
-    must bring drafting back within a few probes, not a dozen."""
+    """After misses put a request on plain decoding, probes that hit must bring drafting back
+    within a few probes, not a dozen."""
     costs = CostTable(cycle=[1.0, 1.65, 2.0, 2.35, 2.7], trunk=[1.0] * 5, head_step=0.3)
     request = AutoK(costs).for_request()
+    for _ in range(EXPLORE_TRIALS_INT):
+        request.observe(request.choose(None), 0)
     choices = []
     for _ in range(4 * PROBE_EVERY):
         k = request.choose(None)
