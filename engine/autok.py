@@ -73,7 +73,8 @@ class CostTable:
     """Measured seconds: ``cycle[K]`` for a K-cycle whose head catches up on one committed
     position (K = 1..max), ``cycle[0]`` for a plain cycle as the decode loop runs them (one
     launched ahead of the other, see engine.speculative); ``absorb[n-1]`` for the head's
-    catch-up over n positions at once; ``trunk[T-1]`` for a T-token verify forward;
+    catch-up over n positions at once; ``trunk[T-1]`` for a T-token verify forward (with the
+    vocabulary projection);
     ``head_step`` for one draft step.
 
     Why ``absorb``: a cycle's first draft step runs the head over every position the previous
@@ -173,6 +174,7 @@ def measure_costs(
     """Time real cycles on a dummy sequence (128-token context; greedy unless ``params``),
     median of ``reps`` interleaved repetitions."""
     from engine.api import GenerationRequest
+    from engine.mtp import project_to_vocab
     from engine.runtime import DraftPolicy
     from engine.speculative import _absorb_pending, commit, run_cycle
     from engine.trunk import trunk_hidden
@@ -211,7 +213,8 @@ def measure_costs(
         t = time.perf_counter()
         ids = mx.array([seq.tokens[-1]] * n)[None]
         hidden = trunk_hidden(trunk, ids, seq.trunk_cache, capture=True)
-        mx.eval(hidden, seq.trunk_cache.arrays())
+        # the vocabulary projection too: the verify stage it is compared with includes it
+        mx.eval(hidden, project_to_vocab(trunk, hidden), seq.trunk_cache.arrays())
         seq.trunk_cache.commit(1, n)
         seq.head_pending.append(hidden[:, :1])
         seq.tokens.append(seq.tokens[-1])
