@@ -60,9 +60,9 @@ SWITCH_MARGIN = 0.03
 #: ... and drafting must beat plain decoding by this much before auto K starts: near break-even
 #: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
 START_MARGIN = 0.08
-#: a request whose first draft position has fewer (decayed) observations than this explores:
-#: it drafts MAX_AUTO_K, which reveals every position it can, until it has them
-EXPLORE_TRIALS = 3.0
+#: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts
+#: MAX_AUTO_K, which reveals every position it can
+EXPLORE_CYCLES = 3
 #: cycles of one K run back to back when measuring (the first one is not counted)
 CYCLES_IN_A_ROW = 8
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
@@ -342,6 +342,8 @@ class AutoK:
 
     costs: CostTable
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    #: drafting cycles ever observed for this kind (never decays: exploration happens once)
+    drafting_cycles_seen: int = 0
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, self.counts.scaled_to(INHERITED_OBSERVATIONS))
@@ -404,11 +406,13 @@ class RequestAutoK:
         return self.counts.estimates()
 
     def choose(self, seq: Any) -> int:
-        if self.counts.trials[0] < EXPLORE_TRIALS:
+        if self.shared.drafting_cycles_seen < EXPLORE_CYCLES:
             # No evidence yet (the first request of its kind): draft the longest K until there
             # is some. Starting plain instead left the decision to the prior and to probes
             # backing off, and the first request ran half its cycles plain (bench: 1,432 of
-            # 2,820 auto cycles) where K=4 was 1.2x faster.
+            # 2,820 auto cycles) where K=4 was 1.2x faster. Counted over the kind's lifetime:
+            # decayed counts would fall below any threshold in a long plain stretch, and
+            # re-exploring there cost sampled decoding 12% (239 K=4 cycles in a bench run).
             self.current = MAX_AUTO_K
             return MAX_AUTO_K
         rates = self.shared.costs.rates(self.estimates())
@@ -446,6 +450,7 @@ class RequestAutoK:
         """
         self.counts.decay(REQUEST_FORGET)
         self.shared.counts.decay(SHARED_FORGET)
+        self.shared.drafting_cycles_seen += k > 0
         for i in range(min(k, n_accepted + 1)):
             self.counts.observe(i, i < n_accepted)
             self.shared.counts.observe(i, i < n_accepted)

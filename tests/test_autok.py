@@ -6,7 +6,7 @@ import pytest
 
 from engine.autok import (
     DEEPER_PROBE_EVERY,
-    EXPLORE_TRIALS,
+    EXPLORE_CYCLES,
     MAX_AUTO_K,
     PROBE_EVERY,
     UNSEEN_DECAY,
@@ -16,8 +16,6 @@ from engine.autok import (
     best_k,
     expected_tokens,
 )
-
-EXPLORE_TRIALS_INT = int(EXPLORE_TRIALS) + 1
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -81,8 +79,9 @@ def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
 
 
 def test_a_request_without_evidence_explores_at_the_longest_k() -> None:
-    """No counts to go on (the first request of its kind): draft MAX_AUTO_K until position 1
-    has a few observations, then follow them — plain decoding if nothing is accepted."""
+    """No counts to go on (the first request of its kind): draft MAX_AUTO_K for a few cycles,
+    then follow the evidence — plain decoding if nothing is accepted — and never explore again,
+    however long a plain stretch lets the decayed counts fade."""
     costs = CostTable(cycle=[1.0, 1.65, 2.0, 2.35, 2.7], trunk=[1.0] * 5, head_step=0.3)
     hits, misses = AutoK(costs).for_request(), AutoK(costs).for_request()
     first = [hits.choose(None), misses.choose(None)]
@@ -91,15 +90,18 @@ def test_a_request_without_evidence_explores_at_the_longest_k() -> None:
         hits.observe(k := hits.choose(None), k)
         misses.observe(k := misses.choose(None), 0)
     assert hits.choose(None) >= 3 and misses.choose(None) == 0
+    choices = []
+    for _ in range(300):
+        misses.observe(k := misses.choose(None), 0)
+        choices.append(k)
+    assert MAX_AUTO_K not in choices and choices.count(0) > 0.9 * len(choices)
 
 
 def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
-    """After misses put a request on plain decoding, probes that hit must bring drafting back
-    within a few probes, not a dozen."""
+    """A request left at the prior (0.6: with these costs K=0 wins) once exploration is over:
+    probes that hit must bring drafting back within a few probes, not a dozen."""
     costs = CostTable(cycle=[1.0, 1.65, 2.0, 2.35, 2.7], trunk=[1.0] * 5, head_step=0.3)
-    request = AutoK(costs).for_request()
-    for _ in range(EXPLORE_TRIALS_INT):
-        request.observe(request.choose(None), 0)
+    request = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES).for_request()
     choices = []
     for _ in range(4 * PROBE_EVERY):
         k = request.choose(None)
