@@ -40,7 +40,12 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
 
     def __call__(
-        self, trunk: Any, token_ids: mx.array, hidden: mx.array, cache: KVCache
+        self,
+        trunk: Any,
+        token_ids: mx.array,
+        hidden: mx.array,
+        cache: KVCache,
+        position: int | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Run pairs (hidden[:, j], token_ids[:, j]) at the cache's next positions.
 
@@ -49,6 +54,8 @@ class MTPHead(nn.Module):
             token_ids: ``[1, T]`` the tokens x_{t+1}.
             hidden: ``[1, T, H]`` post-final-norm trunk states h_t (or the head's own ``out``).
             cache: the head's persistent KV cache; T positions are appended.
+            position: sequence position t of the first pair (default: the cache's length;
+                larger when the cache skipped positions).
 
         Returns:
             ``(out, logits)``: ``[1, T, H]`` post-norm states and ``[1, 1, V]`` draft logits of
@@ -57,10 +64,10 @@ class MTPHead(nn.Module):
         embedded = trunk.model.embed_tokens(token_ids)
         if token_ids.shape[1] > MAX_COMPILED_T:  # prefill of a long prompt: eager
             z = self.combine(embedded, hidden)
-            z = self.layers[0](z, mask="causal", cache=cache)
+            z = attention_block(self.layers[0], z, cache, position)
             return self.output(trunk, z)
         z = compiled(self, "combine", lambda head: head.combine)(embedded, hidden)
-        z = attention_block(self.layers[0], z, cache)
+        z = attention_block(self.layers[0], z, cache, position)
         return compiled(self, "output", lambda head: partial(head.output, trunk))(z)
 
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:

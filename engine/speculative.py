@@ -5,10 +5,16 @@ every stop:
 
 * ``tokens`` = prompt + emitted tokens; the trunk cache holds exactly ``tokens[:-1]`` (the last
   token is fed by the next cycle);
-* the head's KV cache holds the pairs (h_t, x_{t+1}) for t < ``head_cache.offset``, and
+* the head's KV cache holds the pairs (h_t, x_{t+1}) for t < ``head_position`` (=
+  ``head_cache.offset + head_skipped``) except ``head_skipped`` positions it skipped, and
   ``head_pending`` holds the trunk states h_t for the remaining committed positions
-  t = head_cache.offset .. len(tokens)-2, whose pairs the next draft step runs first. So the head
-  covers every committed position (prompt included) without ever holding a rejected one.
+  t = head_position .. len(tokens)-2, whose pairs the next draft step runs first. The head never
+  holds a rejected position. It skips positions only after a stretch of plain cycles: a
+  drafting cycle catches up on at most ``MAX_CATCH_UP`` pending positions (the latest), because
+  running the head over every one of, say, 128 plain positions cost 10 ms — five plain cycles —
+  for each of auto K's probes. RoPE positions stay exact (the head is told the true position);
+  the skipped pairs are just missing from its attention. Drafts are proposals, so this can only
+  change acceptance, never the output.
 
 ``run_cycle`` is the whole step in one place; K=0 takes the same path (no draft, a one-position
 verify, the same acceptance function drawing the next token from p_1). Only one device->host
@@ -39,6 +45,9 @@ from sampling.distribution import PenaltyHistory, greedy_tokens, sample, truncat
 from sampling.params import SamplingParams
 
 PREFILL_CHUNK = 512
+#: most pending positions a drafting cycle's first head step catches up on (the longest commit,
+#: K+1 with K <= 8, so steady drafting never skips; see the module docstring)
+MAX_CATCH_UP = 9
 
 
 @dataclass
@@ -54,6 +63,13 @@ class Sequence:
     draft_confidence: float | None = None
     #: the token after ``tokens`` while only the device has it (``commit_unread``), ``[1]``
     unread_token: mx.array | None = None
+    #: committed positions the head's cache skipped (module docstring)
+    head_skipped: int = 0
+
+    @property
+    def head_position(self) -> int:
+        """The sequence position of the head's next pair."""
+        return self.head_cache.offset + self.head_skipped
 
     @property
     def can_draft(self) -> bool:
@@ -160,11 +176,15 @@ def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -
     if hidden is None:
         return None
     n = hidden.shape[1] - (1 if keep_last else 0)
-    start = seq.head_cache.offset
     if n <= 0:
         return None
+    if not keep_last and n > MAX_CATCH_UP:  # after plain cycles: the latest positions only
+        skip = n - MAX_CATCH_UP
+        hidden, n = hidden[:, skip:], MAX_CATCH_UP
+        seq.head_skipped += skip
+    start = seq.head_position
     tokens = mx.array(seq.tokens[start + 1 : start + 1 + n])[None]
-    result = head(trunk, tokens, hidden[:, :n], seq.head_cache)
+    result = head(trunk, tokens, hidden[:, :n], seq.head_cache, start)
     seq.head_pending = [hidden[:, n:]] if keep_last else []
     return result
 
@@ -218,7 +238,7 @@ def launch_cycle(
                 if top.max().item() < seq.draft_confidence:
                     break
             if i + 1 < k:
-                state, step_logits = head(trunk, d[None], state, seq.head_cache)
+                state, step_logits = head(trunk, d[None], state, seq.head_cache, seq.head_position)
                 step_logits = step_logits[0]
     drafts = mx.concatenate(draft_ids) if draft_ids else mx.zeros((0,), dtype=mx.int32)
     q_all = mx.concatenate(draft_probs) if draft_probs else None

@@ -316,14 +316,23 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     return block
 
 
-def attention_block(layer: nn.Module, x: mx.array, cache: KVCache) -> mx.array:
-    """A full-attention decoder layer (trunk or MTP head) over T new positions with its cache."""
-    queries, keys, values, gate = compiled(layer, "attn_in", _attention_in)(
-        x, mx.array(cache.offset)
-    )
+def attention_block(
+    layer: nn.Module, x: mx.array, cache: KVCache, position: int | None = None
+) -> mx.array:
+    """A full-attention decoder layer (trunk or MTP head) over T new positions with its cache.
+
+    ``position`` is the sequence position of the first new token (RoPE); it defaults to the
+    cache's length and differs only for a head cache that skipped positions (see
+    ``engine.speculative``). Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
+    """
+    position = cache.offset if position is None else position
+    eager = x.shape[1] > MAX_COMPILED_T
+    attn_in = _attention_in(layer) if eager else compiled(layer, "attn_in", _attention_in)
+    attn_out = _attention_out(layer) if eager else compiled(layer, "attn_out", _attention_out)
+    queries, keys, values, gate = attn_in(x, mx.array(position))
     keys, values = cache.update_and_fetch(keys, values)
     mask = "causal" if x.shape[1] > 1 else None
     attended = mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=layer.self_attn.scale, mask=mask
     )
-    return compiled(layer, "attn_out", _attention_out)(x, attended, gate)
+    return attn_out(x, attended, gate)
