@@ -65,5 +65,5 @@ def _probe(model: str, with_head: bool) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":  # `python -m` imports the engine package first: OpenBLAS is loaded
+if __name__ == "__main__":  # `python -m` imports the engine package first: the fast BLAS is loaded
     print(json.dumps(_probe(sys.argv[1], sys.argv[2] == "1")))

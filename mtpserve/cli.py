@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
 
-    # Importing `engine` preloaded OpenBLAS above, before these modules import mlx.
+    # Importing `engine` preloaded the fast BLAS above, before these modules import mlx.
     from engine import bench, convert
 
     bench.register(sub)
