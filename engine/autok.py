@@ -14,10 +14,11 @@ Acceptance is estimated per draft position from decayed counts (``AcceptanceCoun
 request's own, over its decoding kind's long-run counts, which serve as its prior (what a
 request falls back to when its own evidence fades, e.g. in a stretch of plain cycles). K = 0
 (no speculation) wins when acceptance is too low to pay for drafting; a probe (the drafting K
-the estimates favour) every ``PROBE_EVERY`` plain cycles, backing off, keeps the estimate alive so speculation resumes when the text gets
-predictable again; while drafting, a draft one token longer every ``DEEPER_PROBE_EVERY``
-cycles does the same for the next position. Costs come from the start-up table only (see
-``RequestAutoK.observe`` for why cycle times seen in a run do not update it).
+the estimates favour) every ``PROBE_EVERY`` plain cycles, backing off, keeps the estimates
+alive so speculation resumes when the text gets predictable again; while drafting, a draft one
+token longer every ``DEEPER_PROBE_EVERY`` cycles does the same for the next position. Costs
+come from the start-up table only (see ``RequestAutoK.observe`` for why cycle times seen in a
+run do not update it).
 """
 
 from __future__ import annotations

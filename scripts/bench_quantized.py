@@ -278,8 +278,8 @@ Per K (decode tok/s, overall acceptance):
 """
     if mx.default_device() == mx.cpu:
         doc += """
-**Speed on this machine.** mlx's CPU quantized matmul is several times slower than float32
-OpenBLAS matmul here and its cost grows linearly with the number of rows, so the quantized
+**Speed on this machine.** mlx's CPU quantized matmul is several times slower than a float32
+BLAS matmul here and its cost grows linearly with the number of rows, so the quantized
 trunks decode *slower* than the float32-widened bf16 trunk, and a verify over K+1 rows costs
 proportionally more: the speed-up columns describe this CPU, not Apple GPUs where 4/8-bit
 weights cut the bytes each step reads. Acceptance and memory are what these rows show.
