@@ -16,16 +16,17 @@ every stop:
   the skipped pairs are just missing from its attention. Drafts are proposals, so this can only
   change acceptance, never the output.
 
-``run_cycle`` is the whole step in one place; K=0 takes the same path (no draft, a one-position
-verify, the same acceptance function drawing the next token from p_1). Only one device->host
-transfer happens per cycle: the accepted count, the drafts and the next token, together.
+``launch_cycle`` is the whole step in one place; K=0 takes the same path (no draft, a
+one-position verify, the same acceptance function drawing the next token from p_1). Only one
+device->host transfer happens per cycle (``read_cycle``): the accepted count, the drafts and the
+next token, together. ``run_cycle`` = ``read_cycle(launch_cycle(...))``: launching builds the
+graph and starts it evaluating; reading waits for it.
 
-``run_cycle`` = ``read_cycle(launch_cycle(...))``: launching builds the graph and starts it
-evaluating; reading waits for it. Plain (K=0) cycles use the gap (as mlx-lm's generate does): a
-K=0 cycle keeps its one token whatever it is, so ``commit_unread`` commits it before it is read
-back and the next cycle is launched on the device token while the host still waits — the graph
-of one step is built while the previous one runs. ``Sequence.unread_token`` is that token; a
-look-ahead cycle that turns out unwanted (a stop) is undone with ``CacheSnapshot``.
+Plain (K=0) cycles use the gap (as mlx-lm's generate does): a K=0 cycle keeps its one token
+whatever it is, so ``commit_unread`` commits it before it is read back and the next cycle is
+launched on the device token while the host still waits — the graph of one step is built while
+the previous one runs. ``Sequence.unread_token`` is that token; a look-ahead cycle that turns
+out unwanted (a stop) is undone with ``CacheSnapshot``.
 """
 
 from __future__ import annotations
