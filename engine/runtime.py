@@ -261,29 +261,28 @@ class Engine:
                 else:
                     current, ahead, undo = ahead, None, None
                 k_next = None
-                observed = False
-                if current.k == 0 and not self.profile and remaining > 1:
-                    # Its token is kept whatever it is: commit it unread, then decide the next
-                    # cycle (a plain cycle reveals nothing to auto K) and, if it is plain too,
-                    # launch it now, before reading this one back.
+                # A plain cycle's token is kept whatever it is: commit it unread, then decide
+                # the next cycle (a plain cycle reveals nothing to auto K) and, if it is plain
+                # too, launch it now, before reading this one back.
+                unread = current.k == 0 and not self.profile and remaining > 1
+                if unread:
                     commit_unread(seq, current)
                     if chooser is not None:
                         chooser.observe(0, 0)
-                        observed = True
                     k_next = policy.choose(seq, remaining - 1) if seq.can_draft else 0
                     if k_next == 0:
                         undo = CacheSnapshot.of(seq)
                         ahead = launch_cycle(self.trunk, self.loaded.head, seq, 0)
                         k_next = None
-                result = read_cycle(seq, current)
+                result = read_cycle(current)
                 n_keep, finish = _apply_stops(result.emitted, stop_ids, remaining)
                 t_commit = time.perf_counter()
-                if current.committed:
+                if unread:
                     emitted = finish_unread(seq, result)
                 else:
                     emitted = commit(seq, result, n_keep)
-                if chooser is not None and not observed:
-                    chooser.observe(len(result.draft_ids), result.n_accepted)
+                    if chooser is not None:
+                        chooser.observe(len(result.draft_ids), result.n_accepted)
                 generated += len(emitted)
                 _record(stats, result, generated, time.perf_counter() - t_commit)
                 if trace is not None:

@@ -94,7 +94,6 @@ class LaunchedCycle:
     draft_seconds: float
     verify_seconds: float
     launched_at: float
-    committed: bool = False  # by commit_unread
 
 
 @dataclass
@@ -120,6 +119,7 @@ class CycleResult:
     n_accepted: int
     emitted: list[int]  # accepted drafts + the residual/bonus token (before stop handling)
     verify_logits: mx.array  # [K+1, V] raw trunk logits, for logprobs
+    verify_hidden: mx.array  # [1, K+1, H] post-norm trunk states, the kept ones go to the head
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accept_seconds: float = 0.0
@@ -153,17 +153,13 @@ def _prefill(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -
     """Feed ``body`` (tokens after the cache's end) through the trunk in chunks, and their
     committed pairs through the head's cache (the last pair stays pending for the next draft)."""
     with all_cores():
-        _prefill_chunks(trunk, head, seq, body)
-
-
-def _prefill_chunks(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -> None:
-    for start in range(0, len(body), PREFILL_CHUNK):
-        chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
-        hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
-        if seq.head_cache is not None:
-            seq.head_pending.append(hidden)
-            _absorb_pending(trunk, head, seq, keep_last=True)
-        mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+        for start in range(0, len(body), PREFILL_CHUNK):
+            chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
+            hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
+            if seq.head_cache is not None:
+                seq.head_pending.append(hidden)
+                _absorb_pending(trunk, head, seq, keep_last=True)
+            mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
 
 
 def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
@@ -199,7 +195,7 @@ def run_cycle(
     survive stop conditions and then calls ``commit``. ``profile`` adds a sync after the draft
     and after the verify forward so their times can be split (benchmarks only: it costs speed).
     """
-    return read_cycle(seq, launch_cycle(trunk, head, seq, k, profile))
+    return read_cycle(launch_cycle(trunk, head, seq, k, profile))
 
 
 def launch_cycle(
@@ -279,19 +275,18 @@ def launch_cycle(
     )
 
 
-def read_cycle(seq: Sequence, launched: LaunchedCycle) -> CycleResult:
+def read_cycle(launched: LaunchedCycle) -> CycleResult:
     """Wait for a launched cycle and read back what it emits (the one device->host sync)."""
     mx.eval(launched.n_accepted, launched.next_token, launched.drafts)
     n_accepted = launched.n_accepted.item()
     draft_list = launched.drafts.tolist()
     next_token = launched.next_token.item()
-    if not launched.committed:
-        seq.head_pending.append(launched.hidden)  # trimmed to the kept positions by commit
     return CycleResult(
         draft_ids=draft_list,
         n_accepted=n_accepted,
         emitted=draft_list[:n_accepted] + [next_token],
         verify_logits=launched.logits,
+        verify_hidden=launched.hidden,
         draft_seconds=launched.draft_seconds,
         verify_seconds=launched.verify_seconds,
         accept_seconds=time.perf_counter() - launched.launched_at,
@@ -304,19 +299,15 @@ def commit_unread(seq: Sequence, launched: LaunchedCycle) -> None:
     A K=0 cycle keeps its one token whatever it is (a stop token is emitted too), so its
     commit needs no host value: the trunk keeps the one position, the head gets its pending
     pair, the penalties count the device token, and the token becomes ``seq.unread_token``
-    for the next launch. ``read_cycle`` then only appends it to ``seq.tokens``
-    (``finish_unread``).
+    for the next launch. Once read, ``finish_unread`` only appends it to ``seq.tokens``.
     """
     if launched.k != 0:
         raise ValueError("only a plain cycle keeps its token unconditionally")
-    seq.trunk_cache.commit(1, 1)
-    if seq.head_cache is not None:
-        seq.head_pending.append(launched.hidden)
+    _keep_positions(seq, launched.hidden, 0, 1)
     token = launched.next_token.reshape(1)
     if seq.history is not None:
         seq.history.extend(token)
     seq.unread_token = token
-    launched.committed = True
 
 
 def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
@@ -329,21 +320,22 @@ def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
 def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     """Keep the first ``n_keep`` emitted tokens (1..len(emitted)); restore the invariant."""
     emitted = result.emitted[:n_keep]
-    k = len(result.draft_ids)
-    seq.trunk_cache.commit(n_keep, k + 1)
-    if seq.head_cache is not None:
-        # The verify states of the kept positions become pending head pairs; drop the head's
-        # speculative positions (draft steps 2..K) — they were fed drafts, not committed pairs.
-        verify_hidden = seq.head_pending.pop()
-        seq.head_pending.append(verify_hidden[:, :n_keep])
-        if k > 1:
-            seq.head_cache.trim(k - 1)
-    else:
-        seq.head_pending.clear()
+    _keep_positions(seq, result.verify_hidden, len(result.draft_ids), n_keep)
     seq.tokens.extend(emitted)
     if seq.history is not None:
         seq.history.extend(emitted)
     return emitted
+
+
+def _keep_positions(seq: Sequence, verify_hidden: mx.array, k: int, n_keep: int) -> None:
+    """The caches' side of a commit: of the K+1 verified positions keep the first n_keep."""
+    seq.trunk_cache.commit(n_keep, k + 1)
+    if seq.head_cache is not None:
+        # The verify states of the kept positions become pending head pairs; drop the head's
+        # speculative positions (draft steps 2..K) — they were fed drafts, not committed pairs.
+        seq.head_pending.append(verify_hidden[:, :n_keep])
+        if k > 1:
+            seq.head_cache.trim(k - 1)
 
 
 def extend_sequence(trunk: Any, head: MTPHead | None, seq: Sequence, token_ids: list[int]) -> None:

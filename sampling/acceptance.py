@@ -41,7 +41,7 @@ def accept_drafts(
         token emitted after them (residual draw at m < K, bonus draw from p_{K+1} at m == K).
     """
     if draft_ids.shape[0] == 0:  # plain decoding: a draw from p_1
-        return mx.array(0, dtype=mx.int32), sample(target_probs, mx.random.split(key)[1])[0]
+        return mx.array(0, dtype=mx.int32), sample(target_probs, key)[0]
     return _compiled_rule(draft_ids, draft_probs, target_probs, key)
 
 
