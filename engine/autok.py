@@ -29,7 +29,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,20 @@ MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
 #: weight of the prior in pseudo-observations: a few hits outweigh it
 PRIOR_WEIGHT = 2.0
-#: per-cycle decay of a request's counts (~50-cycle memory: text changes, but a burst of
-#: misses must not swing a long-run 0.9 estimate down to "stop drafting")
-REQUEST_FORGET = 0.98
+#: per-cycle decay of a request's counts (~10-cycle memory): acceptance changes within a prompt
+#: on that scale — one bench prompt accepted 1-3 of 4 drafts in its first 12 cycles and 4 of 4
+#: from then on, and at 0.98 (~50 cycles) those first cycles kept it plain for 150 cycles where
+#: K=4 was 1.4x faster. Replayed on recorded acceptance (tests/test_autok_replay.py), greedy
+#: auto comes to 1.00x of the best fixed K at 0.98 and 1.03x at 0.9
+REQUEST_FORGET = 0.9
 #: the same for the counts of a decoding kind (the prior of its requests), per drafting cycle
 SHARED_FORGET = 0.99
 PROBE_EVERY = 16
+#: drafting cycles in a row per probe from plain decoding: the second one is timed for the
+#: drafting cost calibration (the first pays for the switch). With one-cycle probes drafting
+#: was never timed while plain: a start-up table that overpriced drafting by 15% kept greedy
+#: auto plain for good (simulated on recorded acceptance: 0.86x of K=4)
+PROBE_CYCLES = 2
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
 #: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
@@ -61,10 +69,23 @@ SWITCH_MARGIN = 0.03
 #: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
 START_MARGIN = 0.08
 #: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts
-#: MAX_AUTO_K, which reveals every position it can
-EXPLORE_CYCLES = 3
+#: MAX_AUTO_K, which reveals every position it can. With 3, one early miss at a deep position
+#: left greedy auto plain for a whole bench run (1.01 tokens per cycle where K=4 was 1.24x)
+EXPLORE_CYCLES = 16
 #: cycles of one K run back to back when measuring (the first one is not counted)
 CYCLES_IN_A_ROW = 8
+#: plain cycles run this many in a row and only the last CYCLES_IN_A_ROW count: after the drafting
+#: rows, the first plain cycles measured 7-9% slower than plain decoding's steady state (the bias
+#: made every predicted speed-up come out high)
+PLAIN_ROW = 32
+#: weight of one timed cycle in the in-run cost calibration (``AutoK.calibration``): ~32 cycles
+CALIBRATION_WEIGHT = 1 / 32
+#: a timed cycle further than this factor from the table is clipped (a preemption, a GC pause)
+CALIBRATION_CLIP = 2.0
+#: a class timed again after this many timed cycles of the other one takes its new sample at
+#: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
+CALIBRATION_STALE = 256
+CALIBRATION_MAX_WEIGHT = 0.5
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -111,6 +132,25 @@ class CostTable:
     def predicted_speedup(self, acceptance: list[float], k: int) -> float:
         rates = self.rates(acceptance)
         return rates[k] / rates[0]
+
+    def scaled(self, plain: float, drafting: float) -> CostTable:
+        """The table with plain cycles' costs times ``plain`` and every drafting cost (cycles,
+        catch-up) times ``drafting``."""
+        return replace(
+            self,
+            cycle=[self.cycle[0] * plain, *(c * drafting for c in self.cycle[1:])],
+            absorb=[a * drafting for a in self.absorb],
+            head_step=self.head_step * drafting,
+        )
+
+    def expected_seconds(self, k: int, committed_before: int) -> float:
+        """Seconds the table gives a K-cycle whose head catches up on ``committed_before``
+        positions (what the previous drafting cycle committed; 1 for a plain cycle's K=0)."""
+        if k == 0:
+            return self.cycle[0]
+        absorb = self.absorb or [self.head_step]
+        extra = absorb[min(committed_before, len(absorb)) - 1] - absorb[0]
+        return self.cycle[k] + extra
 
     def _cycle_cost(self, k: int, committed: list[float]) -> float:
         if k == 0:
@@ -171,19 +211,20 @@ def _code_stamp() -> str:
 def measure_costs(
     engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9, params: Any = None
 ) -> CostTable:
-    """Time real cycles on a dummy sequence (128-token context; greedy unless ``params``),
-    median of ``reps`` interleaved repetitions."""
+    """Time real cycles on a dummy sequence (greedy unless ``params``), median of ``reps``
+    interleaved repetitions. Each repetition starts a fresh 128-token sequence and grows it by
+    ~150 tokens, the context lengths of a typical request (on one ever-growing sequence, K=4
+    cycles at 1,600 tokens measured 15% dearer than in a bench run)."""
     from engine.api import GenerationRequest
     from engine.mtp import project_to_vocab
     from engine.runtime import DraftPolicy
-    from engine.speculative import _absorb_pending, commit, run_cycle
+    from engine.speculative import _absorb_pending
     from engine.trunk import trunk_hidden
     from sampling.params import SamplingParams
 
     rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
     params = params or SamplingParams(temperature=0.0)
     request = GenerationRequest(rng_ids, params, max_tokens=1)
-    seq = engine.start(request, DraftPolicy(fixed=max_k))
     trunk, head = engine.trunk, engine.loaded.head
 
     def median(xs: list[float]) -> float:
@@ -196,18 +237,19 @@ def measure_costs(
             _absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(seq.head_cache.state, *seq.head_pending)
 
-    def time_cycle(k: int) -> float:
-        settle()
-        t = time.perf_counter()
-        commit(seq, run_cycle(trunk, head, seq, k), 1)
-        return time.perf_counter() - t
-
-    def time_plain_cycles(n: int) -> list[float]:
-        """Plain cycles through the decode loop, which runs them one ahead (the gap between
-        two events is one cycle's cost: the next one was launched before this one was read)."""
-        request = GenerationRequest(seq.tokens, params, n, draft_tokens=0, ignore_eos=True)
-        stamps = [time.perf_counter() for _ in engine.decode(seq, request)]
-        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    def time_cycles(k: int, n: int) -> list[tuple[float, int]]:
+        """``n`` K-cycles as a request runs them (the decode loop; plain ones launched ahead):
+        per cycle after the first, the gap since the previous cycle's event and the tokens that
+        cycle committed (this one's head catch-up)."""
+        request = GenerationRequest(
+            seq.tokens, params, n * (k + 1), draft_tokens=k, ignore_eos=True
+        )
+        events: list[tuple[float, int]] = []
+        for event in engine.decode(seq, request):
+            events.append((time.perf_counter(), len(event.token_ids)))
+            if len(events) == n:
+                break  # closing the loop undoes a launched look-ahead cycle
+        return [(t - t0, c0) for (t0, c0), (t, _) in zip(events, events[1:], strict=False)]
 
     def time_trunk(n: int) -> float:
         t = time.perf_counter()
@@ -240,32 +282,39 @@ def measure_costs(
     # alike; the first two reps compile and warm up. Within a rep each K runs a few cycles in a
     # row, as in decoding: a lone cycle between other work finds colder caches (it measured
     # ~15% slower than the same cycle in a run).
-    cycle_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    cycle_rows: list[list[list[tuple[float, int]]]] = [[] for _ in range(max_k + 1)]
     trunk_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     absorb_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     head_times: list[float] = []
     for rep in range(reps + 2):
+        seq = engine.start(request, DraftPolicy(fixed=max_k))  # the helpers above read it
         for k in range(max_k + 1):
-            if k == 0:
-                row = time_plain_cycles(CYCLES_IN_A_ROW)
-            else:
-                row = [time_cycle(k) for _ in range(CYCLES_IN_A_ROW)]
-            c = median(row[1:])
+            row = time_cycles(k, PLAIN_ROW if k == 0 else CYCLES_IN_A_ROW)
             t = time_trunk(k + 1)
             settle()
             a = time_absorb(k + 1)
             if rep >= 2:
-                cycle_times[k].append(c)
+                cycle_rows[k].append(row[-CYCLES_IN_A_ROW + 1 :])
                 trunk_times[k].append(t)
                 absorb_times[k].append(a)
         h = time_head()
         if rep >= 2:
             head_times.append(h)
+    absorb = [median(x) for x in absorb_times]
+
+    def one_position_catch_up(gap: float, committed_before: int) -> float:
+        """A cycle's time as if its head had caught up on one position (``CostTable.cycle``)."""
+        return gap - (absorb[min(committed_before, len(absorb)) - 1] - absorb[0])
+
+    cycle = [
+        median([median([one_position_catch_up(*c) for c in row]) for row in rows])
+        for rows in cycle_rows
+    ]
     return CostTable(
-        cycle=[median(x) for x in cycle_times],
+        cycle=cycle,
         trunk=[median(x) for x in trunk_times],
         head_step=median(head_times),
-        absorb=[median(x) for x in absorb_times],
+        absorb=absorb,
         machine=platform.platform(),
     )
 
@@ -273,7 +322,7 @@ def measure_costs(
 def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
     """The cost table for greedy (``params`` None) or for sampling with ``params``."""
     key = machine_key(engine.loaded.model_dir)
-    kind = "greedy" if params is None else _kind(params)
+    kind = "greedy" if params is None else decoding_kind(params)
     path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
     if path.exists() and not refresh:
         try:
@@ -337,6 +386,47 @@ class AutoK:
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     #: drafting cycles ever observed for this kind (never decays: exploration happens once)
     drafting_cycles_seen: int = 0
+    #: in-run cost calibration: measured / table seconds, smoothed, for plain cycles and for
+    #: drafting cycles (``calibrate``)
+    calibration: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    #: timed cycles so far, and the count at each class's latest one
+    timed_cycles: int = 0
+    last_timed: list[int] = field(default_factory=lambda: [0, 0])
+    #: plain cycles between probes. Kept per kind, not per request: restarting at
+    #: PROBE_EVERY with every request cost sampled decoding ~5% (four failing probes in each
+    #: 256-token request, each a catch-up and a K=1 cycle, ~3 ms over a plain step)
+    probe_interval: int = PROBE_EVERY
+
+    def calibrate(self, k: int, committed_before: int, seconds: float) -> None:
+        """Fold one timed cycle into the calibration of its class (plain or drafting).
+
+        Why two classes: on a loaded machine the start-up table's plain/drafting ratio is off
+        by up to ~20% (a bench run: plain 1.6 ms at start-up, 1.9 ms in the run, K=4 5.9 vs 6.2
+        ms — pipelined plain cycles use both cores and suffer more from another process than
+        drafting cycles, which wait on one). Auto K then stayed plain where K=4 was 1.24x
+        faster. Within a class, costs move together, so one factor per class keeps the table's
+        K-to-K ratios.
+
+        A class that is not running is re-timed when it runs again — drafting at least by
+        every probe's second cycle — and a new timing counts the more the staler the old factor
+        is: with probes counted at 1/32 each, a table that overpriced drafting by 15% kept
+        greedy auto plain (replayed on recorded acceptance, tests/test_autok_replay.py: 0.94x
+        of K=4). Letting the idle class follow the running one's changes instead cannot tell a
+        slow spell of the machine from a mispriced table. What stays possible: plain decoding
+        timed in a slow spell, then greedy drafting running on, keeps plain overpriced until
+        auto runs it again (a few percent on the rare prompts where plain would win).
+        """
+        expected = self.costs.expected_seconds(k, committed_before)
+        ratio = min(max(seconds / expected, 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
+        timed = int(k > 0)
+        self.timed_cycles += 1
+        stale = (self.timed_cycles - self.last_timed[timed]) / CALIBRATION_STALE
+        self.last_timed[timed] = self.timed_cycles
+        weight = min(CALIBRATION_MAX_WEIGHT, max(CALIBRATION_WEIGHT, stale))
+        self.calibration[timed] += weight * (ratio - self.calibration[timed])
+
+    def calibrated_costs(self) -> CostTable:
+        return self.costs.scaled(*self.calibration)
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
@@ -351,18 +441,18 @@ class EngineAutoK:
 
     def for_request(self, params: Any) -> RequestAutoK:
         self.costs(params)
-        return self.kinds[_kind(params)].for_request()
+        return self.kinds[decoding_kind(params)].for_request()
 
     def costs(self, params: Any, refresh: bool = False) -> CostTable:
         """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
-        kind = _kind(params)
+        kind = decoding_kind(params)
         if kind not in self.kinds or refresh:
             sampled = None if params.greedy else _representative_sampler(self.engine, params)
             self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampled))
         return self.kinds[kind].costs
 
 
-def _kind(params: Any) -> str:
+def decoding_kind(params: Any) -> str:
     return "greedy" if params.greedy else "sampled"
 
 
@@ -391,8 +481,13 @@ class RequestAutoK:
     counts: AcceptanceCounts
     plain_cycles: int = 0
     drafting_cycles: int = 0
-    probe_interval: int = PROBE_EVERY
     current: int = 0
+    #: the K of a probe in progress and how many more cycles it runs
+    probe_k: int = 0
+    probe_cycles_left: int = 0
+    #: K and committed tokens of the last observed cycle (what the next one's timing depends on)
+    last_k: int | None = None
+    last_committed: int = 1
 
     def estimates(self) -> list[float]:
         """This request's per-position acceptance estimates: its own decayed evidence over its
@@ -413,7 +508,10 @@ class RequestAutoK:
             # re-exploring there cost sampled decoding 12% (239 K=4 cycles in a bench run).
             self.current = MAX_AUTO_K
             return MAX_AUTO_K
-        rates = self.shared.costs.rates(self.estimates())
+        if self.probe_cycles_left:
+            self.probe_cycles_left -= 1
+            return self.probe_k
+        rates = self.shared.calibrated_costs().rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
         margin = START_MARGIN if self.current == 0 else SWITCH_MARGIN
         if k != self.current and rates[k] < rates[self.current] * (1 + margin):
@@ -421,16 +519,18 @@ class RequestAutoK:
         self.current = k
         if k == 0:
             self.plain_cycles += 1
-            if self.plain_cycles >= self.probe_interval:
+            if self.plain_cycles >= self.shared.probe_interval:
                 # Back off while probes keep failing: each costs a drafting cycle and the
-                # head's catch-up over every plain position (5% of the time at interval 16).
+                # head's catch-up over the plain stretch (5% of the time at interval 16).
                 self.plain_cycles = 0
-                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                self.shared.probe_interval = min(2 * self.shared.probe_interval, MAX_PROBE_INTERVAL)
                 # Probe the drafting K the estimates favour: K=1 probes alone never revealed
                 # the deeper positions, whose few early misses then kept drafting off.
-                return max(range(1, len(rates)), key=rates.__getitem__)
+                self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
+                self.probe_cycles_left = PROBE_CYCLES - 1
+                return self.probe_k
         else:
-            self.probe_interval = PROBE_EVERY
+            self.shared.probe_interval = PROBE_EVERY
             self.drafting_cycles += 1
             if k < MAX_AUTO_K and self.drafting_cycles % DEEPER_PROBE_EVERY == 0:
                 # A K-cycle never reveals position K+1: one early miss there would pin its
@@ -441,12 +541,11 @@ class RequestAutoK:
     def observe(self, k: int, n_accepted: int) -> None:
         """Update a_i for every position whose outcome the cycle revealed.
 
-        Cycle costs stay as measured at start-up. Only their ratios decide K, and in a run
-        only the K in use could be re-timed: on this 2-core machine a K=0 step timed in a run
-        wandered by +-15% within minutes (3.3 -> 4.0 -> 3.4 ms) while the other K's kept their
-        start-up figures, so the ratios — and K — followed the noise (the sampled bench row fell
-        to 0.94x of plain decoding). The start-up table is measured interleaved, K by K, so its
-        ratios are fair; a uniform slow-down of the machine changes no ratio.
+        Costs are calibrated separately (``observe_seconds``), per class of cycle and never
+        per K: only the K in use can be re-timed in a run, and when each K was re-timed on its
+        own, a K=0 step that wandered by +-15% within minutes (3.3 -> 4.0 -> 3.4 ms) against
+        the other K's start-up figures made K follow the noise (the sampled bench row fell to
+        0.94x of plain decoding).
         """
         self.counts.decay(REQUEST_FORGET)
         if k > 0:
@@ -457,3 +556,19 @@ class RequestAutoK:
         for i in range(min(k, n_accepted + 1)):
             self.counts.observe(i, i < n_accepted)
             self.shared.counts.observe(i, i < n_accepted)
+
+    def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
+        """A cycle's wall time, from the previous cycle's end to its own as the decode loop runs
+        them (None for a request's first cycle), and the tokens it committed.
+
+        Counted only when the previous cycle was of the same class: a switch between plain and
+        drafting (a probe, the first plain cycle after drafting) costs extra — the head's
+        catch-up over the plain stretch, a pipeline not yet filled — that no steady cycle
+        pays. A drafting cycle is compared with the table's cost for the catch-up it ran (what
+        the previous cycle committed).
+        """
+        previous_k, before = self.last_k, self.last_committed
+        self.last_k, self.last_committed = k, committed
+        if seconds is None or previous_k is None or (previous_k > 0) != (k > 0):
+            return
+        self.shared.calibrate(k, before if k > 0 else 1, seconds)

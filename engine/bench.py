@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.api import GenerationStats
+from engine.autok import decoding_kind
 from engine.blas import blas_in_use
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_prompts.jsonl"
@@ -199,7 +200,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for repeat in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 for sname, base in samplers.items():
-                    params = base if base.greedy else _with_seed(base, 1000 * repeat + i)
+                    params = base if base.greedy else with_seed(base, 1000 * repeat + i)
                     for cname, k, confidence in configs:
                         row = rows[(sname, cname)]
                         engine.draft_confidence = confidence
@@ -211,6 +212,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         row.peak_memory_bytes = max(row.peak_memory_bytes, mx.get_peak_memory())
                         bar.update()
 
+    # What auto K's in-run calibration made of the start-up table (engine.autok.AutoK.calibrate)
+    calibration = {
+        name: list(engine.autok.kinds[decoding_kind(params)].calibration)
+        for name, params in samplers.items()
+        if engine.has_head
+    }
+
     # Profiled pass: split cycle time per stage (a few prompts suffice).
     engine.profile = True
     for sname, base in samplers.items():
@@ -220,7 +228,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             engine.draft_confidence = confidence
             profiled = Row(sname, cname)
             for i, prompt in enumerate(prompts[: args.profile_prompts]):
-                params = base if base.greedy else _with_seed(base, i)
+                params = base if base.greedy else with_seed(base, i)
                 run_ours(engine, prompt["ids"], params, k, args.max_tokens, profiled)
             t = profiled.totals
             cycles = max(t.cycles, 1)
@@ -287,6 +295,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "trunk_bytes": trunk_bytes,
         "head_bytes": head_bytes,
         "costs": {name: asdict(table) for name, table in sampler_costs.items()},
+        "auto_calibration": calibration,
         "rows": [r.as_json() for r in rows.values()],
     }
 
@@ -306,7 +315,7 @@ def conditional_acceptance(stats: GenerationStats) -> list[float]:
     return rates
 
 
-def _with_seed(params: Any, seed: int) -> Any:
+def with_seed(params: Any, seed: int) -> Any:
     from dataclasses import replace
 
     return replace(params, seed=seed)
@@ -384,6 +393,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "
         f"for a draft vocabulary of {result['draft_vocab_size']}); BLAS: {result['blas']}"
     )
+    for name, (plain, drafting) in result.get("auto_calibration", {}).items():
+        lines.append(
+            f"auto K's in-run calibration ({name}): plain cycles x{plain:.2f}, drafting cycles "
+            f"x{drafting:.2f} the start-up table"
+        )
     return "\n".join(lines)
 
 

@@ -246,6 +246,9 @@ class Engine:
         ahead: LaunchedCycle | None = None
         undo: CacheSnapshot | None = None
         k_next: int | None = None
+        # auto K calibrates its cost table with cycle times (profiling syncs would skew them)
+        timed = chooser if not self.profile else None
+        last_end: float | None = None
         try:
             while True:
                 if cancelled():
@@ -284,7 +287,12 @@ class Engine:
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 generated += len(emitted)
-                _record(stats, result, generated, time.perf_counter() - t_commit)
+                end = time.perf_counter()
+                _record(stats, result, generated, end - t_commit)
+                if timed is not None:
+                    since = None if last_end is None else end - last_end
+                    timed.observe_seconds(len(result.draft_ids), len(emitted), since)
+                    last_end = end
                 if trace is not None:
                     trace(
                         {

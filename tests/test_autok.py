@@ -89,7 +89,7 @@ def test_a_request_without_evidence_explores_at_the_longest_k() -> None:
     hits, misses = AutoK(costs).for_request(), AutoK(costs).for_request()
     first = [hits.choose(None), misses.choose(None)]
     assert first == [MAX_AUTO_K, MAX_AUTO_K]
-    for _ in range(10):
+    for _ in range(EXPLORE_CYCLES + 10):
         hits.observe(k := hits.choose(None), k)
         misses.observe(k := misses.choose(None), 0)
     assert hits.choose(None) >= 3 and misses.choose(None) == 0
@@ -151,3 +151,54 @@ def test_a_request_falls_back_to_its_kinds_estimates_when_its_own_evidence_fades
         k = request.choose(None)
         request.observe(k, k)
     assert request.choose(None) >= 2
+
+
+def test_cycle_times_calibrate_the_plain_and_drafting_costs_separately() -> None:
+    """The start-up table said a plain cycle costs 1.0 and a K=1 cycle 1.6: at acceptance 0.6
+    plain decoding wins. In the run plain cycles take 1.4 (the machine got busier, and plain
+    cycles, which overlap two threads, suffer most): once timed, drafting wins. Timings across
+    a plain/drafting switch are not counted, and drafting timings scale only drafting costs."""
+    costs = CostTable(cycle=[1.0, 1.6, 2.2, 2.8, 3.4], trunk=[1.0] * 5, head_step=0.5)
+    kind = AutoK(costs, drafting_cycles_seen=100)
+    for i in range(100):
+        kind.counts.observe(0, i < 55)  # a_1 = 0.55
+    request = kind.for_request()
+    assert best_k(kind.calibrated_costs(), request.estimates()) == 0
+    request.observe_seconds(0, 1, None)
+    request.observe_seconds(2, 3, 9.0)  # a probe after a plain cycle: not counted
+    request.observe_seconds(0, 1, 9.0)  # the first plain cycle after it: not counted
+    assert kind.calibration == [1.0, 1.0]
+    for _ in range(200):
+        request.observe_seconds(0, 1, 1.4)
+    assert kind.calibration[0] == pytest.approx(1.4, rel=0.01) and kind.calibration[1] == 1.0
+    assert best_k(kind.calibrated_costs(), request.estimates()) > 0
+    assert request.choose(None) > 0  # and the choice follows the calibrated costs
+    for _ in range(200):  # drafting turns out slower than the table too: plain again
+        request.observe_seconds(1, 2, 1.6 * 1.5)
+    assert kind.calibration[1] == pytest.approx(1.5, rel=0.01)
+    assert best_k(kind.calibrated_costs(), request.estimates()) == 0
+
+
+def test_probe_backoff_carries_over_to_the_next_request_of_the_kind() -> None:
+    """Probes that keep failing back off to MAX_PROBE_INTERVAL; the kind's next request starts
+    there instead of probing every PROBE_EVERY plain cycles again."""
+    from engine.autok import MAX_PROBE_INTERVAL
+
+    costs = CostTable(cycle=[1.0, 1.9, 2.8, 3.7, 4.6], trunk=[1.0] * 5, head_step=0.9)
+    kind = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES)
+
+    def probes(request: object, cycles: int) -> list[int]:
+        at = []
+        for i in range(cycles):
+            k = request.choose(None)
+            request.observe(k, 0)
+            if k:
+                at.append(i)
+        return at
+
+    first = probes(kind.for_request(), 1000)
+    # two drafting cycles per probe (PROBE_CYCLES): after 16 plain cycles, then after 32
+    assert first[:4] == [15, 16, 48, 49]
+    second = probes(kind.for_request(), 300)
+    assert second == [127, 128, 256, 257]
+    assert MAX_PROBE_INTERVAL == 128

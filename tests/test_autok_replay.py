@@ -1,0 +1,102 @@
+"""Auto K replayed on recorded acceptance: within 3% of the best fixed K, without timing noise
+in the verdict.
+
+``tests/data/acceptance_demo.json`` (``scripts/record_acceptance.py``) holds, for the 24 bench
+prompts x 256 tokens of the demo model, greedy and with the Qwen preset, how many of 4 drafts
+the model accepts at every position, and the start-up cost tables of a bench run on this
+machine. The replay drives the real ``AutoK``/``RequestAutoK``: a K-cycle at position t accepts
+``min(K, accepted[t])`` drafts and costs the table's seconds (with the head's catch-up over what
+the previous cycle committed). Auto K decides with a *misstated* table — plain or drafting
+cycles priced 15% off, as a start-up measurement on a loaded machine can be — while the true
+table prices what it chose and, with 20% noise, is what its calibration gets to see.
+
+A bench run compares auto with fixed K too, but on a 2-core machine whose noise moves each
+configuration 5-15%; this is the exact version of the issue's "within 3% of the best fixed K".
+What it cannot see: costs that a replay leaves out (cache effects of switching K, the plain
+cycle after a probe losing its look-ahead) — those the bench shows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.autok import AutoK, CostTable
+
+RECORD = json.loads((Path(__file__).parent / "data" / "acceptance_demo.json").read_text())
+
+
+def true_table(sampler: str) -> CostTable:
+    table = RECORD["costs"][sampler]
+    return CostTable(**{k: table[k] for k in ("cycle", "trunk", "head_step", "absorb")})
+
+
+def replay(
+    sampler: str, policy: int | AutoK, noise: float = 0.0, slow_prompts: int = 0
+) -> tuple[float, list[int]]:
+    """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt, and
+    its histogram of K. The first ``slow_prompts`` prompts run on a machine 1.5x slower."""
+    rng = random.Random(0)
+    tokens = seconds = 0.0
+    histogram = [0] * len(true_table(sampler).cycle)
+    for i, row in enumerate(RECORD["samplers"][sampler]):
+        table = true_table(sampler).scaled(1.5, 1.5) if i < slow_prompts else true_table(sampler)
+        accepted = row["accepted"]
+        request = policy.for_request() if isinstance(policy, AutoK) else None
+        position, committed_before = 0, 1
+        while position < len(accepted):
+            k = request.choose(None) if request else policy
+            k = max(0, min(k, len(accepted) - position - 1))  # as the engine caps at max_tokens
+            n_accepted = min(k, accepted[position])
+            cost = table.expected_seconds(k, committed_before)
+            seconds += cost
+            if request:
+                request.observe(k, n_accepted)
+                seen = cost * math.exp(rng.gauss(0.0, noise)) if position else None
+                request.observe_seconds(k, n_accepted + 1, seen)
+            committed_before = n_accepted + 1 if k else 1
+            position += n_accepted + 1
+            histogram[k] += 1
+        tokens += len(accepted)
+    return tokens / seconds, histogram
+
+
+MISSTATED = {
+    "exact": (1.0, 1.0),
+    "plain-15%": (0.85, 1.0),
+    "plain+15%": (1.15, 1.0),
+    "drafting-15%": (1.0, 0.85),
+    "drafting+15%": (1.0, 1.15),
+    "slow spell": (1.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "preset:qwen"])
+@pytest.mark.parametrize("table_error", list(MISSTATED))
+def test_auto_k_is_within_3_percent_of_the_best_fixed_k(sampler: str, table_error: str) -> None:
+    fixed = {k: replay(sampler, k)[0] for k in range(len(true_table(sampler).cycle))}
+    best = max(fixed, key=fixed.__getitem__)
+    kind = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]))
+    slow = 3 if table_error == "slow spell" else 0
+    fixed = {k: replay(sampler, k, slow_prompts=slow)[0] for k in fixed}
+    best = max(fixed, key=fixed.__getitem__)
+    auto, histogram = replay(sampler, kind, noise=0.2, slow_prompts=slow)
+    assert auto >= 0.97 * fixed[best], (
+        f"auto {auto / fixed[0]:.3f}x of plain, best fixed K={best} {fixed[best] / fixed[0]:.3f}x;"
+        f" auto's K histogram {histogram}"
+    )
+
+
+def test_the_record_is_informative() -> None:
+    """The replay means something only if the choice matters: greedy drafting beats plain
+    decoding, sampled drafting loses to it, and acceptance varies within prompts."""
+    greedy = {k: replay("greedy", k)[0] for k in range(5)}
+    sampled = {k: replay("preset:qwen", k)[0] for k in range(5)}
+    assert max(greedy, key=greedy.__getitem__) > 0 and greedy[4] > 1.1 * greedy[0]
+    assert max(sampled, key=sampled.__getitem__) == 0 and sampled[1] < 0.9 * sampled[0]
+    row = RECORD["samplers"]["greedy"][0]["accepted"]
+    assert min(row) == 0 and max(row) == RECORD["draft_tokens"]
