@@ -12,8 +12,11 @@ table prices what it chose and, with 20% noise, is what its calibration gets to 
 
 A bench run compares auto with fixed K too, but on a 2-core machine whose noise moves each
 configuration 5-15%; this is the exact version of the issue's "within 3% of the best fixed K".
-What it cannot see: costs that a replay leaves out (cache effects of switching K, the plain
-cycle after a probe losing its look-ahead) — those the bench shows.
+Switching between plain and drafting cycles is priced as the engine runs it (a plain cycle
+after drafting is not launched ahead; a probe catches up on the plain positions), plus a
+penalty for cold caches in one test. What it cannot see is whatever else a real run adds: in
+the two bench runs of this policy greedy auto came out 4% behind K=4 where this replay puts
+it 2-4% ahead (docs/BENCHMARKS.md §3).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from engine.autok import AutoK, CostTable
+from engine.speculative import MAX_CATCH_UP
 
 RECORD = json.loads((Path(__file__).parent / "data" / "acceptance_demo.json").read_text())
 
@@ -36,10 +40,21 @@ def true_table(sampler: str) -> CostTable:
 
 
 def replay(
-    sampler: str, policy: int | AutoK, noise: float = 0.0, slow_prompts: range = range(0)
+    sampler: str,
+    policy: int | AutoK,
+    noise: float = 0.0,
+    slow_prompts: range = range(0),
+    switch_penalty: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[float, list[int]]:
     """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt, and
-    its histogram of K. The ``slow_prompts`` run on a machine 1.5x slower."""
+    its histogram of K. The ``slow_prompts`` run on a machine 1.5x slower.
+
+    Switching costs as in the engine: a plain cycle after a drafting one (or a request's
+    first) is not launched ahead and costs a synchronous forward (``trunk[0]``); a drafting
+    cycle after plain ones catches up on up to ``MAX_CATCH_UP`` of their positions.
+    ``switch_penalty`` adds seconds to the first plain cycle after drafting and to the first
+    drafting cycle after plain ones (cold caches; what the table does not price).
+    """
     rng = random.Random(0)
     tokens = seconds = 0.0
     histogram = [0] * len(true_table(sampler).cycle)
@@ -47,18 +62,25 @@ def replay(
         table = true_table(sampler).scaled(1.5, 1.5) if i in slow_prompts else true_table(sampler)
         accepted = row["accepted"]
         request = policy.for_request() if isinstance(policy, AutoK) else None
-        position, committed_before = 0, 1
+        position, pending, previous_k = 0, 1, 0
         while position < len(accepted):
             k = request.choose(None) if request else policy
             k = max(0, min(k, len(accepted) - position - 1))  # as the engine caps at max_tokens
             n_accepted = min(k, accepted[position])
-            cost = table.expected_seconds(k, committed_before)
+            if k:
+                cost = table.expected_seconds(k, min(pending, MAX_CATCH_UP))
+                cost += switch_penalty[1] if previous_k == 0 and position else 0.0
+            elif previous_k or not position:
+                cost = max(table.cycle[0], table.trunk[0]) + switch_penalty[0]
+            else:
+                cost = table.cycle[0]
             seconds += cost
             if request:
                 request.observe(k, n_accepted)
                 seen = cost * math.exp(rng.gauss(0.0, noise)) if position else None
                 request.observe_seconds(k, n_accepted + 1, seen)
-            committed_before = n_accepted + 1 if k else 1
+            pending = n_accepted + 1 if k else (pending + 1 if previous_k == 0 else 1)
+            previous_k = k
             position += n_accepted + 1
             histogram[k] += 1
         tokens += len(accepted)
@@ -93,6 +115,17 @@ def test_auto_k_is_within_3_percent_of_the_best_fixed_k(sampler: str, table_erro
         f"auto {auto / fixed[0]:.3f}x of plain, best fixed K={best} {fixed[best] / fixed[0]:.3f}x;"
         f" auto's K histogram {histogram}"
     )
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "preset:qwen"])
+def test_auto_k_pays_for_its_switches(sampler: str) -> None:
+    """Switching costs more than the table says: in traces of auto's cycle times the first
+    plain cycle after drafting took 3.9-4.5 ms against 2.0 ms steady, and a probe's first
+    cycle ~1 ms over the table. Auto K must stay within 3% of the best fixed K with that too."""
+    penalty = (2.0e-3, 1.0e-3)
+    fixed = {k: replay(sampler, k, switch_penalty=penalty)[0] for k in range(5)}
+    auto, histogram = replay(sampler, AutoK(true_table(sampler)), 0.2, switch_penalty=penalty)
+    assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
 
 
 def test_the_record_is_informative() -> None:
