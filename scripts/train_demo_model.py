@@ -5,8 +5,7 @@ A ~7 M-parameter Qwen3.5-shaped text model (3 Gated DeltaNet layers + 1 gated fu
 layer) with Qwen's one-layer MTP head (shared/REFERENCE.md sections 1-2), trained jointly on
 offline text only: the CPython standard library's sources (tests excluded), the reference prose in
 ``pydoc_data/topics.py`` and chat-formatted requests built from them (through
-``configs/chat_template.jinja``). Loss = next-token CE + 0.5 x head CE for x_{t+2}; then the
-head alone is distilled on the trunk's own next-token distributions (``distill``).
+``configs/chat_template.jinja``). Loss = next-token CE + 0.5 x head CE for x_{t+2}.
 
 Training runs in PyTorch on CPU (dev-only dependency: ``pip install torch``) with transformers'
 own Qwen3.5 classes for the trunk; the export is checked against mlx-lm, an independent
@@ -19,10 +18,9 @@ interruption and it continues from the last checkpoint under ``runs/``)::
     python scripts/train_demo_model.py all
 
 Steps (each can be run alone): ``prepare`` (corpus split, tokenizer, token streams,
-``configs/bench_prompts.jsonl``), ``train``, ``distill``, ``evaluate``, ``export``, ``verify``
-(mlx-lm logits vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk acceptance
-simulation in torch) and ``engine-accept`` (the same bench prompts through ``mtpserve generate``
-at K=1).
+``configs/bench_prompts.jsonl``), ``train``, ``evaluate``, ``export``, ``verify`` (mlx-lm logits
+vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk acceptance simulation in
+torch) and ``engine-accept`` (the same bench prompts through ``mtpserve generate`` at K=1).
 """
 
 from __future__ import annotations
@@ -92,20 +90,6 @@ class TrainConfig:
     grad_clip: float = 1.0
     mtp_weight: float = 0.5
     ckpt_every: int = 100
-    seed: int = SEED
-
-
-@dataclass
-class DistillConfig:
-    """The head-only fine-tune after ``train`` (``distill``)."""
-
-    steps: int = 600
-    batch_size: int = 4
-    seq_len: int = 512
-    lr: float = 1e-3
-    grad_clip: float = 1.0
-    #: weight of a hard-label term, CE against the trunk's top token (greedy acceptance)
-    hard_weight: float = 0.0
     seed: int = SEED
 
 
@@ -767,105 +751,10 @@ def load_trained(exported: bool = False):
         assert not unexpected, unexpected
         assert all("rotary" in k for k in missing), missing
     else:
-        distilled = RUN_DIR / "ckpt_distilled.pt"
-        path = distilled if distilled.exists() else RUN_DIR / "ckpt.pt"
-        ck = torch.load(path, weights_only=False)
+        ck = torch.load(RUN_DIR / "ckpt.pt", weights_only=False)
         model.load_state_dict(ck["model"])
     model.eval()
     return model
-
-
-def _truncated(logits, top_k: int = 20, top_p: float = 0.95):
-    """The Qwen preset's truncation (temperature 1, top_k, top_p) of logits [..., V], in torch."""
-    import torch
-
-    values, index = logits.topk(top_k, dim=-1)
-    probs = values.float().softmax(-1)
-    keep = (probs.cumsum(-1) - probs) < top_p
-    probs = probs * keep
-    out = torch.zeros_like(logits, dtype=torch.float32)
-    return out.scatter_(-1, index, probs / probs.sum(-1, keepdim=True))
-
-
-def head_agreement(model, windows: int = 12, seq_len: int = 512) -> dict[str, float]:
-    """Teacher-forced agreement of the head with the trunk on held-out windows: how often the
-    head's top token for x_{t+2} is the trunk's (greedy), and sum(min(p, q)) of the two
-    truncated distributions (the acceptance rate of a sampled first draft)."""
-    import numpy as np
-    import torch
-
-    held = load_stream("heldout")
-    greedy = overlap = count = 0.0
-    with torch.no_grad():
-        for w in range(windows):
-            ids = torch.from_numpy(held[w * seq_len : (w + 1) * seq_len + 1].astype(np.int64))
-            hidden = model.trunk(ids[None])
-            p = model.lm_head(hidden)[:, 1:-1]  # the trunk's distribution of x_{t+2}
-            q = model.head(hidden[:, :-2], ids[None, 1:-1])  # the head's, from (h_t, x_{t+1})
-            greedy += (p.argmax(-1) == q.argmax(-1)).float().sum().item()
-            overlap += torch.minimum(_truncated(p), _truncated(q)).sum().item()
-            count += p.shape[1]
-    return {"greedy_agreement": greedy / count, "sampled_overlap": overlap / count}
-
-
-def distill(args) -> None:
-    """Fine-tune the MTP head alone on the trunk's own distributions: KL(p_trunk || q_head).
-
-    Why: a draft is accepted when the head agrees with the trunk, not with the data. Trained
-    jointly on the data's x_{t+2} (CE), the head learns what text follows; distilled, it learns
-    what this trunk will say, which is what acceptance measures (Medusa-2's self-distillation,
-    EAGLE's training on the target's outputs). The trunk is frozen: the model's own output does
-    not change, only its drafts. Reads ``ckpt.pt``, writes ``ckpt_distilled.pt`` (which
-    ``load_trained`` and so ``export`` prefer) and ``distill.json``.
-    """
-    import numpy as np
-    import torch
-
-    dc = DistillConfig(steps=args.steps) if args.steps else DistillConfig()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(dc.seed)
-    model = build_model(ModelShape(), *_eos_pad())
-    ck = torch.load(RUN_DIR / "ckpt.pt", weights_only=False)
-    model.load_state_dict(ck["model"])
-    model.eval()
-    for p in model.model.parameters():
-        p.requires_grad_(False)
-    before = head_agreement(model)
-    print(f"before: {before}", flush=True)
-    opt = torch.optim.AdamW(model.mtp.parameters(), lr=dc.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    stream = load_stream("train")
-    n_windows = (stream.size - 1) // dc.seq_len
-    rng = np.random.default_rng(dc.seed)
-    t0 = time.time()
-    for step in range(dc.steps):
-        starts = rng.integers(0, n_windows, dc.batch_size) * dc.seq_len
-        batch = np.stack([stream[i : i + dc.seq_len + 1] for i in starts]).astype(np.int64)
-        ids = torch.from_numpy(batch)
-        with torch.no_grad():
-            hidden = model.trunk(ids)
-            target = model.lm_head(hidden)[:, 1:-1].float().log_softmax(-1)
-        draft = model.head(hidden[:, :-2], ids[:, 1:-1]).float().log_softmax(-1)
-        loss = (target.exp() * (target - draft)).sum(-1).mean()
-        if dc.hard_weight:
-            top = target.argmax(-1, keepdim=True)
-            loss = loss - dc.hard_weight * draft.gather(-1, top).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.mtp.parameters(), dc.grad_clip)
-        opt.step()
-        if (step + 1) % 50 == 0:
-            print(f"distill step {step + 1}: KL {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    after = head_agreement(model)
-    print(f"after: {after}")
-    _save_atomic({**ck, "model": model.state_dict(), "distill_config": asdict(dc)},
-                 RUN_DIR / "ckpt_distilled.pt")
-    report = {"config": asdict(dc), "seconds": time.time() - t0, "before": before, "after": after}
-    (RUN_DIR / "distill.json").write_text(json.dumps(report, indent=2))
-
-
-def _eos_pad() -> tuple[int, int]:
-    ids_map = special_ids(RUN_DIR / "tokenizer")
-    return ids_map["<|im_end|>"], ids_map["<|endoftext|>"]
 
 
 @dataclass
@@ -1360,7 +1249,6 @@ def main(argv=None) -> None:
         choices=[
             "prepare",
             "train",
-            "distill",
             "evaluate",
             "export",
             "verify",
@@ -1401,7 +1289,6 @@ def main(argv=None) -> None:
     steps = {
         "prepare": prepare,
         "train": train,
-        "distill": distill,
         "evaluate": evaluate,
         "export": export,
         "verify": verify,
@@ -1411,7 +1298,7 @@ def main(argv=None) -> None:
     if args.step == "all":
         if not (RUN_DIR / "train.npy").exists():
             prepare(args)
-        for name in ("train", "distill", "export", "evaluate", "verify", "accept"):
+        for name in ("train", "export", "evaluate", "verify", "accept"):
             steps[name](args)
         if (ROOT / "engine" / "runtime.py").exists():
             engine_accept(args)
