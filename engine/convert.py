@@ -420,8 +420,8 @@ def _bits(value: str) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    try:
-        summary = convert(
+    return _report(
+        lambda: convert(
             args.model,
             Path(args.out),
             bits=args.bits,
@@ -429,16 +429,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             head_bits=args.head_bits,
             dtype=args.dtype,
         )
-    except (ConvertError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2))
-    return 0
+    )
 
 
 def cmd_extract_head(args: argparse.Namespace) -> int:
-    try:
-        summary = extract_head(
+    return _report(
+        lambda: extract_head(
             args.model,
             Path(args.into),
             head_bits=args.head_bits,
@@ -447,6 +443,13 @@ def cmd_extract_head(args: argparse.Namespace) -> int:
             force=args.force,
             revision=args.revision,
         )
+    )
+
+
+def _report(work: Callable[[], dict[str, Any]]) -> int:
+    """Run a command's work: print its summary as JSON (exit 0) or its error (exit 2)."""
+    try:
+        summary = work()
     except (ConvertError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
