@@ -54,8 +54,9 @@ SHARED_FORGET = 0.99
 PROBE_EVERY = 16
 #: drafting cycles in a row per probe from plain decoding: the second one is timed for the
 #: drafting cost calibration (the first pays for the switch). With one-cycle probes drafting
-#: was never timed while plain: a start-up table that overpriced drafting by 15% kept greedy
-#: auto plain for good (simulated on recorded acceptance: 0.86x of K=4)
+#: is never timed while plain: replayed on recorded acceptance (tests/test_autok_replay.py), a
+#: slow spell of the machine over mostly-plain prompts then leaves greedy auto at 0.97x of the
+#: best fixed K (1.03x with two)
 PROBE_CYCLES = 2
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
@@ -69,8 +70,9 @@ SWITCH_MARGIN = 0.03
 #: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
 START_MARGIN = 0.08
 #: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts
-#: MAX_AUTO_K, which reveals every position it can. With 3, one early miss at a deep position
-#: left greedy auto plain for a whole bench run (1.01 tokens per cycle where K=4 was 1.24x)
+#: MAX_AUTO_K, which reveals every position it can. With 3, greedy auto stayed plain through a
+#: bench run (1.01 tokens per cycle where K=4 was 1.24x): a few early misses pinned the deep
+#: positions' estimates
 EXPLORE_CYCLES = 16
 #: cycles of one K run back to back when measuring (the first one is not counted)
 CYCLES_IN_A_ROW = 8
@@ -409,12 +411,14 @@ class AutoK:
 
         A class that is not running is re-timed when it runs again — drafting at least by
         every probe's second cycle — and a new timing counts the more the staler the old factor
-        is: with probes counted at 1/32 each, a table that overpriced drafting by 15% kept
-        greedy auto plain (replayed on recorded acceptance, tests/test_autok_replay.py: 0.94x
-        of K=4). Letting the idle class follow the running one's changes instead cannot tell a
-        slow spell of the machine from a mispriced table. What stays possible: plain decoding
-        timed in a slow spell, then greedy drafting running on, keeps plain overpriced until
-        auto runs it again (a few percent on the rare prompts where plain would win).
+        is: with every timing counted at 1/32, a slow spell of the machine over mostly-plain
+        prompts left greedy auto at 0.97x of the best fixed K (replayed on recorded acceptance,
+        tests/test_autok_replay.py; 1.03x as is), and without calibration a table 15% off
+        leaves it at 0.85x. Letting the idle class follow the running one's changes instead
+        cannot tell a slow spell of the machine from a mispriced table. What stays possible:
+        plain decoding timed in a slow spell, then greedy drafting running on, keeps plain
+        overpriced until auto runs it again (a few percent on the rare prompts where plain
+        would win).
         """
         expected = self.costs.expected_seconds(k, committed_before)
         ratio = min(max(seconds / expected, 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
