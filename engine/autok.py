@@ -49,6 +49,11 @@ PRIOR_WEIGHT = 2.0
 #: K=4 was 1.4x faster. Replayed on recorded acceptance (tests/test_autok_replay.py), greedy
 #: auto comes to 1.00x of the best fixed K at 0.98 and 1.03x at 0.9
 REQUEST_FORGET = 0.9
+#: the same for a plain cycle, which reveals nothing: at 0.9 a two-cycle probe's hits faded
+#: back to the kind's estimates within ten plain cycles, and a greedy request whose first cycles
+#: had gone badly stayed plain (a greedy-only bench run: 4,917 of 5,245 auto cycles plain, auto
+#: 1.05x where K=4 was 1.16x; with 0.99 the next run had 2,896 plain, 1.16x where K=4 was 1.24x)
+PLAIN_FORGET = 0.99
 #: the same for the counts of a decoding kind (the prior of its requests), per drafting cycle
 SHARED_FORGET = 0.99
 PROBE_EVERY = 16
@@ -551,7 +556,7 @@ class RequestAutoK:
         the other K's start-up figures made K follow the noise (the sampled bench row fell to
         0.94x of plain decoding).
         """
-        self.counts.decay(REQUEST_FORGET)
+        self.counts.decay(REQUEST_FORGET if k > 0 else PLAIN_FORGET)
         if k > 0:
             # The kind's memory ages with evidence only: plain cycles reveal nothing about
             # what drafting would achieve.
