@@ -16,7 +16,7 @@ Switching between plain and drafting cycles is priced as the engine runs it (a p
 after drafting is not launched ahead; a probe catches up on the plain positions), plus a
 penalty for cold caches in one test. What it cannot see is whatever else a real run adds: in
 the two bench runs of this policy greedy auto came out 4% behind K=4 where this replay puts
-it 2-4% ahead (docs/BENCHMARKS.md §3).
+it 1-3% ahead (docs/BENCHMARKS.md §3).
 """
 
 from __future__ import annotations
