@@ -16,9 +16,9 @@ request falls back to when its own evidence fades, e.g. in a stretch of plain cy
 (no speculation) wins when acceptance is too low to pay for drafting; a probe (the drafting K
 the estimates favour) every ``PROBE_EVERY`` plain cycles, backing off, keeps the estimates
 alive so speculation resumes when the text gets predictable again; while drafting, a draft one
-token longer every ``DEEPER_PROBE_EVERY`` cycles does the same for the next position. Costs
-come from the start-up table only (see ``RequestAutoK.observe`` for why cycle times seen in a
-run do not update it).
+token longer every ``DEEPER_PROBE_EVERY`` cycles does the same for the next position. The
+start-up table is calibrated in the run with the decode loop's own cycle times, one factor for
+plain and one for drafting cycles (``AutoK.calibrate``).
 """
 
 from __future__ import annotations
@@ -119,8 +119,11 @@ class CostTable:
         """Expected seconds of the head's catch-up after a cycle whose committed-token counts
         have distribution ``committed`` (``committed_distribution``). Without a measured
         ``absorb`` a catch-up over one position is taken to cost one head step."""
-        absorb = self.absorb or [self.head_step]
-        return sum(p * absorb[min(n, len(absorb)) - 1] for n, p in enumerate(committed, 1))
+        return sum(p * self.absorb_seconds(n) for n, p in enumerate(committed, 1))
+
+    def absorb_seconds(self, n: int) -> float:
+        """The head's catch-up over ``n`` positions (the longest measured one beyond that)."""
+        return catch_up_seconds(self.absorb or [self.head_step], n)
 
     def cycle_cost(self, acceptance: list[float], k: int) -> float:
         """Expected seconds of a K-cycle in steady state (the previous cycle also drafted K):
@@ -155,14 +158,17 @@ class CostTable:
         positions (what the previous drafting cycle committed; 1 for a plain cycle's K=0)."""
         if k == 0:
             return self.cycle[0]
-        absorb = self.absorb or [self.head_step]
-        extra = absorb[min(committed_before, len(absorb)) - 1] - absorb[0]
-        return self.cycle[k] + extra
+        return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)
 
     def _cycle_cost(self, k: int, committed: list[float]) -> float:
         if k == 0:
             return self.cycle[0]
         return self.cycle[k] + self.catch_up(committed) - self.catch_up([1.0])
+
+
+def catch_up_seconds(absorb: list[float], n: int) -> float:
+    """``absorb[n-1]``, the catch-up over n positions, held at the longest measured count."""
+    return absorb[min(n, len(absorb)) - 1]
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -311,7 +317,7 @@ def measure_costs(
 
     def one_position_catch_up(gap: float, committed_before: int) -> float:
         """A cycle's time as if its head had caught up on one position (``CostTable.cycle``)."""
-        return gap - (absorb[min(committed_before, len(absorb)) - 1] - absorb[0])
+        return gap - (catch_up_seconds(absorb, committed_before) - absorb[0])
 
     cycle = [
         median([median([one_position_catch_up(*c) for c in row]) for row in rows])

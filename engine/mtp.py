@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from engine.trunk import MAX_COMPILED_T, attention_block, compiled
+from engine.trunk import attention_block, block
 
 
 class MTPHead(nn.Module):
@@ -62,13 +62,10 @@ class MTPHead(nn.Module):
             the last pair.
         """
         embedded = trunk.model.embed_tokens(token_ids)
-        if token_ids.shape[1] > MAX_COMPILED_T:  # prefill of a long prompt: eager
-            z = self.combine(embedded, hidden)
-            z = attention_block(self.layers[0], z, cache, position)
-            return self.output(trunk, z)
-        z = compiled(self, "combine", lambda head: head.combine)(embedded, hidden)
+        length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
+        z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
         z = attention_block(self.layers[0], z, cache, position)
-        return compiled(self, "output", lambda head: partial(head.output, trunk))(z)
+        return block(self, "output", lambda head: partial(head.output, trunk), length)(z)
 
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         e = self.pre_fc_norm_embedding(embedded)

@@ -316,6 +316,14 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     return block
 
 
+def block(
+    module: Any, kind: str, build: Callable[[Any], Callable[..., Any]], length: int
+) -> Callable[..., Any]:
+    """``build(module)`` for an input of ``length`` positions: compiled (``compiled``) up to
+    ``MAX_COMPILED_T``, eager beyond."""
+    return compiled(module, kind, build) if length <= MAX_COMPILED_T else build(module)
+
+
 def attention_block(
     layer: nn.Module, x: mx.array, cache: KVCache, position: int | None = None
 ) -> mx.array:
@@ -326,13 +334,13 @@ def attention_block(
     ``engine.speculative``). Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
     """
     position = cache.offset if position is None else position
-    eager = x.shape[1] > MAX_COMPILED_T
-    attn_in = _attention_in(layer) if eager else compiled(layer, "attn_in", _attention_in)
-    attn_out = _attention_out(layer) if eager else compiled(layer, "attn_out", _attention_out)
-    queries, keys, values, gate = attn_in(x, mx.array(position))
+    length = x.shape[1]
+    queries, keys, values, gate = block(layer, "attn_in", _attention_in, length)(
+        x, mx.array(position)
+    )
     keys, values = cache.update_and_fetch(keys, values)
     mask = "causal" if x.shape[1] > 1 else None
     attended = mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=layer.self_attn.scale, mask=mask
     )
-    return attn_out(x, attended, gate)
+    return block(layer, "attn_out", _attention_out, length)(x, attended, gate)
