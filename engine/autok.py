@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.blas import blas_in_use
+from engine.speculative import MAX_CATCH_UP
 
 log = logging.getLogger("mtpserve.autok")
 
@@ -103,7 +104,8 @@ class CostTable:
     launched ahead of the other, see engine.speculative); ``absorb[n-1]`` for the head's
     catch-up over n positions at once; ``trunk[T-1]`` for a T-token verify forward (with the
     vocabulary projection);
-    ``head_step`` for one draft step.
+    ``head_step`` for one draft step; ``absorb_far`` for a catch-up over ``MAX_CATCH_UP``
+    positions (a probe after a long plain stretch; counts in between are interpolated).
 
     Why ``absorb``: a cycle's first draft step runs the head over every position the previous
     cycle committed (1..K+1 of them), so a K-cycle costs more the more the last one accepted.
@@ -113,6 +115,7 @@ class CostTable:
     trunk: list[float]
     head_step: float
     absorb: list[float] = field(default_factory=list)
+    absorb_far: float = 0.0
     machine: str = ""
 
     def catch_up(self, committed: list[float]) -> float:
@@ -122,8 +125,8 @@ class CostTable:
         return sum(p * self.absorb_seconds(n) for n, p in enumerate(committed, 1))
 
     def absorb_seconds(self, n: int) -> float:
-        """The head's catch-up over ``n`` positions (the longest measured one beyond that)."""
-        return catch_up_seconds(self.absorb or [self.head_step], n)
+        """The head's catch-up over ``n`` positions."""
+        return catch_up_seconds(self.absorb or [self.head_step], n, self.absorb_far)
 
     def cycle_cost(self, acceptance: list[float], k: int) -> float:
         """Expected seconds of a K-cycle in steady state (the previous cycle also drafted K):
@@ -150,6 +153,7 @@ class CostTable:
             self,
             cycle=[self.cycle[0] * plain, *(c * drafting for c in self.cycle[1:])],
             absorb=[a * drafting for a in self.absorb],
+            absorb_far=self.absorb_far * drafting,
             head_step=self.head_step * drafting,
         )
 
@@ -166,9 +170,13 @@ class CostTable:
         return self.cycle[k] + self.catch_up(committed) - self.catch_up([1.0])
 
 
-def catch_up_seconds(absorb: list[float], n: int) -> float:
-    """``absorb[n-1]``, the catch-up over n positions, held at the longest measured count."""
-    return absorb[min(n, len(absorb)) - 1]
+def catch_up_seconds(absorb: list[float], n: int, far: float = 0.0) -> float:
+    """``absorb[n-1]``, the catch-up over n positions; beyond the measured counts, linear up to
+    ``far`` at ``MAX_CATCH_UP`` positions (held at the longest measured count without it)."""
+    if n <= len(absorb) or far <= 0.0:
+        return absorb[min(n, len(absorb)) - 1]
+    n, last = min(n, MAX_CATCH_UP), len(absorb)
+    return absorb[-1] + (far - absorb[-1]) * (n - last) / (MAX_CATCH_UP - last)
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -290,7 +298,7 @@ def measure_costs(
         return time.perf_counter() - t
 
     probe = mx.zeros((1, 1, trunk.args.hidden_size))
-    probe_n = mx.zeros((1, max_k + 1, trunk.args.hidden_size))
+    probe_n = mx.zeros((1, max(max_k + 1, MAX_CATCH_UP), trunk.args.hidden_size))
     # Interleave the configurations rep by rep so that noise from other processes hits all
     # alike; the first two reps compile and warm up. Within a rep each K runs a few cycles in a
     # row, as in decoding: a lone cycle between other work finds colder caches (it measured
@@ -299,6 +307,7 @@ def measure_costs(
     trunk_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     absorb_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     head_times: list[float] = []
+    far_times: list[float] = []
     for rep in range(reps + 2):
         seq = engine.start(request, DraftPolicy(fixed=max_k))  # the helpers above read it
         for k in range(max_k + 1):
@@ -311,8 +320,10 @@ def measure_costs(
                 trunk_times[k].append(t)
                 absorb_times[k].append(a)
         h = time_head()
+        far = time_absorb(MAX_CATCH_UP)
         if rep >= 2:
             head_times.append(h)
+            far_times.append(far)
     absorb = [median(x) for x in absorb_times]
 
     def one_position_catch_up(gap: float, committed_before: int) -> float:
@@ -328,6 +339,7 @@ def measure_costs(
         trunk=[median(x) for x in trunk_times],
         head_step=median(head_times),
         absorb=absorb,
+        absorb_far=median(far_times),
         machine=platform.platform(),
     )
 

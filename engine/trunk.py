@@ -325,13 +325,20 @@ def block(
 
 
 def attention_block(
-    layer: nn.Module, x: mx.array, cache: KVCache, position: int | None = None
+    layer: nn.Module,
+    x: mx.array,
+    cache: KVCache,
+    position: int | None = None,
+    last_only: bool = False,
 ) -> mx.array:
     """A full-attention decoder layer (trunk or MTP head) over T new positions with its cache.
 
     ``position`` is the sequence position of the first new token (RoPE); it defaults to the
     cache's length and differs only for a head cache that skipped positions (see
-    ``engine.speculative``). Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
+    ``engine.speculative``). With ``last_only`` every position's keys and values enter the
+    cache but only the last position's output is computed and returned (``[B, 1, H]``): the
+    rest of the layer (attention output, o_proj, MLP) is per position, and a one-layer head's
+    earlier outputs are never used. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
     """
     position = cache.offset if position is None else position
     length = x.shape[1]
@@ -339,7 +346,10 @@ def attention_block(
         x, mx.array(position)
     )
     keys, values = cache.update_and_fetch(keys, values)
-    mask = "causal" if x.shape[1] > 1 else None
+    if last_only and length > 1:
+        # the last query sees every cached key: no mask
+        x, queries, gate, length = x[:, -1:], queries[:, :, -1:], gate[:, -1:], 1
+    mask = "causal" if length > 1 else None
     attended = mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=layer.self_attn.scale, mask=mask
     )

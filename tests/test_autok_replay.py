@@ -31,7 +31,8 @@ import pytest
 from engine.autok import AutoK, CostTable
 from engine.speculative import MAX_CATCH_UP
 
-RECORD = json.loads((Path(__file__).parent / "data" / "acceptance_demo.json").read_text())
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
 
 
 def true_table(sampler: str) -> CostTable:
@@ -45,9 +46,11 @@ def replay(
     noise: float = 0.0,
     slow_prompts: range = range(0),
     switch_penalty: tuple[float, float] = (0.0, 0.0),
+    prompts: list[int] | None = None,
 ) -> tuple[float, list[int]]:
-    """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt, and
-    its histogram of K. The ``slow_prompts`` run on a machine 1.5x slower.
+    """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt (or
+    those listed in ``prompts``, in that order), and its histogram of K. The ``slow_prompts``
+    run on a machine 1.5x slower.
 
     Switching costs as in the engine: a plain cycle after a drafting one (or a request's
     first) is not launched ahead and costs a synchronous forward (``trunk[0]``); a drafting
@@ -58,7 +61,8 @@ def replay(
     rng = random.Random(0)
     tokens = seconds = 0.0
     histogram = [0] * len(true_table(sampler).cycle)
-    for i, row in enumerate(RECORD["samplers"][sampler]):
+    rows = RECORD["samplers"][sampler]
+    for i, row in enumerate(rows if prompts is None else [rows[i] for i in prompts]):
         table = true_table(sampler).scaled(1.5, 1.5) if i in slow_prompts else true_table(sampler)
         accepted = row["accepted"]
         request = policy.for_request() if isinstance(policy, AutoK) else None
@@ -137,3 +141,41 @@ def test_the_record_is_informative() -> None:
     assert max(sampled, key=sampled.__getitem__) == 0 and sampled[1] < 0.9 * sampled[0]
     row = RECORD["samplers"]["greedy"][0]["accepted"]
     assert min(row) == 0 and max(row) == RECORD["draft_tokens"]
+
+
+def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay is only as good as its likeness to the engine. Greedy text is the same for
+    every K, so with the same cost table and the calibration frozen, auto K in the real decode
+    loop must choose exactly the K the replay chooses, cycle for cycle — which holds only while
+    the head's cache is fed as in steady drafting (the record's) after plain stretches too:
+    when a probe caught up on the latest 9 plain positions only, the engine ran 1,755 plain
+    cycles over the 24 prompts where the replay ran 1,917."""
+    from engine.api import GenerationRequest
+    from engine.autok import EngineAutoK
+    from engine.bench import load_prompts
+    from engine.runtime import Engine
+    from sampling.params import SamplingParams
+
+    monkeypatch.setattr(AutoK, "calibrate", lambda self, *args: None)
+    chosen = [0, 8, 9, 16]  # code, two prose prompts (plain stretches and probes), chat
+    engine = Engine.load(str(ROOT / "models" / "qwen3.5-demo"), draft_tokens=0)
+    engine.default_draft_tokens = None  # auto, with the table below instead of a measured one
+    engine.autok = EngineAutoK(engine)
+    engine.autok.kinds["greedy"] = AutoK(true_table("greedy"))
+    prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)
+    histogram = [0] * 5
+    for i in chosen:
+        assert prompts[i]["id"] == RECORD["samplers"]["greedy"][i]["id"]
+        request = GenerationRequest(
+            prompts[i]["ids"],
+            SamplingParams(temperature=0.0),
+            RECORD["max_tokens"],
+            draft_tokens=None,
+            ignore_eos=True,
+        )
+        for event in engine.generate(request):
+            pass
+        histogram = [a + b for a, b in zip(histogram, event.stats.k_histogram, strict=False)]
+    _, replayed = replay("greedy", AutoK(true_table("greedy")), prompts=chosen)
+    assert histogram == replayed
+    assert histogram[0] > 50 and sum(histogram[1:]) > 50  # both kinds of cycle ran

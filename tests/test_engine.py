@@ -186,21 +186,23 @@ def test_plain_look_ahead_changes_no_token(load_engine, k: int | None) -> None:
 
 
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
-    """After 40 plain cycles the head runs only the latest MAX_CATCH_UP pending pairs (at their
-    true positions); the output stays exactly plain greedy decoding and drafts are still good."""
+    """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
+    pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
+    are still good."""
     from engine.speculative import MAX_CATCH_UP, commit, run_cycle, start_sequence
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode(PROMPTS[2])
-    reference, _ = run(engine, greedy_request(prompt, 0, 70, ignore_eos=True))
+    plain = MAX_CATCH_UP + 30
+    reference, _ = run(engine, greedy_request(prompt, 0, plain + 40, ignore_eos=True))
     seq = start_sequence(engine.trunk, engine.loaded.head, prompt, GREEDY, use_head=True)
     accepted = proposed = 0
-    for k in [0] * 40 + [2] * 12:
+    for k in [0] * plain + [2] * 12:
         result = run_cycle(engine.trunk, engine.loaded.head, seq, k)
         commit(seq, result, len(result.emitted))
         assert_invariant(seq)
         accepted, proposed = accepted + result.n_accepted, proposed + len(result.draft_ids)
-    assert seq.head_skipped == 40 + 1 - MAX_CATCH_UP
+    assert seq.head_skipped == plain + 1 - MAX_CATCH_UP
     assert seq.tokens[len(prompt) :] == reference[: len(seq.tokens) - len(prompt)]
     assert accepted > 0.3 * proposed  # this checkpoint accepts ~half its drafts
 
