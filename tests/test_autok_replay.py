@@ -138,7 +138,8 @@ def test_the_record_is_informative() -> None:
     greedy = {k: replay("greedy", k)[0] for k in range(5)}
     sampled = {k: replay("preset:qwen", k)[0] for k in range(5)}
     assert max(greedy, key=greedy.__getitem__) > 0 and greedy[4] > 1.1 * greedy[0]
-    assert max(sampled, key=sampled.__getitem__) == 0 and sampled[1] < 0.9 * sampled[0]
+    # every drafting K loses by more than the 3% auto K may lose: staying plain is the choice
+    assert max(sampled[k] for k in range(1, 5)) < 0.97 * sampled[0]
     row = RECORD["samplers"]["greedy"][0]["accepted"]
     assert min(row) == 0 and max(row) == RECORD["draft_tokens"]
 
