@@ -291,6 +291,14 @@ class Engine:
                 _record(stats, result, generated, end - t_commit)
                 if timed is not None:
                     since = None if last_end is None else end - last_end
+                    if unread and ahead is None:
+                        # The last plain cycle before drafting was launched one cycle ahead and
+                        # nothing runs behind it: it reads back ~0.4 of a step after the one
+                        # before (the first plain cycle after drafting takes ~2 steps instead;
+                        # class switches are not timed). Timed, every plain stretch pulled the
+                        # calibration of plain cycles down, and the more the shorter the
+                        # stretches: greedy auto K stayed plain where K=4 paid.
+                        since = None
                     timed.observe_seconds(len(result.draft_ids), len(emitted), since)
                     last_end = end
                 if trace is not None:

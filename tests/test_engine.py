@@ -207,6 +207,49 @@ def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_
     assert accepted > 0.3 * proposed  # this checkpoint accepts ~half its drafts
 
 
+def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine) -> None:
+    """Auto K calibrates its costs with the decode loop's cycle times. Plain cycles run one
+    ahead, so at the edges of a plain stretch the time between two cycles is not a plain
+    cycle's cost: the first plain cycle after drafting reads back ~2 steps after the drafting
+    cycle (``RequestAutoK.observe_seconds`` drops class switches), the last one before drafting
+    ~0.4 step after its predecessor (the loop passes None for it). Timed, the last ones made
+    plain decoding look cheaper the shorter its stretches were."""
+    from engine.runtime import DraftPolicy
+
+    class Pattern:
+        """Chooses K from a repeating pattern and records what the loop reports."""
+
+        def __init__(self, pattern: list[int]) -> None:
+            self.pattern, self.chosen, self.timed = pattern, 0, []
+
+        def choose(self, seq: object) -> int:
+            self.chosen += 1
+            return self.pattern[(self.chosen - 1) % len(self.pattern)]
+
+        def observe(self, k: int, n_accepted: int) -> None:
+            pass
+
+        def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
+            self.timed.append((k, seconds))
+
+    pattern = Pattern([2, 2, 0, 0, 0, 0, 0])
+    prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
+    request = greedy_request(prompt, None, 80, ignore_eos=True)
+    seq = tiny_engine.start(request, DraftPolicy(fixed=2))
+    for _ in tiny_engine.decode(seq, request, policy=DraftPolicy(fixed=None, chooser=pattern)):
+        pass
+    timed = pattern.timed
+    last_plain = [i for i in range(len(timed) - 1) if timed[i][0] == 0 and timed[i + 1][0] > 0]
+    inner_plain = [
+        i
+        for i in range(1, len(timed) - 1)
+        if timed[i - 1][0] == timed[i][0] == timed[i + 1][0] == 0
+    ]
+    assert len(last_plain) >= 3 and len(inner_plain) >= 6
+    assert all(timed[i][1] is None for i in last_plain)
+    assert all(timed[i][1] is not None for i in inner_plain)
+
+
 def test_cancelled_request_ends_within_one_cycle(tiny_engine) -> None:
     prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
     cycles = 0
