@@ -14,9 +14,11 @@ A bench run compares auto with fixed K too, but on a 2-core machine whose noise 
 configuration 5-15%; this is the exact version of the issue's "within 3% of the best fixed K".
 Switching between plain and drafting cycles is priced as the engine runs it (a plain cycle
 after drafting is not launched ahead; a probe catches up on the plain positions), plus a
-penalty for cold caches in one test. What it cannot see is whatever else a real run adds: in
-the two bench runs of this policy greedy auto came out 4% behind K=4 where this replay puts
-it 1-3% ahead (docs/BENCHMARKS.md §3).
+penalty for cold caches in one test. The engine's auto K decides exactly as the replay does
+on the same table (the last test); what the replay cannot see is what those decisions cost in
+a real run beyond the table and how noisy the run's calibration is: in bench runs greedy auto
+came out 4-10% behind K=4 where this replay puts it level (docs/BENCHMARKS.md §3, "What a real
+run adds to the replay").
 """
 
 from __future__ import annotations
