@@ -55,6 +55,13 @@ REQUEST_FORGET = 0.9
 #: had gone badly stayed plain (a greedy-only bench run: 4,917 of 5,245 auto cycles plain, auto
 #: 1.05x where K=4 was 1.16x; with 0.99 the next run had 2,896 plain, 1.16x where K=4 was 1.24x)
 PLAIN_FORGET = 0.99
+#: ... but the evidence from before a plain stretch is aged at REQUEST_FORGET per plain cycle
+#: once the next drafting cycle (a probe) reports: at 0.99 alone, the misses of a request's bad
+#: start outweighed its probes' hits for a hundred cycles (traced in a bench run: code-01
+#: accepts 0-2 of 4 in its first 22 positions and 4 of 4 after, and auto's estimates stayed at
+#: a_1 0.64-0.80 through the plain cycles that followed). Replayed on recorded acceptance
+#: (tests/test_autok_replay.py, three bench runs' tables, every misstated-table case), greedy
+#: auto went from 0.98-1.02x of the best fixed K to 1.00-1.03x; sampled unchanged
 #: the same for the counts of a decoding kind (the prior of its requests), per drafting cycle
 SHARED_FORGET = 0.99
 PROBE_EVERY = 16
@@ -507,6 +514,8 @@ class RequestAutoK:
     shared: AutoK
     counts: AcceptanceCounts
     plain_cycles: int = 0
+    #: plain cycles observed since the last drafting cycle
+    plain_run: int = 0
     drafting_cycles: int = 0
     current: int = 0
     #: the K of a probe in progress and how many more cycles it runs
@@ -574,6 +583,11 @@ class RequestAutoK:
         the other K's start-up figures made K follow the noise (the sampled bench row fell to
         0.94x of plain decoding).
         """
+        if k > 0 and self.plain_run:
+            # What was seen before the plain stretch ages as if the stretch had drafted (see
+            # PLAIN_FORGET): the probe's outcome, not the old evidence, decides what comes next.
+            self.counts.decay((REQUEST_FORGET / PLAIN_FORGET) ** self.plain_run)
+        self.plain_run = 0 if k > 0 else self.plain_run + 1
         self.counts.decay(REQUEST_FORGET if k > 0 else PLAIN_FORGET)
         if k > 0:
             # The kind's memory ages with evidence only: plain cycles reveal nothing about

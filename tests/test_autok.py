@@ -114,6 +114,29 @@ def test_one_hit_probe_from_plain_decoding_resumes_drafting_quickly() -> None:
     assert choices.index(next(c for c in choices if c > 1)) <= 2 * PROBE_EVERY + 1
 
 
+def test_a_probe_that_hits_outweighs_a_bad_start() -> None:
+    """A request starts badly (1 of 4 drafts accepted for 12 cycles, as a bench prompt did) and
+    goes plain; then the text turns predictable. The first probe that hits must bring drafting
+    back: the misses from before the plain stretch age as if the stretch had drafted. (When
+    they aged at the plain rate the request stayed plain for hundreds of cycles.)"""
+    costs = CostTable(cycle=[1.0, 1.9, 2.3, 2.7, 3.1], trunk=[1.0] * 5, head_step=0.4)
+    kind = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES)
+    for _ in range(50):  # the kind's record: drafting pays
+        for position in range(MAX_AUTO_K):
+            kind.counts.observe(position, True)
+    request = kind.for_request()
+    for _ in range(12):
+        request.observe(4, 1)
+    assert request.choose(None) == 0
+    choices = []
+    for _ in range(2 * PROBE_EVERY + 4):
+        k = request.choose(None)
+        choices.append(k)
+        request.observe(k, k)  # from now on every draft is accepted
+    first_probe = next(i for i, k in enumerate(choices) if k)
+    assert all(k > 0 for k in choices[first_probe:])  # drafting from the first probe on
+
+
 def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
     """One early miss at position 2 makes K=1 look best, and K=1 cycles never reveal position 2
     again (the miss only fades with age). The one-longer probe reveals it within a few probes,
