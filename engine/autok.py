@@ -613,3 +613,24 @@ class RequestAutoK:
         if seconds is None or previous_k is None or (previous_k > 0) != (k > 0):
             return
         self.shared.calibrate(k, before if k > 0 else 1, seconds)
+
+
+@dataclass
+class PatternChooser:
+    """A stand-in for ``RequestAutoK`` that drafts a repeating pattern of K and keeps the cycle
+    times the decode loop reports: for measuring and testing the loop itself (pass it as
+    ``DraftPolicy(fixed=None, chooser=...)``)."""
+
+    pattern: list[int]
+    chosen: int = 0
+    timed: list[tuple[int, float | None]] = field(default_factory=list)
+
+    def choose(self, seq: Any) -> int:
+        self.chosen += 1
+        return self.pattern[(self.chosen - 1) % len(self.pattern)]
+
+    def observe(self, k: int, n_accepted: int) -> None:
+        pass
+
+    def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
+        self.timed.append((k, seconds))

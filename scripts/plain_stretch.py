@@ -25,6 +25,7 @@ from pathlib import Path
 
 import engine.speculative as speculative  # (the engine package binds the fast BLAS first)
 from engine.api import GenerationRequest
+from engine.autok import PatternChooser
 from engine.bench import load_prompts, parse_samplers
 from engine.runtime import DraftPolicy, Engine
 
@@ -80,28 +81,11 @@ def catch_up(engine: Engine, lengths: list[int], reps: int = 30) -> None:
         print(f"catch-up over {n:3d} positions: {median * 1e3:6.2f} ms ({each:.3f} ms each)")
 
 
-class Pattern:
-    """An auto-K stand-in that drafts by a fixed pattern and keeps the loop's cycle times."""
-
-    def __init__(self, pattern: list[int]) -> None:
-        self.pattern, self.chosen, self.timed = pattern, 0, []
-
-    def choose(self, seq: object) -> int:
-        self.chosen += 1
-        return self.pattern[(self.chosen - 1) % len(self.pattern)]
-
-    def observe(self, k: int, n_accepted: int) -> None:
-        pass
-
-    def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
-        pass
-
-
 def timing(engine: Engine, prompts: list[dict]) -> None:
     params = parse_samplers("greedy", engine)["greedy"]
     by_place: dict[tuple[int, int], list[float]] = {}
     for prompt in prompts:
-        chooser = Pattern([4] * 8 + [0] * 8)
+        chooser = PatternChooser([4] * 8 + [0] * 8)
         request = GenerationRequest(prompt["ids"], params, 256, ignore_eos=True)
         seq = engine.start(request, DraftPolicy(fixed=4))
         cycles: list[dict] = []

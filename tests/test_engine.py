@@ -214,25 +214,10 @@ def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine)
     cycle (``RequestAutoK.observe_seconds`` drops class switches), the last one before drafting
     ~0.4 step after its predecessor (the loop passes None for it). Timed, the last ones made
     plain decoding look cheaper the shorter its stretches were."""
+    from engine.autok import PatternChooser
     from engine.runtime import DraftPolicy
 
-    class Pattern:
-        """Chooses K from a repeating pattern and records what the loop reports."""
-
-        def __init__(self, pattern: list[int]) -> None:
-            self.pattern, self.chosen, self.timed = pattern, 0, []
-
-        def choose(self, seq: object) -> int:
-            self.chosen += 1
-            return self.pattern[(self.chosen - 1) % len(self.pattern)]
-
-        def observe(self, k: int, n_accepted: int) -> None:
-            pass
-
-        def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
-            self.timed.append((k, seconds))
-
-    pattern = Pattern([2, 2, 0, 0, 0, 0, 0])
+    pattern = PatternChooser([2, 2, 0, 0, 0, 0, 0])
     prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
     request = greedy_request(prompt, None, 80, ignore_eos=True)
     seq = tiny_engine.start(request, DraftPolicy(fixed=2))
