@@ -54,14 +54,14 @@ REQUEST_FORGET = 0.9
 #: back to the kind's estimates within ten plain cycles, and a greedy request whose first cycles
 #: had gone badly stayed plain (a greedy-only bench run: 4,917 of 5,245 auto cycles plain, auto
 #: 1.05x where K=4 was 1.16x; with 0.99 the next run had 2,896 plain, 1.16x where K=4 was 1.24x)
+#: -- but the evidence from before a plain stretch is aged at REQUEST_FORGET per plain cycle
+#: once the next drafting cycle (a probe) reports (``RequestAutoK.observe``): at 0.99 alone the
+#: misses of a request's bad start outweighed its probes' hits for a hundred cycles (traced in
+#: a bench run: code-01 accepts 0-2 of 4 in its first 22 positions and 4 of 4 after, and auto's
+#: estimates stayed at a_1 0.64-0.80 through the plain cycles that followed). Replayed on
+#: recorded acceptance (tests/test_autok_replay.py's cases with three bench runs' tables),
+#: greedy auto went from 0.98-1.02x of the best fixed K to 1.00-1.03x; sampled unchanged
 PLAIN_FORGET = 0.99
-#: ... but the evidence from before a plain stretch is aged at REQUEST_FORGET per plain cycle
-#: once the next drafting cycle (a probe) reports: at 0.99 alone, the misses of a request's bad
-#: start outweighed its probes' hits for a hundred cycles (traced in a bench run: code-01
-#: accepts 0-2 of 4 in its first 22 positions and 4 of 4 after, and auto's estimates stayed at
-#: a_1 0.64-0.80 through the plain cycles that followed). Replayed on recorded acceptance
-#: (tests/test_autok_replay.py, three bench runs' tables, every misstated-table case), greedy
-#: auto went from 0.98-1.02x of the best fixed K to 1.00-1.03x; sampled unchanged
 #: the same for the counts of a decoding kind (the prior of its requests), per drafting cycle
 SHARED_FORGET = 0.99
 PROBE_EVERY = 16

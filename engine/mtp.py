@@ -61,7 +61,8 @@ class MTPHead(nn.Module):
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
             the last pair. Earlier pairs only fill the cache: of them the layer computes keys
             and values alone (one layer, so no later computation reads their outputs). A
-            catch-up over 64 positions after plain cycles costs ~2x less than the full layer.
+            catch-up over 128 positions after plain cycles took 2.5-3.2 ms, 10.2 ms with the whole
+            layer (docs/BENCHMARKS.md §3).
         """
         embedded = trunk.model.embed_tokens(token_ids)
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
