@@ -164,6 +164,19 @@ class CostTable:
             head_step=self.head_step * drafting,
         )
 
+    def lowest(self, other: CostTable) -> CostTable:
+        """Each entry's lower reading of two measurements of the same costs. On a shared
+        machine noise only adds time, and one slow moment can skew a whole measurement (the
+        benchmark measures before and after its run and predicts from this)."""
+        return replace(
+            self,
+            cycle=[min(a, b) for a, b in zip(self.cycle, other.cycle, strict=True)],
+            trunk=[min(a, b) for a, b in zip(self.trunk, other.trunk, strict=True)],
+            head_step=min(self.head_step, other.head_step),
+            absorb=[min(a, b) for a, b in zip(self.absorb, other.absorb, strict=True)],
+            absorb_far=min((x for x in (self.absorb_far, other.absorb_far) if x), default=0.0),
+        )
+
     def expected_seconds(self, k: int, committed_before: int) -> float:
         """Seconds the table gives a K-cycle whose head catches up on ``committed_before``
         positions (what the previous drafting cycle committed; 1 for a plain cycle's K=0)."""
@@ -481,7 +494,7 @@ class EngineAutoK:
         """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
         kind = decoding_kind(params)
         if kind not in self.kinds or refresh:
-            sampled = None if params.greedy else _representative_sampler(self.engine, params)
+            sampled = None if params.greedy else representative_sampler(self.engine, params)
             self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampled))
         return self.kinds[kind].costs
 
@@ -490,7 +503,7 @@ def decoding_kind(params: Any) -> str:
     return "greedy" if params.greedy else "sampled"
 
 
-def _representative_sampler(engine: Any, params: Any) -> Any:
+def representative_sampler(engine: Any, params: Any) -> Any:
     """Sampled cycles cost about the same whatever the exact settings; measure with the
     checkpoint's own defaults (or the request's when those are greedy), without penalties."""
     from dataclasses import replace

@@ -225,3 +225,23 @@ def test_probe_backoff_carries_over_to_the_next_request_of_the_kind() -> None:
     second = probes(kind.for_request(), 300)
     assert second == [127, 128, 256, 257]
     assert MAX_PROBE_INTERVAL == 128
+
+
+def test_lowest_keeps_each_entrys_lower_reading() -> None:
+    """The benchmark predicts from two measurements of the cost table, entry by entry the lower
+    one: a slow moment during either (here the first one's plain step) must not carry over."""
+    slow_plain = CostTable(
+        cycle=[3.2, 4.3, 5.4], trunk=[3.0, 3.3, 3.6], head_step=0.9, absorb=[1.0, 1.1]
+    )
+    later = CostTable(
+        cycle=[2.4, 4.5, 5.3],
+        trunk=[2.9, 3.4, 3.6],
+        head_step=1.0,
+        absorb=[1.2, 1.0],
+        absorb_far=2.6,
+    )
+    low = slow_plain.lowest(later)
+    assert low.cycle == [2.4, 4.3, 5.3] and low.trunk == [2.9, 3.3, 3.6]
+    assert (
+        low.head_step == 0.9 and low.absorb == [1.0, 1.0] and low.absorb_far == 2.6
+    )  # (0: not measured)
