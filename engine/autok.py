@@ -475,6 +475,14 @@ class AutoK:
     def calibrated_costs(self) -> CostTable:
         return self.costs.scaled(*self.calibration)
 
+    def rates(self, acceptance: list[float]) -> list[float]:
+        """``calibrated_costs().rates(acceptance)`` without building the scaled table (run
+        every cycle): a class's factor scales every cost of its cycles, so it divides their
+        rate."""
+        plain, drafting = self.calibration
+        rates = self.costs.rates(acceptance)
+        return [rates[0] / plain, *(r / drafting for r in rates[1:])]
+
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
 
@@ -494,8 +502,8 @@ class EngineAutoK:
         """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
         kind = decoding_kind(params)
         if kind not in self.kinds or refresh:
-            sampled = None if params.greedy else representative_sampler(self.engine, params)
-            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampled))
+            sampler = representative_sampler(self.engine, params)
+            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampler))
         return self.kinds[kind].costs
 
 
@@ -504,12 +512,14 @@ def decoding_kind(params: Any) -> str:
 
 
 def representative_sampler(engine: Any, params: Any) -> Any:
-    """Sampled cycles cost about the same whatever the exact settings; measure with the
-    checkpoint's own defaults (or the request's when those are greedy), without penalties."""
-    from dataclasses import replace
-
+    """The sampler ``params``' kind of decoding is timed with (``measure_costs``): None for
+    greedy decoding. Sampled cycles cost about the same whatever the exact settings; measure
+    with the checkpoint's own defaults (or the request's when those are greedy), without
+    penalties."""
     from sampling.params import resolve
 
+    if params.greedy:
+        return None
     defaults = resolve(engine.sampling_defaults)
     base = params if defaults.greedy else defaults
     return replace(
@@ -560,7 +570,7 @@ class RequestAutoK:
         if self.probe_cycles_left:
             self.probe_cycles_left -= 1
             return self.probe_k
-        rates = self.shared.calibrated_costs().rates(self.estimates())
+        rates = self.shared.rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
         margin = START_MARGIN if self.current == 0 else SWITCH_MARGIN
         if k != self.current and rates[k] < rates[self.current] * (1 + margin):

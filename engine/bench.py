@@ -224,8 +224,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # start-up measurement once timed a greedy plain step at 3.25 ms against 2.4 ms in the run
     # (K=3 and K=4 cycles alike), and the predictions came out 30-38% high.
     late_costs = {
-        name: measure_costs(engine, params=None if p.greedy else representative_sampler(engine, p))
-        for name, p in samplers.items()
+        name: measure_costs(engine, params=representative_sampler(engine, params))
+        for name, params in samplers.items()
         if name in sampler_costs
     }
     tables = {name: sampler_costs[name].lowest(late) for name, late in late_costs.items()}

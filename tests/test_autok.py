@@ -245,3 +245,23 @@ def test_lowest_keeps_each_entrys_lower_reading() -> None:
     assert (
         low.head_step == 0.9 and low.absorb == [1.0, 1.0] and low.absorb_far == 2.6
     )  # (0: not measured)
+
+
+def test_calibrated_rates_are_the_scaled_tables_rates() -> None:
+    """Auto K divides the table's rates by the class factors each cycle instead of building
+    the scaled table; both must give the same rates."""
+    costs = CostTable(
+        cycle=[1.0, 1.6, 2.2, 2.8, 3.4], trunk=[1.0] * 5, head_step=0.5, absorb=[0.4, 0.5, 0.6]
+    )
+    kind = AutoK(costs, calibration=[1.3, 0.8])
+    acceptance = [0.9, 0.7, 0.6, 0.5]
+    assert kind.rates(acceptance) == pytest.approx(kind.calibrated_costs().rates(acceptance))
+
+
+def test_the_head_catches_up_on_the_longest_plain_stretch_between_probes() -> None:
+    """engine.speculative cannot import engine.autok (the other way round), so MAX_CATCH_UP is
+    a literal: it must cover MAX_PROBE_INTERVAL plain cycles plus auto K's longest commit."""
+    from engine.autok import MAX_PROBE_INTERVAL
+    from engine.speculative import MAX_CATCH_UP
+
+    assert MAX_CATCH_UP >= MAX_PROBE_INTERVAL + MAX_AUTO_K + 1
