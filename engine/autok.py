@@ -44,6 +44,15 @@ MAX_AUTO_K = 4
 PRIOR_ACCEPTANCE = 0.6
 #: weight of the prior in pseudo-observations: a few hits outweigh it
 PRIOR_WEIGHT = 2.0
+#: ... for a request's estimates over its kind's long-run ones, when decoding samples. Greedy
+#: acceptance is a fact of the text (a repetition loop drafts perfectly, new text does not), so a
+#: request follows its own last few cycles; a sampled cycle's outcome is mostly the luck of the
+#: draw, and ten cycles of it are noise. With the 8-layer demo model sampled K=0..2 lie within
+#: 8% of each other, and at weight 2 that noise kept auto K switching: replayed on recorded
+#: acceptance (tests/test_autok_replay.py) sampled auto came to 0.945-0.99x of the best fixed K,
+#: at 32 (with a 3% start margin) to 0.996-0.999x. Greedy keeps 2: at 32 it fell to 0.957x on
+#: the 4-layer model's record, whose prompts switch between loops and new text
+SAMPLED_PRIOR_WEIGHT = 32.0
 #: per-cycle decay of a request's counts (~10-cycle memory): acceptance changes within a prompt
 #: on that scale — one bench prompt accepted 1-3 of 4 drafts in its first 12 cycles and 4 of 4
 #: from then on, and at 0.98 (~50 cycles) those first cycles kept it plain for 150 cycles where
@@ -80,8 +89,11 @@ UNSEEN_DECAY = 0.95
 #: a longer draft must beat the current choice by this much before auto K switches to it
 SWITCH_MARGIN = 0.03
 #: ... and drafting must beat plain decoding by this much before auto K starts: near break-even
-#: (sampling on a small CPU model) acceptance noise alone would otherwise start losing drafts
+#: acceptance noise alone would otherwise start losing drafts. Sampled requests lean on their
+#: kind's long-run estimates (SAMPLED_PRIOR_WEIGHT), which are steadier: a smaller margin (at 8%,
+#: sampled auto stayed plain where K=2 was 8% faster: 0.958x of it in the replay)
 START_MARGIN = 0.08
+SAMPLED_START_MARGIN = 0.03
 #: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts
 #: MAX_AUTO_K, which reveals every position it can. With 3, greedy auto stayed plain through a
 #: bench run (1.01 tokens per cycle where K=4 was 1.24x): a few early misses pinned the deep
@@ -400,14 +412,16 @@ class AcceptanceCounts:
     hits: list[float] = field(default_factory=lambda: [0.0] * MAX_AUTO_K)
     trials: list[float] = field(default_factory=lambda: [0.0] * MAX_AUTO_K)
 
-    def estimates(self, prior: list[float] | None = None) -> list[float]:
+    def estimates(
+        self, prior: list[float] | None = None, prior_weight: float = PRIOR_WEIGHT
+    ) -> list[float]:
         out: list[float] = []
         for i, (hits, trials) in enumerate(zip(self.hits, self.trials, strict=True)):
             if prior is not None:
                 p = prior[i]
             else:
                 p = out[-1] * UNSEEN_DECAY if out else PRIOR_ACCEPTANCE
-            out.append((hits + PRIOR_WEIGHT * p) / (trials + PRIOR_WEIGHT))
+            out.append((hits + prior_weight * p) / (trials + prior_weight))
         return out
 
     def decay(self, forget: float) -> None:
@@ -428,6 +442,8 @@ class AutoK:
     sampled cycles do more work and accept less — so an engine keeps one AutoK per kind."""
 
     costs: CostTable
+    #: "greedy" or "sampled" (``decoding_kind``): how much a request trusts its own evidence
+    kind: str = "greedy"
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     #: drafting cycles ever observed for this kind (never decays: exploration happens once)
     drafting_cycles_seen: int = 0
@@ -503,7 +519,7 @@ class EngineAutoK:
         kind = decoding_kind(params)
         if kind not in self.kinds or refresh:
             sampler = representative_sampler(self.engine, params)
-            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampler))
+            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampler), kind)
         return self.kinds[kind].costs
 
 
@@ -555,7 +571,11 @@ class RequestAutoK:
         to a fixed prior: that let one dry spell (the prior 0.6 says "do not draft" at these
         costs) keep a greedy request plain for good, every probe's hit fading before the next
         (a bench run's greedy auto: 5,966 plain cycles where K=4 was 1.22x faster)."""
-        return self.counts.estimates(prior=self.shared.counts.estimates())
+        sampled = self.shared.kind == "sampled"
+        return self.counts.estimates(
+            prior=self.shared.counts.estimates(),
+            prior_weight=SAMPLED_PRIOR_WEIGHT if sampled else PRIOR_WEIGHT,
+        )
 
     def choose(self, seq: Any) -> int:
         if self.shared.drafting_cycles_seen < EXPLORE_CYCLES:
@@ -572,7 +592,8 @@ class RequestAutoK:
             return self.probe_k
         rates = self.shared.rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
-        margin = START_MARGIN if self.current == 0 else SWITCH_MARGIN
+        start_margin = SAMPLED_START_MARGIN if self.shared.kind == "sampled" else START_MARGIN
+        margin = start_margin if self.current == 0 else SWITCH_MARGIN
         if k != self.current and rates[k] < rates[self.current] * (1 + margin):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k

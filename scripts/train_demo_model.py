@@ -60,7 +60,7 @@ HELDOUT_PERCENT = 5  # files / topics whose hash falls below this go to the held
 @dataclass
 class ModelShape:
     hidden_size: int = 256
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 8
     intermediate_size: int = 768
     num_attention_heads: int = 4
     num_key_value_heads: int = 2

@@ -16,9 +16,9 @@ Switching between plain and drafting cycles is priced as the engine runs it (a p
 after drafting is not launched ahead; a probe catches up on the plain positions), plus a
 penalty for cold caches in one test. The engine's auto K decides exactly as the replay does
 on the same table (the last test); what the replay cannot see is what those decisions cost in
-a real run beyond the table and how noisy the run's calibration is: in bench runs greedy auto
-came out 4-10% behind K=4 where this replay puts it level (docs/BENCHMARKS.md §3, "What a real
-run adds to the replay").
+a real run beyond the table and how noisy the run's calibration is: with the 4-layer demo model
+of sessions 1-5, greedy auto came out 1-10% behind K=4 in bench runs where this replay put it
+level (docs/BENCHMARKS.md §3, "What a real run adds to the replay").
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ from engine.speculative import MAX_CATCH_UP
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
+
+
+def kind(sampler: str) -> str:
+    return "greedy" if sampler == "greedy" else "sampled"
 
 
 def true_table(sampler: str) -> CostTable:
@@ -112,11 +116,11 @@ MISSTATED = {
 def test_auto_k_is_within_3_percent_of_the_best_fixed_k(sampler: str, table_error: str) -> None:
     fixed = {k: replay(sampler, k)[0] for k in range(len(true_table(sampler).cycle))}
     best = max(fixed, key=fixed.__getitem__)
-    kind = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]))
+    auto_k = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]), kind(sampler))
     slow = SLOW_SPELL if table_error == "slow spell" else range(0)
     fixed = {k: replay(sampler, k, slow_prompts=slow)[0] for k in fixed}
     best = max(fixed, key=fixed.__getitem__)
-    auto, histogram = replay(sampler, kind, noise=0.2, slow_prompts=slow)
+    auto, histogram = replay(sampler, auto_k, noise=0.2, slow_prompts=slow)
     assert auto >= 0.97 * fixed[best], (
         f"auto {auto / fixed[0]:.3f}x of plain, best fixed K={best} {fixed[best] / fixed[0]:.3f}x;"
         f" auto's K histogram {histogram}"
@@ -130,18 +134,21 @@ def test_auto_k_pays_for_its_switches(sampler: str) -> None:
     cycle ~1 ms over the table. Auto K must stay within 3% of the best fixed K with that too."""
     penalty = (2.0e-3, 1.0e-3)
     fixed = {k: replay(sampler, k, switch_penalty=penalty)[0] for k in range(5)}
-    auto, histogram = replay(sampler, AutoK(true_table(sampler)), 0.2, switch_penalty=penalty)
+    auto_k = AutoK(true_table(sampler), kind(sampler))
+    auto, histogram = replay(sampler, auto_k, 0.2, switch_penalty=penalty)
     assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
 
 
 def test_the_record_is_informative() -> None:
     """The replay means something only if the choice matters: greedy drafting beats plain
-    decoding, sampled drafting loses to it, and acceptance varies within prompts."""
+    decoding; sampled, a middle K beats both plain decoding and the longest draft by more than
+    the 3% auto K may lose (so neither "never draft" nor "always draft MAX_AUTO_K" passes the
+    tests above); and acceptance varies within prompts."""
     greedy = {k: replay("greedy", k)[0] for k in range(5)}
     sampled = {k: replay("preset:qwen", k)[0] for k in range(5)}
     assert max(greedy, key=greedy.__getitem__) > 0 and greedy[4] > 1.1 * greedy[0]
-    # every drafting K loses by more than the 3% auto K may lose: staying plain is the choice
-    assert max(sampled[k] for k in range(1, 5)) < 0.97 * sampled[0]
+    best = max(sampled, key=sampled.__getitem__)
+    assert 0 < best < 4 and sampled[best] > 1.03 * max(sampled[0], sampled[4])
     row = RECORD["samplers"]["greedy"][0]["accepted"]
     assert min(row) == 0 and max(row) == RECORD["draft_tokens"]
 
@@ -151,8 +158,8 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
     every K, so with the same cost table and the calibration frozen, auto K in the real decode
     loop must choose exactly the K the replay chooses, cycle for cycle — which holds only while
     the head's cache is fed as in steady drafting (the record's) after plain stretches too:
-    when a probe caught up on the latest 9 plain positions only, the engine ran 1,755 plain
-    cycles over the 24 prompts where the replay ran 1,917."""
+    when a probe caught up on the latest 9 plain positions only, the 4-layer model ran 1,755
+    plain cycles over the 24 prompts where the replay ran 1,917."""
     from engine.api import GenerationRequest
     from engine.autok import EngineAutoK
     from engine.bench import load_prompts
@@ -160,7 +167,7 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
     from sampling.params import SamplingParams
 
     monkeypatch.setattr(AutoK, "calibrate", lambda self, *args: None)
-    chosen = [0, 8, 9, 16]  # code, two prose prompts (plain stretches and probes), chat
+    chosen = [0, 17, 22, 21]  # code, then chats with plain stretches, probes and switches
     engine = Engine.load(str(ROOT / "models" / "qwen3.5-demo"), draft_tokens=0)
     engine.default_draft_tokens = None  # auto, with the table below instead of a measured one
     engine.autok = EngineAutoK(engine)
@@ -181,4 +188,4 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
         histogram = [a + b for a, b in zip(histogram, event.stats.k_histogram, strict=False)]
     _, replayed = replay("greedy", AutoK(true_table("greedy")), prompts=chosen)
     assert histogram == replayed
-    assert histogram[0] > 50 and sum(histogram[1:]) > 50  # both kinds of cycle ran
+    assert histogram[0] > 30 and sum(histogram[1:]) > 100  # both kinds of cycle ran
