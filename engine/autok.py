@@ -94,6 +94,22 @@ SWITCH_MARGIN = 0.03
 #: sampled auto stayed plain where K=2 was 8% faster: 0.958x of it in the replay)
 START_MARGIN = 0.08
 SAMPLED_START_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class KindPolicy:
+    """What differs between greedy and sampled decoding in auto K's choice: how much a request
+    trusts its own evidence over its kind's (``prior_weight``), and the margin by which drafting
+    must beat plain decoding before it starts."""
+
+    prior_weight: float
+    start_margin: float
+
+
+POLICIES = {
+    "greedy": KindPolicy(PRIOR_WEIGHT, START_MARGIN),
+    "sampled": KindPolicy(SAMPLED_PRIOR_WEIGHT, SAMPLED_START_MARGIN),
+}
 #: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts
 #: MAX_AUTO_K, which reveals every position it can. With 3, greedy auto stayed plain through a
 #: bench run (1.01 tokens per cycle where K=4 was 1.24x): a few early misses pinned the deep
@@ -442,8 +458,6 @@ class AutoK:
     sampled cycles do more work and accept less — so an engine keeps one AutoK per kind."""
 
     costs: CostTable
-    #: "greedy" or "sampled" (``decoding_kind``): how much a request trusts its own evidence
-    kind: str = "greedy"
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     #: drafting cycles ever observed for this kind (never decays: exploration happens once)
     drafting_cycles_seen: int = 0
@@ -457,6 +471,8 @@ class AutoK:
     #: PROBE_EVERY with every request cost sampled decoding ~5% (four failing probes in each
     #: 256-token request, each a catch-up and a K=1 cycle, ~3 ms over a plain step)
     probe_interval: int = PROBE_EVERY
+    #: what differs between greedy and sampled decoding: ``POLICIES[decoding_kind(params)]``
+    policy: KindPolicy = POLICIES["greedy"]
 
     def calibrate(self, k: int, committed_before: int, seconds: float) -> None:
         """Fold one timed cycle into the calibration of its class (plain or drafting).
@@ -519,7 +535,8 @@ class EngineAutoK:
         kind = decoding_kind(params)
         if kind not in self.kinds or refresh:
             sampler = representative_sampler(self.engine, params)
-            self.kinds[kind] = AutoK(load_or_measure(self.engine, refresh, params=sampler), kind)
+            costs = load_or_measure(self.engine, refresh, params=sampler)
+            self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
         return self.kinds[kind].costs
 
 
@@ -571,10 +588,8 @@ class RequestAutoK:
         to a fixed prior: that let one dry spell (the prior 0.6 says "do not draft" at these
         costs) keep a greedy request plain for good, every probe's hit fading before the next
         (a bench run's greedy auto: 5,966 plain cycles where K=4 was 1.22x faster)."""
-        sampled = self.shared.kind == "sampled"
         return self.counts.estimates(
-            prior=self.shared.counts.estimates(),
-            prior_weight=SAMPLED_PRIOR_WEIGHT if sampled else PRIOR_WEIGHT,
+            prior=self.shared.counts.estimates(), prior_weight=self.shared.policy.prior_weight
         )
 
     def choose(self, seq: Any) -> int:
@@ -592,8 +607,7 @@ class RequestAutoK:
             return self.probe_k
         rates = self.shared.rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
-        start_margin = SAMPLED_START_MARGIN if self.shared.kind == "sampled" else START_MARGIN
-        margin = start_margin if self.current == 0 else SWITCH_MARGIN
+        margin = self.shared.policy.start_margin if self.current == 0 else SWITCH_MARGIN
         if k != self.current and rates[k] < rates[self.current] * (1 + margin):
             k = self.current  # hysteresis: estimate noise alone must not flip K back and forth
         self.current = k

@@ -30,15 +30,15 @@ from pathlib import Path
 
 import pytest
 
-from engine.autok import AutoK, CostTable
+from engine.autok import POLICIES, AutoK, CostTable, KindPolicy
 from engine.speculative import MAX_CATCH_UP
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
 
 
-def kind(sampler: str) -> str:
-    return "greedy" if sampler == "greedy" else "sampled"
+def policy(sampler: str) -> KindPolicy:
+    return POLICIES["greedy" if sampler == "greedy" else "sampled"]
 
 
 def true_table(sampler: str) -> CostTable:
@@ -116,7 +116,7 @@ MISSTATED = {
 def test_auto_k_is_within_3_percent_of_the_best_fixed_k(sampler: str, table_error: str) -> None:
     fixed = {k: replay(sampler, k)[0] for k in range(len(true_table(sampler).cycle))}
     best = max(fixed, key=fixed.__getitem__)
-    auto_k = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]), kind(sampler))
+    auto_k = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]), policy=policy(sampler))
     slow = SLOW_SPELL if table_error == "slow spell" else range(0)
     fixed = {k: replay(sampler, k, slow_prompts=slow)[0] for k in fixed}
     best = max(fixed, key=fixed.__getitem__)
@@ -134,7 +134,7 @@ def test_auto_k_pays_for_its_switches(sampler: str) -> None:
     cycle ~1 ms over the table. Auto K must stay within 3% of the best fixed K with that too."""
     penalty = (2.0e-3, 1.0e-3)
     fixed = {k: replay(sampler, k, switch_penalty=penalty)[0] for k in range(5)}
-    auto_k = AutoK(true_table(sampler), kind(sampler))
+    auto_k = AutoK(true_table(sampler), policy=policy(sampler))
     auto, histogram = replay(sampler, auto_k, 0.2, switch_penalty=penalty)
     assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
 
