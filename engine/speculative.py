@@ -11,7 +11,7 @@ every stop:
   t = head_position .. len(tokens)-2, whose pairs the next draft step runs first. The head never
   holds a rejected position. After a stretch of plain cycles a drafting cycle's first step
   catches up on every pending position in one batch (of earlier pairs the head computes only
-  keys and values: 128 positions cost ~3 ms on the demo model, about a plain step), up to
+  keys and values: 136 positions cost ~2.8 ms on the demo model, about half a plain step), up to
   ``MAX_CATCH_UP``, the longest plain stretch between auto K's probes; beyond it the head skips
   the older positions. RoPE positions stay exact (the head is told the true position); skipped
   pairs are just missing from its attention. Drafts are proposals, so skipping can only change
