@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Train, export and check the embedded demo checkpoint ``models/qwen3.5-demo``.
 
-A ~7 M-parameter Qwen3.5-shaped text model (3 Gated DeltaNet layers + 1 gated full-attention
-layer) with Qwen's one-layer MTP head (shared/REFERENCE.md sections 1-2), trained jointly on
+A 9.9 M-parameter Qwen3.5-shaped text model (8 layers: 6 Gated DeltaNet + 2 gated full
+attention) with Qwen's one-layer MTP head (shared/REFERENCE.md sections 1-2), trained jointly on
 offline text only: the CPython standard library's sources (tests excluded), the reference prose in
 ``pydoc_data/topics.py`` and chat-formatted requests built from them (through
-``configs/chat_template.jinja``). Loss = next-token CE + 0.5 x head CE for x_{t+2}.
+``configs/chat_template.jinja``). Loss = next-token CE + 0.5 x head CE for x_{t+2}. A second,
+short stage (``finetune-head``) then trains the head alone, trunk frozen, to match the trunk's
+distribution at draft depths 1-4, as mtpserve drafts with it.
 
 Training runs in PyTorch on CPU (dev-only dependency: ``pip install torch``) with transformers'
 own Qwen3.5 classes for the trunk; the export is checked against mlx-lm, an independent
@@ -18,9 +20,10 @@ interruption and it continues from the last checkpoint under ``runs/``)::
     python scripts/train_demo_model.py all
 
 Steps (each can be run alone): ``prepare`` (corpus split, tokenizer, token streams,
-``configs/bench_prompts.jsonl``), ``train``, ``evaluate``, ``export``, ``verify`` (mlx-lm logits
-vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk acceptance simulation in
-torch) and ``engine-accept`` (the same bench prompts through ``mtpserve generate`` at K=1).
+``configs/bench_prompts.jsonl``), ``train``, ``finetune-head``, ``export``, ``evaluate``,
+``verify`` (mlx-lm logits vs torch), ``accept`` (free-running greedy / sampled draft-vs-trunk
+acceptance simulation in torch) and ``engine-accept`` (the same bench prompts through
+``mtpserve generate`` at K=1).
 """
 
 from __future__ import annotations
@@ -91,6 +94,22 @@ class TrainConfig:
     mtp_weight: float = 0.5
     ckpt_every: int = 100
     seed: int = SEED
+
+
+@dataclass
+class HeadTuneConfig:
+    """Second stage: the MTP head alone, trunk frozen, distilled from the trunk over unrolled
+    draft depths (``finetune-head``)."""
+
+    depths: int = 4  # mtpserve drafts up to 4 tokens (engine/autok.py MAX_AUTO_K)
+    steps: int = 600
+    batch_size: int = 4
+    seq_len: int = 512
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    grad_clip: float = 1.0
+    seed: int = SEED + 1  # another window order than the first stage
 
 
 # ------------------------------------------------------------------------------------------------
@@ -553,6 +572,69 @@ def losses(model, ids):
     return main, head, logits, mtp_logits
 
 
+class _ChainCache:
+    """KV store for one head layer across unrolled depths: each pass appends its keys/values."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def update(self, keys, values, layer_idx, **_):
+        import torch
+
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
+        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+
+def _chain_mask(length: int, depth: int):
+    """What a depth-``depth`` draft at origin t attends to, exactly as in the engine: the head's
+    committed entries (depth 1, from trunk states) at origins <= t, then its own chain's entries
+    at depths 2..depth (same origin). Shape [1, 1, length, depth * length], True = attend."""
+    import torch
+
+    t = torch.arange(length)
+    blocks = [t[None, :] <= t[:, None]] + [torch.eye(length, dtype=torch.bool)] * (depth - 1)
+    return torch.cat(blocks, dim=1)[None, None]
+
+
+def unrolled_head_logits(model, hidden, ids, depths: int):
+    """The head run as mtpserve drafts with it, teacher-forced, for every origin t < T - depths.
+
+    Depth 1 is the ordinary pair (h_t, x_{t+1}) at position t. Depth k > 1 feeds the head's own
+    post-norm output of depth k-1 with the token x_{t+k} at position t+k-1 (the engine feeds its
+    draft token there; when that draft is accepted it is the token the trunk emitted). Returns
+    a list of [B, L, V] logits, depth k predicting x_{t+k+1}; the trunk's distribution for that
+    token sits at trunk position t+k.
+    """
+    import torch
+
+    length = ids.shape[1] - depths
+    mtp, cache, state, logits = model.mtp, _ChainCache(), hidden[:, :length], []
+    for k in range(1, depths + 1):
+        e = mtp.pre_fc_norm_embedding(model.model.embed_tokens(ids[:, k : k + length]))
+        z = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(state)], dim=-1))
+        pe = model.model.rotary_emb(z, torch.arange(k - 1, k - 1 + length)[None])
+        z = mtp.layers[0](
+            z, position_embeddings=pe, attention_mask=_chain_mask(length, k), cache=cache
+        )
+        state = mtp.norm(z)
+        logits.append(model.lm_head(state))
+    return logits
+
+
+def depth_acceptance(head_logits, trunk_logits) -> list[tuple[float, float]]:
+    """Per draft depth, teacher-forced: (greedy agreement argmax q == argmax p, expected
+    sampled acceptance sum_x min(p, q) under Qwen's sampler)."""
+    length = head_logits[0].shape[1]
+    out = []
+    for k, q in enumerate(head_logits, start=1):
+        p = trunk_logits[:, k : k + length]
+        greedy = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
+        overlap = truncated_probs(q).minimum(truncated_probs(p)).sum(-1).mean().item()
+        out.append((greedy, overlap))
+    return out
+
+
 def special_ids(tok_dir: Path) -> dict[str, int]:
     vocab = json.loads((tok_dir / "tokenizer.json").read_text())
     return {t["content"]: t["id"] for t in vocab["added_tokens"]}
@@ -570,7 +652,7 @@ def window_order(n_windows: int, seed: int):
     return np.random.default_rng(seed).permutation(n_windows)
 
 
-def lr_at(step: int, tc: TrainConfig) -> float:
+def lr_at(step: int, tc: TrainConfig | HeadTuneConfig) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
     p = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
@@ -733,8 +815,109 @@ def train(args) -> None:
     print(json.dumps(summary, indent=2))
 
 
-def load_trained(exported: bool = False):
-    """The trained model (fp32). ``exported``: with the bf16-rounded weights actually shipped."""
+def finetune_head(args) -> None:
+    """Second stage: distil the trunk into the MTP head over unrolled draft depths.
+
+    Joint training teaches the head one step, from trunk states and data tokens. mtpserve drafts
+    K tokens by feeding the head its own output, and a draft is accepted when it matches the
+    trunk's choice (greedy) or by the overlap of the two distributions (sampled). So here the
+    trunk is frozen and the head learns, at every depth 1..4 (``unrolled_head_logits``), the
+    trunk's distribution: loss = sum over depths of KL(p_trunk || q_head). The trunk and so
+    every output of mtpserve are unchanged; only acceptance moves. EAGLE-3's training-time test
+    and Medusa-2's self-distillation are the published forms of both ideas.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    hc = HeadTuneConfig(steps=args.steps) if args.steps else HeadTuneConfig()
+    done = RUN_DIR / "head.pt"
+    if done.exists() and torch.load(done, weights_only=False)["config"] == asdict(hc):
+        print(f"{done} already made with these settings")
+        return
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(hc.seed)
+    model = load_trained(tuned_head=False)
+    model.requires_grad_(False)
+    model.mtp.requires_grad_(True)
+    params = list(model.mtp.parameters())
+    opt = torch.optim.AdamW(params, lr=hc.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    stream = load_stream("train")
+    n_windows = (stream.size - 1) // hc.seq_len
+    order = window_order(n_windows, hc.seed)
+
+    def stats(tag: str) -> list[tuple[float, float]]:
+        res = evaluate_depths(model, hc.depths)
+        print(f"{tag}: " + ", ".join(f"d{k} {g:.3f}/{o:.3f}" for k, (g, o) in enumerate(res, 1)))
+        return res
+
+    report = {"config": asdict(hc), "before": stats("held-out greedy/sampled before")}
+    t0 = time.time()
+    bar = tqdm(total=hc.steps, desc="finetune-head", dynamic_ncols=True)
+    with (RUN_DIR / "head_log.jsonl").open("w") as log:
+        for step in range(hc.steps):
+            idx = order[np.arange(step * hc.batch_size, (step + 1) * hc.batch_size) % n_windows]
+            batch = np.stack([stream[i * hc.seq_len : (i + 1) * hc.seq_len + 1] for i in idx])
+            ids = torch.from_numpy(batch.astype(np.int64))
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, hc)
+            with torch.no_grad():
+                hidden = model.trunk(ids)
+                target = F.log_softmax(model.lm_head(hidden).float(), dim=-1)
+            heads = unrolled_head_logits(model, hidden, ids, hc.depths)
+            length = heads[0].shape[1]
+            per_depth = [
+                F.kl_div(
+                    F.log_softmax(q.float(), dim=-1),
+                    target[:, k : k + length],
+                    log_target=True,
+                    reduction="none",
+                )
+                .sum(-1)
+                .mean()
+                for k, q in enumerate(heads, start=1)
+            ]
+            loss = sum(per_depth)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, hc.grad_clip)
+            opt.step()
+            kl = [round(x.item(), 4) for x in per_depth]
+            log.write(json.dumps({"step": step + 1, "kl": kl, "lr": lr_at(step, hc)}) + "\n")
+            bar.set_postfix(kl=",".join(f"{x:.2f}" for x in kl))
+            bar.update(1)
+    bar.close()
+    report["after"] = stats("held-out greedy/sampled after")
+    report["seconds"] = time.time() - t0
+    _save_atomic({"mtp": model.mtp.state_dict(), "config": asdict(hc)}, RUN_DIR / "head.pt")
+    (RUN_DIR / "head_summary.json").write_text(json.dumps(report, indent=2))
+
+
+def evaluate_depths(model, depths: int, n_windows: int = 16, seq_len: int = 512):
+    """``depth_acceptance`` averaged over held-out windows."""
+    import numpy as np
+    import torch
+
+    stream = load_stream("heldout")
+    n = min(n_windows, (stream.size - 1) // seq_len)
+    total = np.zeros((depths, 2))
+    batches = 0
+    with torch.no_grad():
+        for i in range(0, n, 4):
+            rows = range(i, min(n, i + 4))
+            batch = np.stack([stream[j * seq_len : (j + 1) * seq_len + 1] for j in rows])
+            ids = torch.from_numpy(batch.astype(np.int64))
+            hidden = model.trunk(ids)
+            heads = unrolled_head_logits(model, hidden, ids, depths)
+            total += np.array(depth_acceptance(heads, model.lm_head(hidden)))
+            batches += 1
+    return [tuple(float(x) for x in row) for row in total / batches]
+
+
+def load_trained(exported: bool = False, tuned_head: bool = True):
+    """The trained model (fp32). ``exported``: with the bf16-rounded weights actually shipped.
+    ``tuned_head``: with the head from ``finetune-head`` when that stage has run."""
     import torch
 
     ids_map = special_ids(RUN_DIR / "tokenizer")
@@ -753,6 +936,8 @@ def load_trained(exported: bool = False):
     else:
         ck = torch.load(RUN_DIR / "ckpt.pt", weights_only=False)
         model.load_state_dict(ck["model"])
+        if tuned_head and (RUN_DIR / "head.pt").exists():
+            model.mtp.load_state_dict(torch.load(RUN_DIR / "head.pt", weights_only=False)["mtp"])
     model.eval()
     return model
 
@@ -817,7 +1002,10 @@ def evaluate(args) -> None:
     torch.set_num_threads(args.threads)
     res = {"fp32_checkpoint": asdict(evaluate_model(load_trained()))}
     if (OUT_DIR / "model.safetensors").exists():
-        res["exported_bf16"] = asdict(evaluate_model(load_trained(exported=True)))
+        shipped = load_trained(exported=True)
+        res["exported_bf16"] = asdict(evaluate_model(shipped))
+        depths = evaluate_depths(shipped, HeadTuneConfig().depths)
+        res["exported_bf16_depths"] = [{"greedy": g, "sampled": o} for g, o in depths]
     (RUN_DIR / "eval.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
 
@@ -1249,6 +1437,7 @@ def main(argv=None) -> None:
         choices=[
             "prepare",
             "train",
+            "finetune-head",
             "evaluate",
             "export",
             "verify",
@@ -1289,6 +1478,7 @@ def main(argv=None) -> None:
     steps = {
         "prepare": prepare,
         "train": train,
+        "finetune-head": finetune_head,
         "evaluate": evaluate,
         "export": export,
         "verify": verify,
@@ -1298,7 +1488,7 @@ def main(argv=None) -> None:
     if args.step == "all":
         if not (RUN_DIR / "train.npy").exists():
             prepare(args)
-        for name in ("train", "export", "evaluate", "verify", "accept"):
+        for name in ("train", "finetune-head", "export", "evaluate", "verify", "accept"):
             steps[name](args)
         if (ROOT / "engine" / "runtime.py").exists():
             engine_accept(args)

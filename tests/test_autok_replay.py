@@ -8,7 +8,8 @@ machine. The replay drives the real ``AutoK``/``RequestAutoK``: a K-cycle at pos
 ``min(K, accepted[t])`` drafts and costs the table's seconds (with the head's catch-up over what
 the previous cycle committed). Auto K decides with a *misstated* table — plain or drafting
 cycles priced 15% off, as a start-up measurement on a loaded machine can be — while the true
-table prices what it chose and, with 20% noise, is what its calibration gets to see.
+table prices what it chose and, with 20% noise, is what its calibration gets to see. Every case
+also runs on a compute-bound variant of the table (``MACHINES``), where the best K is another.
 
 A bench run compares auto with fixed K too, but on a 2-core machine whose noise moves each
 configuration 5-15%; this is the exact version of the issue's "within 3% of the best fixed K".
@@ -41,9 +42,23 @@ def policy(sampler: str) -> KindPolicy:
     return POLICIES["greedy" if sampler == "greedy" else "sampled"]
 
 
-def true_table(sampler: str) -> CostTable:
+#: Seconds each verified position beyond the first adds to a trunk forward. "measured": the
+#: record's table as timed on this machine (verify cost grows slowly with T, so with the tuned
+#: head's acceptance K=4 is the best fixed K, greedy and sampled). "compute-bound": 1 ms more
+#: per position, a machine where compute per byte is scarce (REFERENCE §8: Apple GPUs, small
+#: CPUs); there a sampled K=2 is best and K=4 falls behind plain decoding.
+MACHINES = {"measured": 0.0, "compute-bound": 1e-3}
+
+
+def true_table(sampler: str, machine: str = "measured") -> CostTable:
     table = RECORD["costs"][sampler]
-    return CostTable(**{k: table[k] for k in ("cycle", "trunk", "head_step", "absorb")})
+    extra = MACHINES[machine]
+    return CostTable(
+        cycle=[c + k * extra for k, c in enumerate(table["cycle"])],
+        trunk=[t + i * extra for i, t in enumerate(table["trunk"])],
+        head_step=table["head_step"],
+        absorb=table["absorb"],
+    )
 
 
 def replay(
@@ -53,6 +68,7 @@ def replay(
     slow_prompts: range = range(0),
     switch_penalty: tuple[float, float] = (0.0, 0.0),
     prompts: list[int] | None = None,
+    machine: str = "measured",
 ) -> tuple[float, list[int]]:
     """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt (or
     those listed in ``prompts``, in that order), and its histogram of K. The ``slow_prompts``
@@ -66,10 +82,11 @@ def replay(
     """
     rng = random.Random(0)
     tokens = seconds = 0.0
-    histogram = [0] * len(true_table(sampler).cycle)
+    truth = true_table(sampler, machine)
+    histogram = [0] * len(truth.cycle)
     rows = RECORD["samplers"][sampler]
     for i, row in enumerate(rows if prompts is None else [rows[i] for i in prompts]):
-        table = true_table(sampler).scaled(1.5, 1.5) if i in slow_prompts else true_table(sampler)
+        table = truth.scaled(1.5, 1.5) if i in slow_prompts else truth
         accepted = row["accepted"]
         request = policy.for_request() if isinstance(policy, AutoK) else None
         position, pending, previous_k = 0, 1, 0
@@ -111,16 +128,21 @@ MISSTATED = {
 }
 
 
+@pytest.mark.parametrize("machine", list(MACHINES))
 @pytest.mark.parametrize("sampler", ["greedy", "preset:qwen"])
 @pytest.mark.parametrize("table_error", list(MISSTATED))
-def test_auto_k_is_within_3_percent_of_the_best_fixed_k(sampler: str, table_error: str) -> None:
-    fixed = {k: replay(sampler, k)[0] for k in range(len(true_table(sampler).cycle))}
-    best = max(fixed, key=fixed.__getitem__)
-    auto_k = AutoK(true_table(sampler).scaled(*MISSTATED[table_error]), policy=policy(sampler))
+def test_auto_k_is_within_3_percent_of_the_best_fixed_k(
+    sampler: str, table_error: str, machine: str
+) -> None:
+    truth = true_table(sampler, machine)
+    auto_k = AutoK(truth.scaled(*MISSTATED[table_error]), policy=policy(sampler))
     slow = SLOW_SPELL if table_error == "slow spell" else range(0)
-    fixed = {k: replay(sampler, k, slow_prompts=slow)[0] for k in fixed}
+    fixed = {
+        k: replay(sampler, k, slow_prompts=slow, machine=machine)[0]
+        for k in range(len(truth.cycle))
+    }
     best = max(fixed, key=fixed.__getitem__)
-    auto, histogram = replay(sampler, auto_k, noise=0.2, slow_prompts=slow)
+    auto, histogram = replay(sampler, auto_k, noise=0.2, slow_prompts=slow, machine=machine)
     assert auto >= 0.97 * fixed[best], (
         f"auto {auto / fixed[0]:.3f}x of plain, best fixed K={best} {fixed[best] / fixed[0]:.3f}x;"
         f" auto's K histogram {histogram}"
@@ -140,15 +162,17 @@ def test_auto_k_pays_for_its_switches(sampler: str) -> None:
 
 
 def test_the_record_is_informative() -> None:
-    """The replay means something only if the choice matters: greedy drafting beats plain
-    decoding; sampled, a middle K beats both plain decoding and the longest draft by more than
-    the 3% auto K may lose (so neither "never draft" nor "always draft MAX_AUTO_K" passes the
-    tests above); and acceptance varies within prompts."""
-    greedy = {k: replay("greedy", k)[0] for k in range(5)}
-    sampled = {k: replay("preset:qwen", k)[0] for k in range(5)}
-    assert max(greedy, key=greedy.__getitem__) > 0 and greedy[4] > 1.1 * greedy[0]
-    best = max(sampled, key=sampled.__getitem__)
-    assert 0 < best < 4 and sampled[best] > 1.03 * max(sampled[0], sampled[4])
+    """The replay means something only if the choice matters: neither trivial policy, "never
+    draft" (K=0) nor "always draft MAX_AUTO_K" (K=4), comes within the 3% auto K must keep of
+    the best fixed K on both machines of the test above, so neither would pass it; and
+    acceptance varies within prompts."""
+    behind = {0: [], 4: []}
+    for machine in MACHINES:
+        for sampler in ("greedy", "preset:qwen"):
+            fixed = {k: replay(sampler, k, machine=machine)[0] for k in range(5)}
+            for k in behind:
+                behind[k].append(fixed[k] / max(fixed.values()))
+    assert min(behind[0]) < 0.97 and min(behind[4]) < 0.97, behind
     row = RECORD["samplers"]["greedy"][0]["accepted"]
     assert min(row) == 0 and max(row) == RECORD["draft_tokens"]
 
@@ -167,11 +191,14 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
     from sampling.params import SamplingParams
 
     monkeypatch.setattr(AutoK, "calibrate", lambda self, *args: None)
-    chosen = [0, 17, 22, 21]  # code, then chats with plain stretches, probes and switches
+    # Priced as the compute-bound machine: there auto runs plain stretches on these prompts
+    # (with the measured table the tuned head hardly ever goes plain). Code, then prose and
+    # chats with plain stretches, probes and switches between several K.
+    chosen, machine = [0, 9, 16, 19], "compute-bound"
     engine = Engine.load(str(ROOT / "models" / "qwen3.5-demo"), draft_tokens=0)
     engine.default_draft_tokens = None  # auto, with the table below instead of a measured one
     engine.autok = EngineAutoK(engine)
-    engine.autok.kinds["greedy"] = AutoK(true_table("greedy"))
+    engine.autok.kinds["greedy"] = AutoK(true_table("greedy", machine))
     prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)
     histogram = [0] * 5
     for i in chosen:
@@ -186,6 +213,8 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
         for event in engine.generate(request):
             pass
         histogram = [a + b for a, b in zip(histogram, event.stats.k_histogram, strict=False)]
-    _, replayed = replay("greedy", AutoK(true_table("greedy")), prompts=chosen)
+    _, replayed = replay(
+        "greedy", AutoK(true_table("greedy", machine)), prompts=chosen, machine=machine
+    )
     assert histogram == replayed
     assert histogram[0] > 30 and sum(histogram[1:]) > 100  # both kinds of cycle ran
