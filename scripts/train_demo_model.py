@@ -1448,7 +1448,12 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--stdlib", default=str(DEFAULT_STDLIB), help="CPython 3.11 Lib/ folder")
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--steps", type=int, default=0, help="override the number of training steps")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="override the number of steps of `train` and `finetune-head`",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument(
         "--threads", type=int, default=2, help="torch threads (results do not depend on it)"
