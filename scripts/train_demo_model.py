@@ -646,6 +646,24 @@ def load_stream(part: str):
     return np.load(RUN_DIR / f"{part}.npy")
 
 
+def window_batch(stream, windows, seq_len: int):
+    """Windows number ``windows`` of a token stream, each ``seq_len + 1`` tokens (inputs plus
+    the last target), as an int64 tensor ``[len(windows), seq_len + 1]``."""
+    import numpy as np
+    import torch
+
+    batch = np.stack([stream[i * seq_len : (i + 1) * seq_len + 1] for i in windows])
+    return torch.from_numpy(batch.astype(np.int64))
+
+
+def heldout_batches(n_windows: int, seq_len: int, batch_size: int = 4):
+    """The first ``n_windows`` held-out windows (fewer if the split is shorter), in batches."""
+    stream = load_stream("heldout")
+    n = min(n_windows, (stream.size - 1) // seq_len)
+    for i in range(0, n, batch_size):
+        yield window_batch(stream, range(i, min(n, i + batch_size)), seq_len)
+
+
 def window_order(n_windows: int, seed: int):
     import numpy as np
 
@@ -699,7 +717,6 @@ def train(args) -> None:
     )
 
     stream = load_stream("train")
-    T = tc.seq_len + 1
     n_windows = (stream.size - 1) // tc.seq_len
     order = window_order(n_windows, tc.seed)
     need = tc.steps * tc.batch_size
@@ -741,8 +758,7 @@ def train(args) -> None:
             threads = next(n for n in options if n != current) if probe_left > 0 else current
             torch.set_num_threads(threads)
             idx = order[(np.arange(step * tc.batch_size, (step + 1) * tc.batch_size)) % n_windows]
-            batch = np.stack([stream[i * tc.seq_len : i * tc.seq_len + T] for i in idx])
-            ids = torch.from_numpy(batch.astype(np.int64))
+            ids = window_batch(stream, idx, tc.seq_len)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc)
             main, head, _, _ = losses(model, ids)
@@ -858,8 +874,7 @@ def finetune_head(args) -> None:
     with (RUN_DIR / "head_log.jsonl").open("w") as log:
         for step in range(hc.steps):
             idx = order[np.arange(step * hc.batch_size, (step + 1) * hc.batch_size) % n_windows]
-            batch = np.stack([stream[i * hc.seq_len : (i + 1) * hc.seq_len + 1] for i in idx])
-            ids = torch.from_numpy(batch.astype(np.int64))
+            ids = window_batch(stream, idx, hc.seq_len)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, hc)
             with torch.no_grad():
@@ -899,15 +914,10 @@ def evaluate_depths(model, depths: int, n_windows: int = 16, seq_len: int = 512)
     import numpy as np
     import torch
 
-    stream = load_stream("heldout")
-    n = min(n_windows, (stream.size - 1) // seq_len)
     total = np.zeros((depths, 2))
     batches = 0
     with torch.no_grad():
-        for i in range(0, n, 4):
-            rows = range(i, min(n, i + 4))
-            batch = np.stack([stream[j * seq_len : (j + 1) * seq_len + 1] for j in rows])
-            ids = torch.from_numpy(batch.astype(np.int64))
+        for ids in heldout_batches(n_windows, seq_len):
             hidden = model.trunk(ids)
             heads = unrolled_head_logits(model, hidden, ids, depths)
             total += np.array(depth_acceptance(heads, model.lm_head(hidden)))
@@ -953,11 +963,8 @@ class EvalResult:
 
 
 def evaluate_model(model, n_windows: int = 48, seq_len: int = 512) -> EvalResult:
-    import numpy as np
     import torch
 
-    stream = load_stream("heldout")
-    n = min(n_windows, (stream.size - 1) // seq_len)
     tot = {
         "main": 0.0,
         "head": 0.0,
@@ -968,11 +975,7 @@ def evaluate_model(model, n_windows: int = 48, seq_len: int = 512) -> EvalResult
         "n_head": 0,
     }
     with torch.no_grad():
-        for i in range(0, n, 4):
-            batch = np.stack(
-                [stream[j * seq_len : j * seq_len + seq_len + 1] for j in range(i, min(n, i + 4))]
-            )
-            ids = torch.from_numpy(batch.astype(np.int64))
+        for ids in heldout_batches(n_windows, seq_len):
             main, head, logits, mtp_logits = losses(model, ids)
             nm = ids[:, 1:].numel()
             nh = ids[:, 2:].numel()
