@@ -46,7 +46,7 @@ from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, trunk_hidden
 from sampling.acceptance import accept_drafts, accept_greedy
-from sampling.distribution import PenaltyHistory, greedy_tokens, sample, truncated_probs
+from sampling.distribution import PenaltyHistory, Truncated, greedy_tokens, sample, truncate
 from sampling.params import SamplingParams
 
 PREFILL_CHUNK = 512
@@ -217,7 +217,7 @@ def launch_cycle(
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
     #    last emitted token); later steps feed the head's own output and its draft token.
     draft_ids: list[mx.array] = []
-    draft_probs: list[mx.array] = []
+    draft_rows: list[Truncated] = []
     if k > 0:
         out, logits = _absorb_pending(trunk, head, seq, keep_last=False)
         state, step_logits = out[:, -1:], logits[0, -1:]
@@ -227,25 +227,27 @@ def launch_cycle(
             if params.greedy:
                 d = greedy_tokens(step_logits, params, history)
             else:
-                q = truncated_probs(step_logits, params, history)
+                q = truncate(step_logits, params, history)
                 d = sample(q, seq.next_key())
-                draft_probs.append(q)
+                draft_rows.append(q)
             draft_ids.append(d)
             if not profile:
                 mx.async_eval(d)  # start this step while the next one is built
             if seq.draft_confidence is not None and i + 1 < k:
                 # Confidence cut (llama.cpp's p-min): stop drafting once the head's top
                 # probability falls below the threshold. Costs one host sync per draft step.
-                top = q if not params.greedy else mx.softmax(step_logits.astype(mx.float32), -1)
+                top = (
+                    q.probs if not params.greedy else mx.softmax(step_logits.astype(mx.float32), -1)
+                )
                 if top.max().item() < seq.draft_confidence:
                     break
             if i + 1 < k:
                 state, step_logits = head(trunk, d[None], state, seq.head_cache, seq.head_position)
                 step_logits = step_logits[0]
     drafts = mx.concatenate(draft_ids) if draft_ids else mx.zeros((0,), dtype=mx.int32)
-    q_all = mx.concatenate(draft_probs) if draft_probs else None
+    q_all = Truncated.concatenate(draft_rows) if draft_rows else None
     if profile:
-        mx.eval(drafts, q_all) if q_all is not None else mx.eval(drafts)
+        mx.eval(drafts, q_all.probs) if q_all is not None else mx.eval(drafts)
     t1 = time.perf_counter()
 
     # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
@@ -264,7 +266,7 @@ def launch_cycle(
     if params.greedy:
         n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
     else:
-        p_all = truncated_probs(logits, params, history)
+        p_all = truncate(logits, params, history)
         n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
     mx.async_eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
     return LaunchedCycle(

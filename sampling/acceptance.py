@@ -1,7 +1,7 @@
 """Speculative acceptance (Leviathan et al. 2023; Chen et al. 2023), entirely on device.
 
 Given K draft tokens d_i drawn from the draft distributions q_i, and the K+1 target
-distributions p_1..p_{K+1} from one verify pass (all produced by ``truncated_probs``):
+distributions p_1..p_{K+1} from one verify pass (all produced by ``distribution.truncate``):
 
 * accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), scanning i = 1..K and stopping at the
   first rejection;
@@ -19,41 +19,77 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from sampling.distribution import sample
+from sampling.distribution import Truncated, inverse_cdf_draw, sample
 
 
 def accept_drafts(
     draft_ids: mx.array,
-    draft_probs: mx.array,
-    target_probs: mx.array,
+    draft: Truncated | None,
+    target: Truncated,
     key: mx.array,
 ) -> tuple[mx.array, mx.array]:
     """Run the acceptance rule.
 
     Args:
         draft_ids: ``[K]`` int, the proposed tokens (K may be 0).
-        draft_probs: ``[K, V]`` the q_i each draft was drawn from.
-        target_probs: ``[K+1, V]`` the p_i from the verify pass.
+        draft: the K rows q_i each draft was drawn from (None when K is 0).
+        target: the K+1 rows p_i from the verify pass, truncated by the same settings (so both
+            hold their top_k candidates, or both the whole vocabulary).
         key: a PRNG key; the uniforms and the final draw are split from it.
 
     Returns:
         ``(n_accepted, next_token)``: scalar int32 number of accepted drafts m (0..K) and the
         token emitted after them (residual draw at m < K, bonus draw from p_{K+1} at m == K).
     """
-    if draft_ids.shape[0] == 0:  # plain decoding: a draw from p_1
-        return mx.array(0, dtype=mx.int32), sample(target_probs, key)[0]
-    return _compiled_rule(draft_ids, draft_probs, target_probs, key)
+    if draft is None or draft_ids.shape[0] == 0:  # plain decoding: a draw from p_1
+        return mx.array(0, dtype=mx.int32), sample(target, key)[0]
+    if target.ids is None:
+        return _compiled_dense_rule(draft_ids, draft.probs, target.probs, key)
+    return _compiled_candidate_rule(
+        draft_ids, draft.probs, draft.ids, target.probs, target.ids, key
+    )
 
 
-def _rule(
-    draft_ids: mx.array, draft_probs: mx.array, target_probs: mx.array, key: mx.array
+def _dense_rule(
+    draft_ids: mx.array, q: mx.array, p: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
+    """The rule on rows over the whole vocabulary (column = token id)."""
     k = draft_ids.shape[0]
-    u_key, draw_key = mx.random.split(key)
-
     rows = mx.arange(k)
-    p_at_d = target_probs[rows, draft_ids]
-    q_at_d = draft_probs[rows, draft_ids]
+    n_accepted, chosen, draw_key = _accept(p[rows, draft_ids], q[rows, draft_ids], p, q, key)
+    return n_accepted, inverse_cdf_draw(chosen[None], draw_key)[0]
+
+
+def _candidate_rule(
+    draft_ids: mx.array,
+    q: mx.array,
+    q_ids: mx.array,
+    p: mx.array,
+    p_ids: mx.array,
+    key: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """The rule on top_k candidate rows: ``p[i, j]`` is p_i of token ``p_ids[i, j]``, and the
+    same for q. A token outside a row's candidates has probability 0 in it. The residual
+    max(p_i - q_i, 0) is 0 wherever p_i is, so it lives on p_i's candidates: q_i is looked up
+    there (``q_on_p``, a k x k comparison per row)."""
+    k = draft_ids.shape[0]
+    drafted = draft_ids[:, None]
+    p_at_d = (p[:k] * (p_ids[:k] == drafted)).sum(axis=-1)
+    q_at_d = (q * (q_ids == drafted)).sum(axis=-1)
+    q_on_p = ((p_ids[:k, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(axis=-1)
+    n_accepted, chosen, draw_key = _accept(p_at_d, q_at_d, p, q_on_p, key)
+    index = inverse_cdf_draw(chosen[None], draw_key)[0]
+    return n_accepted, p_ids[n_accepted][index]
+
+
+def _accept(
+    p_at_d: mx.array, q_at_d: mx.array, p: mx.array, q_on_p: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The scan and the row to draw from, on p's columns: ``p`` ``[K+1, W]``, ``q_on_p``
+    ``[K, W]`` (q_i at p_i's columns), ``p_at_d``/``q_at_d`` ``[K]`` (p_i and q_i of d_i).
+    Returns (m, the residual row m — or p_{K+1} when m == K —, the key for the draw)."""
+    k = p_at_d.shape[0]
+    u_key, draw_key = mx.random.split(key)
     # accept iff u < p/q (strict): a zero-probability target is never accepted, a ratio >= 1
     # always is. u * q < p avoids dividing by q.
     u = mx.random.uniform(shape=(k,), key=u_key)
@@ -61,19 +97,18 @@ def _rule(
     n_accepted = mx.cumprod(accepted.astype(mx.int32)).sum().astype(mx.int32)
 
     # Residual rows for every position (cheap: K rows); row K is p_{K+1} itself (bonus).
-    residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)
+    residual = mx.maximum(p[:k] - q_on_p, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
     # mass == 0 only when p_i == q_i, in which case d_i is accepted with probability 1 and the
     # residual row is never used; fall back to p_i to keep the row a valid distribution.
-    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), target_probs[:k])
-    candidates = mx.concatenate([residual, target_probs[k:]], axis=0)
-    chosen = candidates[n_accepted]
-    next_token = sample(chosen[None], draw_key)[0]
-    return n_accepted, next_token
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
+    candidates = mx.concatenate([residual, p[k:]], axis=0)
+    return n_accepted, candidates[n_accepted], draw_key
 
 
 #: Compiled once per K (shapes): ~25 small ops that cost more dispatched one by one on CPUs.
-_compiled_rule = mx.compile(_rule)
+_compiled_dense_rule = mx.compile(_dense_rule)
+_compiled_candidate_rule = mx.compile(_candidate_rule)
 
 
 def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:

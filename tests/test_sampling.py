@@ -19,11 +19,20 @@ import numpy as np
 import pytest
 from checkpoints import VARIANTS
 from reference_head import ReferenceHead
+from scipy.stats import chi2 as chi2_dist
 from scipy.stats import chi2_contingency
 
 from engine.api import GenerationRequest
 from sampling.acceptance import accept_drafts
-from sampling.distribution import PenaltyHistory, sample, truncated_probs
+from sampling.distribution import (
+    TOP_K_BLOCK,
+    PenaltyHistory,
+    Truncated,
+    sample,
+    top_k_ids,
+    truncate,
+    truncated_probs,
+)
 from sampling.params import (
     SamplingOverrides,
     SamplingParamError,
@@ -137,9 +146,11 @@ def test_defaults_resolve_checkpoint_then_preset_then_request(tiny_checkpoint: P
     assert resolve(checkpoint, preset("non-thinking")).presence_penalty == 1.5
 
 
-def test_sample_draws_each_row_from_its_probabilities() -> None:
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_sample_draws_each_row_from_its_probabilities(with_ids: bool) -> None:
     """The inverse-CDF draw: frequencies match each row (chi-square), zero-probability tokens
-    (inside the row and at its end) are never drawn, unnormalised rows are normalised."""
+    (inside the row and at its end) are never drawn, unnormalised rows are normalised; with
+    candidate ids, column j stands for token ids[j]."""
     rows = np.array(
         [
             [0.1, 0.0, 0.4, 0.2, 0.3, 0.0, 0.0],
@@ -148,24 +159,78 @@ def test_sample_draws_each_row_from_its_probabilities() -> None:
         ],
         dtype=np.float32,
     )
+    ids = np.array([[40, 7, 12, 3, 99, 5, 6], [1, 2, 3, 4, 5, 6, 0], [9, 8, 7, 6, 5, 4, 3]])
     n = 20000
     keys = mx.random.split(mx.random.key(5), n)
-    probs = mx.array(rows)
-    draws = np.array(mx.stack([sample(probs, keys[i]) for i in range(n)]).tolist())
+    truncated = Truncated(mx.array(rows), mx.array(ids, dtype=mx.int32) if with_ids else None)
+    draws = np.array(mx.stack([sample(truncated, keys[i]) for i in range(n)]).tolist())
     for r, row in enumerate(rows):
-        counts = np.bincount(draws[:, r], minlength=row.size)
+        tokens = ids[r] if with_ids else np.arange(row.size)
+        counts = np.array([(draws[:, r] == t).sum() for t in tokens])
+        assert counts.sum() == n  # every draw is one of the row's tokens
         assert counts[row == 0].sum() == 0
         expected = row[row > 0] / row.sum() * n
         chi2 = ((counts[row > 0] - expected) ** 2 / expected).sum()
         assert chi2 < 20.5  # at most 4 degrees of freedom, alpha 0.001
 
 
-def test_acceptance_rule_reproduces_target_distribution() -> None:
-    """Unit check of accept_drafts: emitted first token ~ p_1 whatever q is."""
+def test_top_k_ids_are_the_k_largest() -> None:
+    """The two-stage (blocked) top-k selects the k largest logits of every row: on random rows,
+    on rows with half the vocabulary at -inf (a draft vocabulary), with many ties (the kept
+    values are the k largest as a multiset), and on a vocabulary that is not a multiple of the
+    block (the one-stage fallback)."""
+    rng = np.random.default_rng(4)
+    vocab = 64 * TOP_K_BLOCK
+    random_rows = rng.standard_normal((5, vocab)).astype(np.float32)
+    masked = random_rows.copy()
+    masked[:, rng.permutation(vocab)[: vocab // 2]] = -np.inf
+    ties = rng.integers(0, 50, (5, vocab)).astype(np.float32)
+    odd = rng.standard_normal((3, vocab + 5)).astype(np.float32)
+    for rows in (random_rows, masked, ties, odd):
+        for k in (1, 20, 32):
+            got = np.array(top_k_ids(mx.array(rows), k))
+            assert got.dtype == np.int32 and got.shape == (rows.shape[0], k)
+            for row, ids in zip(rows, got, strict=True):
+                assert len(set(ids.tolist())) == k
+                np.testing.assert_array_equal(np.sort(row[ids]), np.sort(row)[-k:])
+
+
+def test_candidate_rows_match_the_whole_vocabulary() -> None:
+    """With top_k, ``truncate`` keeps the k candidates (ids and probabilities); spread over the
+    vocabulary they are the rows of the reference truncation, and without top_k the rows are
+    the whole vocabulary (ids None)."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 64 * TOP_K_BLOCK)).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.8)
+    rows = truncate(mx.array(logits), params)
+    assert rows.ids is not None and rows.ids.shape == (3, 20)
+    dense = np.array(rows.dense(logits.shape[1]))
+    for r in range(3):
+        np.testing.assert_allclose(dense[r], reference_probs(logits[r], params), atol=2e-5)
+    assert truncate(mx.array(logits), SamplingParams(temperature=0.9, top_p=0.8)).ids is None
+
+
+@pytest.mark.parametrize("candidates", [False, True])
+def test_acceptance_rule_reproduces_target_distribution(candidates: bool) -> None:
+    """Unit check of accept_drafts: emitted first token ~ p_1 whatever q is, and a draft is
+    accepted with probability sum_y min(p_1(y), q_1(y)). With candidate rows, p and q hold
+    different, partly overlapping token sets (in different orders): a residual or an acceptance
+    that read the wrong column would show."""
     rng = np.random.default_rng(3)
-    v = 6
-    p = rng.dirichlet(np.ones(v), size=2).astype(np.float32)
-    q = rng.dirichlet(np.ones(v), size=1).astype(np.float32)
+    v, width = 10, 6
+    if candidates:
+        p_ids = np.array([[5, 0, 3, 1, 2, 4], [9, 8, 7, 6, 5, 4]])
+        q_ids = np.array([[8, 3, 6, 4, 7, 5]])
+    else:
+        p_ids, q_ids = np.tile(np.arange(v), (2, 1)), np.arange(v)[None]
+    p_rows = rng.dirichlet(np.ones(p_ids.shape[1]), size=2).astype(np.float32)
+    q_rows = rng.dirichlet(np.ones(q_ids.shape[1]), size=1).astype(np.float32)
+    p, q = np.zeros((2, v), np.float32), np.zeros((1, v), np.float32)
+    np.put_along_axis(p, p_ids, p_rows, axis=1)
+    np.put_along_axis(q, q_ids, q_rows, axis=1)
+    assert not candidates or (p_ids.shape[1], q_ids.shape[1]) == (width, width)
+    target = Truncated(mx.array(p_rows), mx.array(p_ids, dtype=mx.int32) if candidates else None)
+    draft = Truncated(mx.array(q_rows), mx.array(q_ids, dtype=mx.int32) if candidates else None)
     n = 20000
     keys = mx.random.split(mx.random.key(0), n)
     draft_keys = mx.random.split(mx.random.key(1), n)
@@ -173,16 +238,19 @@ def test_acceptance_rule_reproduces_target_distribution() -> None:
     counts = np.zeros(v)
     accepted = 0
     for i in range(n):
-        d = drafts[i : i + 1]
-        m, nxt = accept_drafts(d, mx.array(q), mx.array(p), keys[i])
+        d = drafts[i : i + 1].astype(mx.int32)
+        m, nxt = accept_drafts(d, draft, target, keys[i])
         m = m.item()
         first = d.item() if m >= 1 else nxt.item()
         counts[first] += 1
         accepted += m
-    expected = p[0] * n
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    assert chi2 < 20.5  # chi2(5) at alpha 0.001
+    assert counts[p[0] == 0].sum() == 0
+    support = p[0] > 0
+    expected = p[0][support] * n
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+    assert chi2 < chi2_dist.ppf(1 - ALPHA, support.sum() - 1)
     theory = np.minimum(p[0], q[0]).sum()
+    assert 0.1 < theory < 0.9
     assert abs(accepted / n - theory) < 4 * np.sqrt(theory * (1 - theory) / n)
 
 
