@@ -46,7 +46,13 @@ from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, trunk_hidden
 from sampling.acceptance import accept_drafts, accept_greedy
-from sampling.distribution import PenaltyHistory, Truncated, greedy_tokens, sample, truncate
+from sampling.distribution import (
+    PenaltyHistory,
+    Truncated,
+    greedy_tokens,
+    truncate,
+    truncate_and_sample,
+)
 from sampling.params import SamplingParams
 
 PREFILL_CHUNK = 512
@@ -227,8 +233,7 @@ def launch_cycle(
             if params.greedy:
                 d = greedy_tokens(step_logits, params, history)
             else:
-                q = truncate(step_logits, params, history)
-                d = sample(q, seq.next_key())
+                q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
                 draft_rows.append(q)
             draft_ids.append(d)
             if not profile:
@@ -265,6 +270,9 @@ def launch_cycle(
     # 3. Accept (on device); read_cycle syncs once.
     if params.greedy:
         n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
+    elif not draft_ids:  # plain decoding: a draw from p_1, truncation and draw in one call
+        n_acc = mx.array(0, dtype=mx.int32)
+        next_token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]
     else:
         p_all = truncate(logits, params, history)
         n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
