@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -109,3 +111,35 @@ def test_prediction_uses_conditional_per_position_acceptance() -> None:
     rates = conditional_acceptance(stats)
     assert rates == [0.8, 0.5]
     assert expected_tokens(rates, 2) == 1 + 0.8 + 0.4  # = 1 + (8 + 4) / 10 tokens per cycle
+
+
+def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
+    """Auto ran 10 cycles at K=3 and 2 at K=4; priced at the fixed rows' average cycles (10 ms
+    for 3 tokens, 12 ms for 3.4) that is 36.8 tokens in 124 ms, against the best fixed K's
+    (K=3's) 300 tok/s. A K auto used without a fixed row leaves nothing to price with."""
+    from engine.api import GenerationStats
+    from engine.bench import Row, price_auto_choices
+
+    def row(config: str, cycles: int, seconds: float, tokens: int, hist: dict[int, int]) -> Row:
+        histogram = [hist.get(k, 0) for k in range(9)]
+        stats = GenerationStats(
+            completion_tokens=tokens,
+            generation_seconds=seconds,
+            cycles=cycles,
+            k_histogram=histogram,
+        )
+        return Row("s", config, stats)
+
+    rows = {
+        ("s", "K=3"): row("K=3", 100, 1.0, 300, {3: 100}),
+        ("s", "K=4"): row("K=4", 100, 1.2, 340, {4: 100}),
+        ("s", "auto"): row("auto", 12, 0.2, 40, {3: 10, 4: 2}),
+    }
+    priced = price_auto_choices(rows, "s")
+    assert priced is not None
+    assert priced["tps"] == pytest.approx(36.8 / 0.124)
+    assert priced["best_fixed"] == "K=3"
+    assert priced["of_best_fixed"] == pytest.approx(36.8 / 0.124 / 300)
+    assert priced["measured_of_best_fixed"] == pytest.approx(200 / 300)
+    rows[("s", "auto")] = row("auto", 12, 0.2, 40, {2: 1, 3: 9, 4: 2})
+    assert price_auto_choices(rows, "s") is None
