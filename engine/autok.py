@@ -18,7 +18,7 @@ the estimates favour) every ``PROBE_EVERY`` plain cycles, backing off, keeps the
 alive so speculation resumes when the text gets predictable again; while drafting, a draft one
 token longer every ``DEEPER_PROBE_EVERY`` cycles does the same for the next position. The
 start-up table is calibrated in the run with the decode loop's own cycle times, one factor for
-plain and one for drafting cycles (``AutoK.calibrate``).
+plain and one for drafting cycles, and a slow factor per drafting K on top (``AutoK.calibrate``).
 """
 
 from __future__ import annotations
@@ -133,6 +133,15 @@ CALIBRATION_CLIP = 2.0
 #: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
 CALIBRATION_STALE = 256
 CALIBRATION_MAX_WEIGHT = 0.5
+#: weight of one timed cycle in a drafting K's own factor relative to the drafting class
+#: (``AutoK.tilt``): ~256 cycles of that K. Slow, so that the class factor takes a change of the
+#: machine's speed and the tilts only what stays: the start-up table's error between one
+#: drafting K and another (in-run over table seconds ranged 1.05-1.11 across K=1..4 in one bench
+#: run). Replayed with one drafting K mispriced by 5% (and the replay's 20% timing noise, over 4
+#: noise seeds), auto's worst case went from 0.952-0.977x of the best fixed K to 0.975-0.983x
+#: and its mean from 0.995-0.996x to 0.997-0.998x; at 1/128 a 15%-dear drafting table cost
+#: 4.5% on the compute-bound table (noise taken for tilt)
+TILT_WEIGHT = 1 / 256
 CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtpserve"))
 
 
@@ -468,6 +477,8 @@ class AutoK:
     #: in-run cost calibration: measured / table seconds, smoothed, for plain cycles and for
     #: drafting cycles (``calibrate``)
     calibration: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    #: each drafting K's factor relative to the drafting class (index K; ``calibrate``)
+    tilt: list[float] = field(default_factory=lambda: [1.0] * (MAX_AUTO_K + 1))
     #: timed cycles so far, and the count at each class's latest one
     timed_cycles: int = 0
     last_timed: list[int] = field(default_factory=lambda: [0, 0])
@@ -486,7 +497,8 @@ class AutoK:
         ms — pipelined plain cycles use both cores and suffer more from another process than
         drafting cycles, which wait on one). Auto K then stayed plain where K=4 was 1.24x
         faster. Within a class, costs move together, so one factor per class keeps the table's
-        K-to-K ratios.
+        K-to-K ratios — up to the table's own errors between drafting K's, which each drafting
+        K's ``tilt`` learns slowly (``TILT_WEIGHT``) from its own timings.
 
         A class that is not running is re-timed when it runs again — drafting at least by
         every probe's second cycle — and a new timing counts the more the staler the old factor
@@ -506,18 +518,32 @@ class AutoK:
         stale = (self.timed_cycles - self.last_timed[timed]) / CALIBRATION_STALE
         self.last_timed[timed] = self.timed_cycles
         weight = min(CALIBRATION_MAX_WEIGHT, max(CALIBRATION_WEIGHT, stale))
-        self.calibration[timed] += weight * (ratio - self.calibration[timed])
+        if not timed or k >= len(self.tilt):
+            self.calibration[timed] += weight * (ratio - self.calibration[timed])
+            return
+        # Drafting: the class factor learns the timing with this K's tilt taken out, the tilt
+        # (slowly) what the class factor leaves. A K that runs learns its own price; one that
+        # never runs keeps the table's price relative to the others.
+        self.calibration[1] += weight * (ratio / self.tilt[k] - self.calibration[1])
+        self.tilt[k] += TILT_WEIGHT * (ratio / self.calibration[1] - self.tilt[k])
 
     def calibrated_costs(self) -> CostTable:
+        """The table scaled by the class factors (the tilts apply per K, in ``rates``)."""
         return self.costs.scaled(*self.calibration)
 
     def rates(self, acceptance: list[float]) -> list[float]:
-        """``calibrated_costs().rates(acceptance)`` without building the scaled table (run
-        every cycle): a class's factor scales every cost of its cycles, so it divides their
-        rate."""
+        """``calibrated_costs().rates(acceptance)``, each drafting K's divided by its tilt,
+        without building the scaled table (run every cycle): a factor scales every cost of its
+        cycles, so it divides their rate."""
         plain, drafting = self.calibration
         rates = self.costs.rates(acceptance)
-        return [rates[0] / plain, *(r / drafting for r in rates[1:])]
+        return [
+            rates[0] / plain,
+            *(
+                r / (drafting * self.tilt[min(k, len(self.tilt) - 1)])
+                for k, r in enumerate(rates[1:], 1)
+            ),
+        ]
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
@@ -639,11 +665,11 @@ class RequestAutoK:
     def observe(self, k: int, n_accepted: int) -> None:
         """Update a_i for every position whose outcome the cycle revealed.
 
-        Costs are calibrated separately (``observe_seconds``), per class of cycle and never
-        per K: only the K in use can be re-timed in a run, and when each K was re-timed on its
-        own, a K=0 step that wandered by +-15% within minutes (3.3 -> 4.0 -> 3.4 ms) against
-        the other K's start-up figures made K follow the noise (the sampled bench row fell to
-        0.94x of plain decoding).
+        Costs are calibrated separately (``observe_seconds``), per class of cycle, and per K
+        only slowly (``AutoK.tilt``): only the K in use can be re-timed in a run, and when each
+        K was re-timed on its own at the class's pace, a K=0 step that wandered by +-15% within
+        minutes (3.3 -> 4.0 -> 3.4 ms) against the other K's start-up figures made K follow
+        the noise (the sampled bench row fell to 0.94x of plain decoding).
         """
         if k > 0 and self.plain_run:
             # What was seen before the plain stretch ages as if the stretch had drafted (see

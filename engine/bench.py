@@ -218,9 +218,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     # What auto K's in-run calibration made of the start-up table (engine.autok.AutoK.calibrate)
     calibration = {
-        name: list(engine.autok.kinds[decoding_kind(params)].calibration)
+        name: {
+            "plain": kind.calibration[0],
+            "drafting": kind.calibration[1],
+            "tilt": kind.tilt[1:],
+        }
         for name, params in samplers.items()
-        if engine.has_head
+        if engine.has_head and (kind := engine.autok.kinds[decoding_kind(params)])
     }
 
     # The cost tables once more, now that every configuration has run, and the prediction from
@@ -451,10 +455,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "
         f"for a draft vocabulary of {result['draft_vocab_size']}); BLAS: {result['blas']}"
     )
-    for name, (plain, drafting) in result.get("auto_calibration", {}).items():
+    for name, factors in result.get("auto_calibration", {}).items():
+        tilts = "/".join(f"{t:.2f}" for t in factors["tilt"])
         lines.append(
-            f"auto K's in-run calibration ({name}): plain cycles x{plain:.2f}, drafting cycles "
-            f"x{drafting:.2f} the start-up table"
+            f"auto K's in-run calibration ({name}): plain cycles x{factors['plain']:.2f}, "
+            f"drafting cycles x{factors['drafting']:.2f} the start-up table "
+            f"(times x{tilts} for K=1..{len(factors['tilt'])})"
         )
     for name, priced in result.get("auto_priced", {}).items():
         lines.append(

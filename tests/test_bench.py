@@ -71,6 +71,10 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
     assert memory["trunk_only"]["head_bytes"] == 0 and memory["with_head"]["head_bytes"] > 0
     assert memory["with_head"]["generate_peak"] > memory["trunk_only"]["generate_peak"]
     assert "peak memory (fresh processes" in table
+    for sampler in ("greedy", "preset:qwen"):
+        factors = result["auto_calibration"][sampler]
+        assert factors["plain"] > 0 and factors["drafting"] > 0 and len(factors["tilt"]) == 4
+        assert f"auto K's in-run calibration ({sampler})" in table
 
 
 def _env() -> dict[str, str]:
