@@ -456,7 +456,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"for a draft vocabulary of {result['draft_vocab_size']}); BLAS: {result['blas']}"
     )
     for name, factors in result.get("auto_calibration", {}).items():
-        tilts = "/".join(f"{t:.2f}" for t in factors["tilt"])
+        tilts = "/".join(f"{t:.3f}" for t in factors["tilt"])
         lines.append(
             f"auto K's in-run calibration ({name}): plain cycles x{factors['plain']:.2f}, "
             f"drafting cycles x{factors['drafting']:.2f} the start-up table "
