@@ -7,7 +7,8 @@ the model accepts at every position, and the start-up cost tables of a bench run
 machine. The replay drives the real ``AutoK``/``RequestAutoK``: a K-cycle at position t accepts
 ``min(K, accepted[t])`` drafts and costs the table's seconds (with the head's catch-up over what
 the previous cycle committed). Auto K decides with a *misstated* table — plain or drafting
-cycles priced 15% off, as a start-up measurement on a loaded machine can be — while the true
+cycles priced 15% off, as a start-up measurement on a loaded machine can be, or one drafting K
+5% off against the others — while the true
 table prices what it chose and, with 20% noise, is what its calibration gets to see. Every case
 also runs on a compute-bound variant of the table (``MACHINES``), where the best K is another.
 
