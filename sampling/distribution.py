@@ -111,10 +111,10 @@ def greedy_tokens(
 @dataclass(frozen=True)
 class Truncated:
     """Rows of truncated, renormalised distributions: ``probs[t, j]`` is the probability of
-    token ``ids[t, j]``. With top_k set (< vocabulary) a row
-    holds its k candidates only, every other token having probability 0 — so drafting, the
-    acceptance rule and the draws work on k entries instead of the vocabulary; without top_k
-    ``ids`` is None and column j is token j (``probs`` is ``[T, V]``)."""
+    token ``ids[t, j]``. With top_k set (< vocabulary) a row holds its k candidates only, every
+    other token having probability 0 — so drafting, the acceptance rule and the draws work on k
+    entries instead of the vocabulary; without top_k ``ids`` is None and column j is token j
+    (``probs`` is ``[T, V]``)."""
 
     probs: mx.array
     ids: mx.array | None
@@ -196,9 +196,7 @@ def _compiled_truncation(
 
     def truncate_and_draw(logits: mx.array, key: mx.array) -> tuple[mx.array, ...]:
         probs, *ids = _truncate(logits, **settings)
-        index = inverse_cdf_draw(probs, key)
-        token = mx.take_along_axis(ids[0], index[:, None], axis=-1)[:, 0] if ids else index
-        return (probs, *ids, token)
+        return (probs, *ids, _draw_token(probs, ids[0] if ids else None, key))
 
     return mx.compile(truncate_and_draw)
 
@@ -292,9 +290,10 @@ def inverse_cdf_draw(probs: mx.array, key: mx.array) -> mx.array:
     return mx.minimum(index, last).astype(mx.int32)
 
 
-def _draw_token(probs: mx.array, ids: mx.array, key: mx.array) -> mx.array:
+def _draw_token(probs: mx.array, ids: mx.array | None, key: mx.array) -> mx.array:
+    """A draw from rows as ``Truncated`` holds them: the drawn column's token id."""
     index = inverse_cdf_draw(probs, key)
-    return mx.take_along_axis(ids, index[:, None], axis=-1)[:, 0]
+    return index if ids is None else mx.take_along_axis(ids, index[:, None], axis=-1)[:, 0]
 
 
 _compiled_draw = mx.compile(inverse_cdf_draw)
