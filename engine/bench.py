@@ -217,15 +217,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         bar.update()
 
     # What auto K's in-run calibration made of the start-up table (engine.autok.AutoK.calibrate)
-    calibration = {
-        name: {
+    calibration = {}
+    for name, params in samplers.items() if engine.has_head else ():
+        kind = engine.autok.kinds[decoding_kind(params)]
+        calibration[name] = {
             "plain": kind.calibration[0],
             "drafting": kind.calibration[1],
             "tilt": kind.tilt[1:],
         }
-        for name, params in samplers.items()
-        if engine.has_head and (kind := engine.autok.kinds[decoding_kind(params)])
-    }
 
     # The cost tables once more, now that every configuration has run, and the prediction from
     # each entry's lower reading: on this shared 2-core machine a slow moment during the
@@ -341,9 +340,9 @@ def price_auto_choices(rows: dict[tuple[str, str], Row], sampler: str) -> dict[s
         return None
     seconds = tokens = 0.0
     for k, n in enumerate(auto.totals.k_histogram):
-        fixed = rows.get((sampler, f"K={k}"))
         if not n:
             continue
+        fixed = rows.get((sampler, f"K={k}"))
         if fixed is None or not fixed.totals.cycles:
             return None
         seconds += n * fixed.totals.generation_seconds / fixed.totals.cycles

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from sampling.distribution import Truncated, inverse_cdf_draw, sample
+from sampling.distribution import Truncated, draw_tokens, sample
 
 
 def accept_drafts(
@@ -57,7 +57,7 @@ def _dense_rule(
     k = draft_ids.shape[0]
     rows = mx.arange(k)
     n_accepted, chosen, draw_key = _accept(p[rows, draft_ids], q[rows, draft_ids], p, q, key)
-    return n_accepted, inverse_cdf_draw(chosen[None], draw_key)[0]
+    return n_accepted, draw_tokens(chosen[None], None, draw_key)[0]
 
 
 def _candidate_rule(
@@ -78,8 +78,7 @@ def _candidate_rule(
     q_at_d = (q * (q_ids == drafted)).sum(axis=-1)
     q_on_p = ((p_ids[:k, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(axis=-1)
     n_accepted, chosen, draw_key = _accept(p_at_d, q_at_d, p, q_on_p, key)
-    index = inverse_cdf_draw(chosen[None], draw_key)[0]
-    return n_accepted, p_ids[n_accepted][index]
+    return n_accepted, draw_tokens(chosen[None], p_ids[n_accepted][None], draw_key)[0]
 
 
 def _accept(

@@ -196,7 +196,7 @@ def _compiled_truncation(
 
     def truncate_and_draw(logits: mx.array, key: mx.array) -> tuple[mx.array, ...]:
         probs, *ids = _truncate(logits, **settings)
-        return (probs, *ids, _draw_token(probs, ids[0] if ids else None, key))
+        return (probs, *ids, draw_tokens(probs, ids[0] if ids else None, key))
 
     return mx.compile(truncate_and_draw)
 
@@ -290,11 +290,12 @@ def inverse_cdf_draw(probs: mx.array, key: mx.array) -> mx.array:
     return mx.minimum(index, last).astype(mx.int32)
 
 
-def _draw_token(probs: mx.array, ids: mx.array | None, key: mx.array) -> mx.array:
-    """A draw from rows as ``Truncated`` holds them: the drawn column's token id."""
+def draw_tokens(probs: mx.array, ids: mx.array | None, key: mx.array) -> mx.array:
+    """One draw per row of ``probs`` as ``Truncated`` holds them (``ids`` None: column j is
+    token j): the drawn column's token id, int32 ``[T]``. Compiled by its callers."""
     index = inverse_cdf_draw(probs, key)
     return index if ids is None else mx.take_along_axis(ids, index[:, None], axis=-1)[:, 0]
 
 
 _compiled_draw = mx.compile(inverse_cdf_draw)
-_compiled_sample_ids = mx.compile(_draw_token)
+_compiled_sample_ids = mx.compile(draw_tokens)
