@@ -42,6 +42,9 @@ class TokenLogprob:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    #: Prompt tokens restored from the conversation cache instead of prefilled (OpenAI's
+    #: ``usage.prompt_tokens_details.cached_tokens``).
+    cached_tokens: int = 0
     completion_tokens: int = 0
     #: The K requested (or the largest K auto used); per-cycle K is in ``k_histogram``.
     draft_tokens: int = 0
@@ -65,6 +68,7 @@ class GenerationStats:
         """Sum another generation's figures into these (for totals over several choices)."""
         for name in (
             "prompt_tokens",
+            "cached_tokens",
             "completion_tokens",
             "proposed",
             "accepted",
