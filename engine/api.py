@@ -116,6 +116,11 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    #: Per token of ``token_ids``: True where the token is a draft the MTP head proposed and the
+    #: trunk accepted, False where the trunk chose it (first token, correction or bonus).
+    drafted: list[bool] | None = None
+    #: The K of the cycle that produced these tokens (``None`` for the final empty event).
+    cycle_draft_tokens: int | None = None
 
 
 class RequestError(ValueError):
