@@ -49,6 +49,8 @@ class GenerationStats:
     #: The K requested (or the largest K auto used); per-cycle K is in ``k_histogram``.
     draft_tokens: int = 0
     proposed: int = 0
+    #: Drafts the trunk accepted that are in the output (those after a stop token are not):
+    #: the number of tokens marked ``drafted`` in the events.
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)

@@ -286,9 +286,12 @@ class Engine:
                     emitted = commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
+                # emitted = accepted drafts, then the trunk's token, cut at a stop: the first
+                # min(n_accepted, len(emitted)) tokens are drafts; usage counts exactly those.
+                drafted = [i < result.n_accepted for i in range(len(emitted))]
                 generated += len(emitted)
                 end = time.perf_counter()
-                _record(stats, result, generated, end - t_commit)
+                _record(stats, result, sum(drafted), generated, end - t_commit)
                 if timed is not None:
                     since = None if last_end is None else end - last_end
                     if unread and ahead is None:
@@ -323,7 +326,14 @@ class Engine:
                     if undo is not None:  # the look-ahead cycle is not wanted
                         undo.restore(seq)
                         ahead = undo = None
-                yield GenerationEvent(emitted, logprobs, finish, stats)
+                yield GenerationEvent(
+                    emitted,
+                    logprobs,
+                    finish,
+                    stats,
+                    drafted=drafted,
+                    cycle_draft_tokens=len(result.draft_ids),
+                )
                 if finish is not None:
                     return
         finally:
@@ -359,15 +369,19 @@ def _apply_stops(
     return len(emitted), None
 
 
-def _record(stats: GenerationStats, result: CycleResult, generated: int, commit_s: float) -> None:
+def _record(
+    stats: GenerationStats, result: CycleResult, kept_drafts: int, generated: int, commit_s: float
+) -> None:
+    """Add one cycle. ``kept_drafts``: its accepted drafts that were emitted (a stop token
+    among the drafts cuts the rest), so ``accepted`` counts drafted tokens of the output."""
     k = len(result.draft_ids)
     stats.cycles += 1
     stats.k_histogram[k] += 1
     stats.proposed += k
-    stats.accepted += result.n_accepted
+    stats.accepted += kept_drafts
     for i in range(k):
         stats.proposed_per_position[i] += 1
-        if i < result.n_accepted:
+        if i < kept_drafts:
             stats.accepted_per_position[i] += 1
     stats.completion_tokens = generated
     stats.draft_seconds += result.draft_seconds

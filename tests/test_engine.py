@@ -157,6 +157,43 @@ def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None)
     check_continuation(seq)
 
 
+@pytest.mark.parametrize("k", [0, 3, None])
+def test_draft_marking_is_exact_at_every_stop(load_engine, k: int | None) -> None:
+    """Each event marks its tokens: drafts the trunk accepted, then the trunk's own token, cut
+    at a stop (EOS inside a draft block, max_tokens, or a plain cycle run one ahead); the
+    marked count is ``stats.accepted`` and the per-event K is ``stats.k_histogram``."""
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    reference, _ = run(engine, greedy_request(prompt, 0, 16, ignore_eos=True))
+    requests = [greedy_request(prompt, k, n, ignore_eos=True) for n in (1, 5, 16)]
+    requests += [
+        greedy_request(prompt, k, 40, stop_token_ids=frozenset({reference[p]}))
+        for p in range(1, 12)
+        if reference[p] not in reference[:p]
+    ]
+    saw_cut = False
+    for request in requests:
+        trace: list[dict] = []
+        events = list(engine.generate(request, trace=trace.append))
+        stats = events[-1].stats
+        assert len(events) == len(trace)
+        histogram = [0] * len(stats.k_histogram)
+        for event, line in zip(events, trace, strict=True):
+            n = sum(event.drafted)
+            assert len(event.drafted) == len(event.token_ids)
+            assert event.drafted == [True] * n + [False] * (len(event.drafted) - n)
+            assert event.cycle_draft_tokens == len(line["draft"])
+            assert event.token_ids[:n] == line["draft"][:n]
+            assert n == min(line["accepted"], len(event.token_ids))
+            saw_cut |= n < line["accepted"]
+            histogram[event.cycle_draft_tokens] += 1
+        assert sum(sum(e.drafted) for e in events) == stats.accepted
+        assert histogram == stats.k_histogram
+        assert sum(len(e.token_ids) for e in events) == stats.completion_tokens
+    if k == 3:
+        assert saw_cut, "no EOS fell inside an accepted draft block: the cut went untested"
+
+
 @pytest.mark.parametrize("k", [0, None])
 def test_plain_look_ahead_changes_no_token(load_engine, k: int | None) -> None:
     """Plain cycles launched one ahead (the default) emit exactly what cycles run one at a
