@@ -24,6 +24,7 @@ from engine.scheduler import RequestHandle, Scheduler
 from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
 from server.openai_routes import router
+from server.page import router as page_router
 from server.settings import ServerSettings
 from server.state import ServerState
 
@@ -125,6 +126,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     app.state.mtp = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(page_router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.get("/health")

@@ -276,6 +276,22 @@ class Step:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    #: per token of ``token_ids``: the text it released (the detokenizer and the stop matcher
+    #: may hold text back, which then counts for a later token) and whether it was a draft
+    token_texts: list[str] = field(default_factory=list)
+    drafted: list[bool] = field(default_factory=list)
+    #: the K of the engine cycle behind this step
+    draft_tokens: int | None = None
+
+    def trace(self) -> dict[str, Any]:
+        """The ``mtp_trace`` extension field of a streamed chunk (docs/SERVER.md)."""
+        return {
+            "draft_tokens": self.draft_tokens,
+            "tokens": [
+                {"text": t, "drafted": d}
+                for t, d in zip(self.token_texts, self.drafted, strict=True)
+            ],
+        }
 
 
 class ChoiceStream:
@@ -306,10 +322,13 @@ class ChoiceStream:
         if event.stats is not None:
             self.stats = event.stats
         finish: str | None = None
+        out.draft_tokens = event.cycle_draft_tokens
         for i, token in enumerate(event.token_ids):
             self.completion_tokens += 1
             self.first_token = True
             out.token_ids.append(token)
+            out.drafted.append(bool(event.drafted and event.drafted[i]))
+            out.token_texts.append("")
             if event.logprobs is not None and i < len(event.logprobs):
                 out.logprobs.append(event.logprobs[i])
             if token in self._eos:
@@ -317,6 +336,7 @@ class ChoiceStream:
                 break
             emit, stopped = self._stop.feed(self._detok.add([token]))
             out.text += emit
+            out.token_texts[-1] = emit
             if stopped:
                 finish = "stop"
                 self._cancel()  # the engine stops at its next cycle
@@ -326,7 +346,10 @@ class ChoiceStream:
         if finish is not None:
             if not self._stop.stopped:
                 emit, _ = self._stop.feed(self._detok.flush())
-                out.text += emit + self._stop.flush()
+                emit += self._stop.flush()
+                out.text += emit
+                if out.token_texts:
+                    out.token_texts[-1] += emit
             self.finish_reason = finish
             out.finish_reason = finish
         return out

@@ -464,7 +464,8 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return CancellingStreamingResponse(
-            _stream_chat(job, new_parser, include_usage, req.logprobs), on_close=job.cancel_all
+            _stream_chat(job, new_parser, include_usage, req.logprobs, req.mtp_trace),
+            on_close=job.cancel_all,
         )
     result = await run_watching_disconnect(
         request, _collect_chat(job, new_parser, req.logprobs), job.handles
@@ -540,7 +541,11 @@ def _sse_chunk(
 
 
 async def _stream_chat(
-    job: Job, new_parser: Callable[[], ChatOutputParser], include_usage: bool, logprobs: bool
+    job: Job,
+    new_parser: Callable[[], ChatOutputParser],
+    include_usage: bool,
+    logprobs: bool,
+    mtp_trace: bool = False,
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         return _sse_chunk(job, "chat.completion.chunk", choices, usage)
@@ -566,18 +571,18 @@ async def _stream_chat(
                     finish = _chat_finish(step.finish_reason, parser)
                 delta = _delta_body(parsed)
                 lp = chat_logprobs(job.state, step.logprobs) if logprobs else []
-                if not delta and not lp and finish is None:
+                traced = mtp_trace and bool(step.token_ids)
+                if not delta and not lp and finish is None and not traced:
                     continue
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": delta,
-                            "logprobs": {"content": lp} if logprobs else None,
-                            "finish_reason": finish,
-                        }
-                    ]
-                )
+                body: dict[str, Any] = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": {"content": lp} if logprobs else None,
+                    "finish_reason": finish,
+                }
+                if traced:
+                    body["mtp_trace"] = step.trace()
+                yield chunk([body])
             job.usage.add_choice(job.streams[index])
         if include_usage:
             yield chunk([], usage=job.usage.body())

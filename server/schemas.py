@@ -124,6 +124,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     #: Extension (vLLM-compatible): whether to split reasoning out of the content.
     include_reasoning: bool = True
+    #: Extension, opt-in: each streamed chunk carries ``choices[i].mtp_trace`` with the K of
+    #: its engine cycle and, per token, its text and whether it was an accepted MTP draft.
+    mtp_trace: bool = False
 
 
 PromptField = str | list[int] | list[str] | list[list[int]]

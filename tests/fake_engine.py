@@ -197,7 +197,8 @@ class FakeEngine:
                     )
                     for t in keep
                 ]
-            yield GenerationEvent(keep, logprobs, finish, stats)
+            drafted = [j < accepted for j in range(len(keep))]
+            yield GenerationEvent(keep, logprobs, finish, stats, drafted, k)
             if finish is not None:
                 return
 
