@@ -5,7 +5,7 @@ tokens marked as accepted drafts are ``usage.speculative.accepted``, their texts
 reply). The browser tests drive the page in headless Chromium from the system's packages
 (tests/browser.py; skipped with the reason where none is installed): a streamed reply with its
 marking and figures, Enter / Shift+Enter, stop mid-stream (the server cancels the generation),
-K=0 without marking, and the API-key prompt.
+K=0 without marking, the API-key prompt, and model text escaped before markdown.
 """
 
 from __future__ import annotations
@@ -236,10 +236,12 @@ def test_stop_mid_stream_cancels_the_generation(
     assert driver.find_element(*by("#send")).is_displayed()
     assert "stopped" in reply.find_element(*by(".state")).text
     deadline = time.monotonic() + 20
-    while metric(http, 'mtpserve_generations_total{outcome="cancelled"}') <= cancelled:
+    while (
+        metric(http, 'mtpserve_generations_total{outcome="cancelled"}') <= cancelled
+        or http.get("/health").json()["running"]
+    ):
         assert time.monotonic() < deadline, "the server did not cancel the generation"
         time.sleep(0.05)
-    assert http.get("/health").json()["running"] is False
 
 
 def test_k0_shows_no_draft_marking(driver: Any, server: LiveServer) -> None:
@@ -270,6 +272,10 @@ def test_page_asks_for_the_api_key(driver: Any) -> None:
         assert driver.execute_script("return localStorage.getItem('mtpserve.apiKey')") == (
             "page-secret"
         )
-        reply = send(driver, "TRIGGER_PLAIN")
+        reply = send(driver, "TRIGGER_PLAIN <img src=x> **bold**")
         assert finished(driver, reply, 30) == "finished"
         assert "The answer is 42." in reply.find_element(*by(".content")).text
+        # Text is escaped before markdown is rendered: the tag shows as text, never as HTML.
+        user = driver.find_element(*by(".msg.user"))
+        assert "<img src=x>" in user.text and not user.find_elements(*by("img"))
+        assert user.find_element(*by("strong")).text == "bold"
