@@ -167,7 +167,6 @@ class FakeEngine:
             pos += len(step)
             stats.cycles += 1
             stats.proposed += k
-            stats.accepted += accepted
             finish = None
             keep = []
             for token in step:
@@ -197,7 +196,9 @@ class FakeEngine:
                     )
                     for t in keep
                 ]
-            drafted = [j < accepted for j in range(len(keep))]
+            drafts = min(accepted, len(step) - 1)  # the last token of a cycle is the trunk's
+            drafted = [j < drafts for j in range(len(keep))]
+            stats.accepted += sum(drafted)  # as the engine counts: drafts that were emitted
             yield GenerationEvent(keep, logprobs, finish, stats, drafted, k)
             if finish is not None:
                 return

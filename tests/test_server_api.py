@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fake_engine import FakeEngine, LiveServer
+from fake_engine import SCRIPTS, FakeEngine, LiveServer
 
 from server.app import create_app
 from server.settings import ServerSettings
@@ -225,6 +225,32 @@ def test_system_developer_assistant_tool_roles_and_text_parts(
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in prompt
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
     assert '"name": "get_weather"' in prompt  # tool schema in the system prompt
+
+
+def test_mtp_trace_covers_reasoning_and_stops_with_the_text(http: httpx.Client) -> None:
+    """The trace's token texts are the raw text (reasoning markers included), cut where the
+    text is cut by a stop string; every emitted token is traced once."""
+
+    def traced(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+        body = body | {"stream": True, "mtp_trace": True, "stream_options": {"include_usage": True}}
+        r = http.post("/v1/chat/completions", json=body)
+        chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+        traces = [ch["mtp_trace"] for c in chunks for ch in c["choices"] if "mtp_trace" in ch]
+        tokens = [t for trace in traces for t in trace["tokens"]]
+        content = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+        return tokens, chunks[-1]["usage"], content
+
+    tokens, usage, content = traced(
+        chat("TRIGGER_REASON", chat_template_kwargs={"enable_thinking": True})
+    )
+    assert "".join(t["text"] for t in tokens) == SCRIPTS["TRIGGER_REASON"]
+    assert content == "Hello there!"
+    assert len(tokens) == usage["completion_tokens"]
+    assert sum(t["drafted"] for t in tokens) == usage["speculative"]["accepted"] > 0
+
+    tokens, usage, content = traced(chat("TRIGGER_STOP", stop=["STOP"]))
+    assert "".join(t["text"] for t in tokens) == content == "one two three "
+    assert len(tokens) == usage["completion_tokens"]
 
 
 def test_tool_call_non_streaming(client: openai.OpenAI) -> None:
