@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.api import GenerationEvent
 from engine.scheduler import RequestHandle, Scheduler
 from server.api import (
+    anthropic_messages,
     openai_chat,
     openai_common,
     openai_completions,
@@ -137,6 +138,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         openai_common,
         openai_chat,
         openai_completions,
+        anthropic_messages,
     ):
         app.include_router(api.router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
