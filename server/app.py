@@ -26,6 +26,7 @@ from server.api import (
     openai_chat,
     openai_common,
     openai_completions,
+    openai_responses,
 )
 from server.core.http import openapi_schema
 from server.errors import install_error_handlers
@@ -138,6 +139,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         openai_common,
         openai_chat,
         openai_completions,
+        openai_responses,
         anthropic_messages,
     ):
         app.include_router(api.router)
