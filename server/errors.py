@@ -85,7 +85,10 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status)
         if kind is None:
             kind = "api_error" if self.status >= 500 else "invalid_request_error"
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        message = self.message
+        if self.param and not message.startswith(f"{self.param}:"):
+            message = f"{self.param}: {message}"  # Anthropic's shape has no separate param
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
     def response(self, path: str = "") -> JSONResponse:
         body = self.anthropic_body() if uses_anthropic_errors(path) else self.body()

@@ -140,7 +140,7 @@ async def messages(request: Request) -> Response:
         job,
         stream_with=MessageStream(job) if req.stream else None,
         body=lambda _: message_body(job, [content_block(b) for b in job.choices[0].blocks]),
-        ping=lambda: ServerSentEvent(data='{"type":"ping"}', event="ping"),
+        ping=lambda: ServerSentEvent(data='{"type":"ping"}', event="ping", sep="\n"),
     )
 
 
