@@ -44,6 +44,11 @@ _EVENT_STEMS = {
 }
 
 
+def _echo(model: Any) -> Any:
+    """A request field as the response object repeats it."""
+    return model.model_dump(exclude_none=True) if hasattr(model, "model_dump") else model
+
+
 def _part(block: Block) -> dict[str, Any]:
     """A message's or reasoning item's content part."""
     if block.kind == "text":
@@ -159,14 +164,15 @@ class ResponseView:
             "store": False,
             "temperature": req.temperature,
             "text": {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto",
+            "tool_choice": _echo(req.tool_choice) or "auto",
             "tools": [
-                t.model_dump(exclude_none=True) for t in req.tools or [] if t.type == "function"
+                _echo(t) | {"strict": t.strict, "parameters": t.parameters}
+                for t in req.tools or []
+                if t.type == "function" and t.name
             ],
             "top_p": req.top_p,
             "truncation": "disabled",
             "metadata": req.metadata or {},
-            "usage": None,
         }
         if done:
             body["usage"] = usage_body(self.job.usage())
