@@ -46,6 +46,18 @@ def ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/$defs/{name}"}
 
 
+CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls", "content_filter"]}
+TEXT_FINISH = {"type": "string", "enum": ["stop", "length", "content_filter"]}
+
+
+def completion(kind: str, choice: dict[str, Any], chunk: bool = False) -> dict[str, Any]:
+    """A chat or text completion (or stream chunk) with ``choice`` items; a chunk's usage is
+    null until the last one."""
+    usage = nullable(ref("CompletionUsage")) if chunk else ref("CompletionUsage")
+    head = {"id": STRING, "object": const(kind), "created": INTEGER, "model": STRING}
+    return obj(head | {"choices": array(choice)}, {"usage": usage})
+
+
 DEFS: dict[str, Any] = {
     # Error / ErrorResponse
     "ErrorResponse": obj(
@@ -106,27 +118,16 @@ DEFS: dict[str, Any] = {
         {"tool_calls": array(ref("ChatCompletionMessageToolCall"))},
     ),
     # CreateChatCompletionResponse
-    "CreateChatCompletionResponse": obj(
-        {
-            "id": STRING,
-            "object": const("chat.completion"),
-            "created": INTEGER,
-            "model": STRING,
-            "choices": array(
-                obj(
-                    {
-                        "finish_reason": {
-                            "type": "string",
-                            "enum": ["stop", "length", "tool_calls", "content_filter"],
-                        },
-                        "index": INTEGER,
-                        "message": ref("ChatCompletionResponseMessage"),
-                        "logprobs": ref("ChoiceLogprobs"),
-                    }
-                )
-            ),
-        },
-        {"usage": ref("CompletionUsage")},
+    "CreateChatCompletionResponse": completion(
+        "chat.completion",
+        obj(
+            {
+                "finish_reason": CHAT_FINISH,
+                "index": INTEGER,
+                "message": ref("ChatCompletionResponseMessage"),
+                "logprobs": ref("ChoiceLogprobs"),
+            }
+        ),
     ),
     # ChatCompletionMessageToolCallChunk
     "ChatCompletionMessageToolCallChunk": obj(
@@ -138,37 +139,25 @@ DEFS: dict[str, Any] = {
         },
     ),
     # CreateChatCompletionStreamResponse (with ChatCompletionStreamResponseDelta)
-    "CreateChatCompletionStreamResponse": obj(
-        {
-            "id": STRING,
-            "object": const("chat.completion.chunk"),
-            "created": INTEGER,
-            "model": STRING,
-            "choices": array(
-                obj(
+    "CreateChatCompletionStreamResponse": completion(
+        "chat.completion.chunk",
+        obj(
+            {
+                "delta": obj(
+                    {},
                     {
-                        "delta": obj(
-                            {},
-                            {
-                                "content": nullable(STRING),
-                                "refusal": nullable(STRING),
-                                "role": {"type": "string", "enum": ["assistant"]},
-                                "tool_calls": array(ref("ChatCompletionMessageToolCallChunk")),
-                            },
-                        ),
-                        "finish_reason": nullable(
-                            {
-                                "type": "string",
-                                "enum": ["stop", "length", "tool_calls", "content_filter"],
-                            }
-                        ),
-                        "index": INTEGER,
+                        "content": nullable(STRING),
+                        "refusal": nullable(STRING),
+                        "role": {"type": "string", "enum": ["assistant"]},
+                        "tool_calls": array(ref("ChatCompletionMessageToolCallChunk")),
                     },
-                    {"logprobs": ref("ChoiceLogprobs")},
-                )
-            ),
-        },
-        {"usage": nullable(ref("CompletionUsage"))},
+                ),
+                "finish_reason": nullable(CHAT_FINISH),
+                "index": INTEGER,
+            },
+            {"logprobs": ref("ChoiceLogprobs")},
+        ),
+        chunk=True,
     ),
     # CreateCompletionResponse (choices' logprobs: tokens, token_logprobs, top_logprobs, ...)
     "CompletionLogprobs": nullable(
@@ -182,49 +171,29 @@ DEFS: dict[str, Any] = {
             },
         )
     ),
-    "CreateCompletionResponse": obj(
-        {
-            "id": STRING,
-            "object": const("text_completion"),
-            "created": INTEGER,
-            "model": STRING,
-            "choices": array(
-                obj(
-                    {
-                        "finish_reason": {
-                            "type": "string",
-                            "enum": ["stop", "length", "content_filter"],
-                        },
-                        "index": INTEGER,
-                        "logprobs": ref("CompletionLogprobs"),
-                        "text": STRING,
-                    }
-                )
-            ),
-        },
-        {"usage": ref("CompletionUsage")},
+    "CreateCompletionResponse": completion(
+        "text_completion",
+        obj(
+            {
+                "finish_reason": TEXT_FINISH,
+                "index": INTEGER,
+                "logprobs": ref("CompletionLogprobs"),
+                "text": STRING,
+            }
+        ),
     ),
     # CreateCompletionResponse as a stream chunk — the deviation: finish_reason may be null
-    "CompletionChunk": obj(
-        {
-            "id": STRING,
-            "object": const("text_completion"),
-            "created": INTEGER,
-            "model": STRING,
-            "choices": array(
-                obj(
-                    {
-                        "finish_reason": nullable(
-                            {"type": "string", "enum": ["stop", "length", "content_filter"]}
-                        ),
-                        "index": INTEGER,
-                        "logprobs": ref("CompletionLogprobs"),
-                        "text": STRING,
-                    }
-                )
-            ),
-        },
-        {"usage": nullable(ref("CompletionUsage"))},
+    "CompletionChunk": completion(
+        "text_completion",
+        obj(
+            {
+                "finish_reason": nullable(TEXT_FINISH),
+                "index": INTEGER,
+                "logprobs": ref("CompletionLogprobs"),
+                "text": STRING,
+            }
+        ),
+        chunk=True,
     ),
     # OutputTextContent
     "OutputTextContent": obj(

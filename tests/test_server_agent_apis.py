@@ -420,6 +420,12 @@ def configured():
         yield srv
 
 
+def keyed_stream(srv: LiveServer, path: str, body: dict, bearer: bool = False) -> Any:
+    """A streamed POST with the API key, as ``x-api-key`` or as a Bearer token."""
+    headers = {"Authorization": "Bearer sekrit"} if bearer else {"x-api-key": "sekrit"}
+    return httpx.stream("POST", srv.url + path, json=body, headers=headers, timeout=30)
+
+
 def test_server_template_default_and_request_override(configured: LiveServer) -> None:
     sdk = openai.OpenAI(base_url=configured.url + "/v1", api_key="sekrit", max_retries=0)
     r = sdk.chat.completions.create(model=MODEL, messages=user("TRIGGER_PLAIN"))
@@ -442,24 +448,12 @@ def test_x_api_key_and_pings_while_generating(configured: LiveServer) -> None:
         )
     assert info.value.body["error"]["type"] == "authentication_error"
     body = {"model": MODEL, "max_tokens": 50, "messages": user("TRIGGER_PLAIN"), "stream": True}
-    with httpx.stream(
-        "POST",
-        configured.url + "/v1/messages",
-        json=body,
-        headers={"x-api-key": "sekrit"},
-        timeout=30,
-    ) as r:
+    with keyed_stream(configured, "/v1/messages", body) as r:
         raw = r.read().decode()
     assert raw.count('event: ping\ndata: {"type":"ping"}') > 1  # the first, then keep-alives
     sdk = openai.OpenAI(base_url=configured.url + "/v1", api_key="sekrit", max_retries=0)
     chat_body = {"model": MODEL, "messages": user("TRIGGER_PLAIN"), "stream": True}
-    with httpx.stream(
-        "POST",
-        configured.url + "/v1/chat/completions",
-        json=chat_body,
-        headers={"Authorization": "Bearer sekrit"},
-        timeout=30,
-    ) as r:
+    with keyed_stream(configured, "/v1/chat/completions", chat_body, bearer=True) as r:
         assert ": ping" in r.read().decode()  # comment lines: ignored by SSE clients
     text = "".join(
         c.choices[0].delta.content or ""
@@ -475,13 +469,7 @@ def test_messages_stream_disconnect_cancels(configured: LiveServer) -> None:
     engine = configured.engine
     before = len(engine.cancel_seen)
     body = {"model": MODEL, "max_tokens": 3000, "messages": user("go"), "stream": True}
-    with httpx.stream(
-        "POST",
-        configured.url + "/v1/messages",
-        json=body,
-        headers={"x-api-key": "sekrit"},
-        timeout=30,
-    ) as r:
+    with keyed_stream(configured, "/v1/messages", body) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n > 10:
                 break

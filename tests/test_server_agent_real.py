@@ -31,6 +31,7 @@ MAX_TOKENS = 20
 SYSTEM = "You are a terse coding assistant."
 QUESTION = "def fibonacci(n):"
 RESULT = "def fibonacci(n):\n    return n"
+CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 
 
 @pytest.fixture(scope="module", params=["demo", "tiny"])
@@ -92,11 +93,7 @@ def responses_parts(output: list) -> list:
 def test_messages_equal_chat_completions(
     server: LiveServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
-    expected, usage = chat_turn(
-        client,
-        server.model,
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
-    )
+    expected, usage = chat_turn(client, server.model, CONVERSATION)
     kw: dict[str, Any] = dict(
         model=server.model,
         system=SYSTEM,
@@ -196,11 +193,7 @@ def test_messages_tool_round_trip_equals_chat(
 
 
 def test_responses_equal_chat_completions(server: LiveServer, client: openai.OpenAI) -> None:
-    expected, usage = chat_turn(
-        client,
-        server.model,
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
-    )
+    expected, usage = chat_turn(client, server.model, CONVERSATION)
     kw: dict[str, Any] = dict(
         model=server.model,
         instructions=SYSTEM,
