@@ -21,9 +21,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import GenerationEvent
 from engine.scheduler import RequestHandle, Scheduler
+from server.api import (
+    anthropic_messages,
+    openai_chat,
+    openai_common,
+    openai_completions,
+    openai_responses,
+)
+from server.core.http import openapi_schema
 from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
-from server.openai_routes import router
 from server.page import router as page_router
 from server.settings import ServerSettings
 from server.state import ServerState
@@ -33,6 +40,9 @@ logger = logging.getLogger(__name__)
 _ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
     "/v1/models": "models",
     "/health": "health",
     "/metrics": "metrics",
@@ -121,11 +131,19 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.state.mtp = state
     install_error_handlers(app)
-    app.include_router(router)
+    for api in (
+        openai_common,
+        openai_chat,
+        openai_completions,
+        openai_responses,
+        anthropic_messages,
+    ):
+        app.include_router(api.router)
     app.include_router(page_router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 

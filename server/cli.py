@@ -54,6 +54,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="extra model name clients may use (repeatable)",
     )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        dest="chat_template_kwargs",
+        metavar="JSON",
+        help="default chat-template arguments, e.g. '{\"enable_thinking\": false}' "
+        "(a request's chat_template_kwargs override them key by key)",
+    )
     parser.add_argument("--config", help="TOML settings file (default: configs/server.toml)")
     parser.add_argument(
         "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
@@ -74,6 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "max_queue",
             "served_model_names",
             "log_level",
+            "chat_template_kwargs",
         )
     }
     draft = getattr(args, "draft_tokens", None)

@@ -1,8 +1,10 @@
-"""Errors in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in each API's own shape, raised as one exception type.
 
-Why one exception type: every failure a handler can detect (bad JSON, a field out of range, an
-unknown model, a full queue) is raised as ``APIError`` and turned into the same body shape by one
-handler, so clients (the OpenAI SDK maps status codes to exception classes) see consistent
+OpenAI (chat, completions, responses, models): ``{"error": {"message", "type", "param",
+"code"}}``. Anthropic (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``
+with Anthropic's type names. Every failure a handler can detect (bad JSON, a field out of range,
+an unknown model, a full queue) is raised as ``APIError``; one handler picks the shape from the
+request's path, so clients (both SDKs map status codes to exception classes) see consistent
 errors, and nothing a request sends can surface as an unhandled 500.
 """
 
@@ -30,6 +32,22 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def uses_anthropic_errors(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class APIError(Exception):
@@ -63,8 +81,18 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        message = self.message
+        if self.param and not message.startswith(f"{self.param}:"):
+            message = f"{self.param}: {message}"  # Anthropic's shape has no separate param
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        body = self.anthropic_body() if uses_anthropic_errors(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -99,21 +127,22 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         err = APIError(exc.status_code, str(exc.detail), code=code)
         err.headers = dict(exc.headers) if exc.headers else None
-        return err.response()
+        return err.response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return APIError(500, "internal server error", code="internal_error").response()
+        err = APIError(500, "internal server error", code="internal_error")
+        return err.response(request.url.path)

@@ -9,6 +9,7 @@ between the checkpoint's generation_config and the request (see ``sampling.param
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,23 @@ class ServerSettings(BaseSettings):
     #: Default max_tokens when a request gives none (None: the rest of the context).
     default_max_tokens: int | None = Field(None, ge=1)
     log_level: str = "info"
+    #: Chat-template arguments every chat request gets unless it sends its own value (e.g.
+    #: ``{"enable_thinking": false}`` for a thinking model used without thinking).
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: Seconds of silence after which a stream sends a keep-alive ping (long prefills).
+    sse_ping_seconds: float = Field(15.0, gt=0)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs_from_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"chat_template_kwargs is not JSON: {exc}") from exc
+            if not isinstance(value, dict):
+                raise ValueError("chat_template_kwargs must be a JSON object")
+        return value
 
     @field_validator("draft_tokens", mode="before")
     @classmethod

@@ -95,6 +95,8 @@ class FakeEngine:
         self.sampling_defaults = SamplingOverrides(temperature=1.0, top_k=20, top_p=0.95)
         self.default_draft_tokens = draft_tokens
         self.cycle_delay = cycle_delay
+        #: reported as ``stats.cached_tokens`` (what a conversation cache would have restored)
+        self.cached_tokens = 0
         self.requests: list[GenerationRequest] = []
         self.threads: set[int] = set()
         self.active = 0
@@ -111,9 +113,11 @@ class FakeEngine:
 
     # ------------------------------------------------------------------------------------
     def _reply(self, request: GenerationRequest, prompt: str) -> list[int]:
-        for trigger, text in SCRIPTS.items():
-            if trigger in prompt:
-                return self.tokenizer.encode(text, add_special_tokens=False) + [self.im_end]
+        # The trigger written last wins, so a later turn of a conversation gets its own reply.
+        found = [(prompt.rfind(t), text) for t, text in SCRIPTS.items() if t in prompt]
+        if found:
+            text = max(found, key=lambda f: f[0])[1]
+            return self.tokenizer.encode(text, add_special_tokens=False) + [self.im_end]
         s = request.sampling
         if s.greedy:
             rng = random.Random(hash(tuple(request.prompt_ids)))
@@ -148,7 +152,9 @@ class FakeEngine:
     ) -> Iterator[GenerationEvent]:
         reply = self._reply(request, prompt)
         k = request.draft_tokens if request.draft_tokens is not None else 2
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), draft_tokens=k)
+        stats = GenerationStats(
+            prompt_tokens=len(request.prompt_ids), cached_tokens=self.cached_tokens, draft_tokens=k
+        )
         stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
         slow = "TRIGGER_SLOW" in prompt
         pos = 0

@@ -1,8 +1,8 @@
 """``mtpserve serve`` as a user runs it, the docs' examples run as written, and settings.
 
 One real server process (``python -m mtpserve.cli serve``) on a tiny checkpoint serves every
-curl and OpenAI-SDK snippet of docs/SERVER.md, with only the port changed — so the documented
-examples are known to work.
+curl, OpenAI-SDK and Anthropic-SDK snippet of docs/SERVER.md (all three APIs), with only the port
+changed — so the documented examples are known to work.
 """
 
 from __future__ import annotations
@@ -86,23 +86,27 @@ def doc_blocks(lang: str) -> list[str]:
 def test_docs_curl_examples_work_as_written(served: tuple[str, int]) -> None:
     url, port = served
     blocks = [b for b in doc_blocks("bash") if "curl" in b]
-    assert len(blocks) >= 4
+    assert len(blocks) >= 8
     for block in blocks:
         script = block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
         out = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120
         )
         assert out.returncode == 0, (block, out.stderr)
-        assert '"error"' not in out.stdout, (block, out.stdout)
+        assert not re.search(r'"error":\s*\{', out.stdout), (block, out.stdout)  # null is fine
         assert out.stdout.strip(), block
-        if '"stream": true' in block:
+        if '"stream": true' in block and "/v1/messages" in block:
+            assert "event: message_stop" in out.stdout
+        elif '"stream": true' in block and "/v1/responses" in block:
+            assert "event: response.completed" in out.stdout or "response.incomplete" in out.stdout
+        elif '"stream": true' in block:
             assert out.stdout.rstrip().endswith("data: [DONE]")
 
 
 def test_docs_python_examples_work_as_written(served: tuple[str, int]) -> None:
     url, port = served
     blocks = doc_blocks("python")
-    assert len(blocks) >= 3
+    assert len(blocks) >= 6
     for block in blocks:
         code = block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
         out = subprocess.run(

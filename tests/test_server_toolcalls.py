@@ -1,4 +1,4 @@
-"""Reasoning / content / tool-call splitting (server/toolcalls.py), whole and incremental.
+"""Reasoning / content / tool-call splitting (server/core/toolcalls.py), whole and incremental.
 
 Every case is fed three ways — all at once, character by character, and in random chunks — and
 must give the same result: markers split across stream deltas are the normal case.
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from server.toolcalls import ChatOutputParser, ParsedDelta, prompt_opens_reasoning
+from server.core.toolcalls import ChatOutputParser, ParsedDelta, prompt_opens_reasoning
 
 TOOLS = [
     {

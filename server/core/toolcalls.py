@@ -78,19 +78,42 @@ class ToolCall:
     arguments: str  # JSON object text
 
 
+#: One piece of parsed output in the order the model wrote it: ("reasoning", text),
+#: ("content", text) or ("tool_call", ToolCallDelta).
+Part = tuple[str, "str | ToolCallDelta"]
+
+
 @dataclass
 class ParsedDelta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    #: The same output in order (block-structured APIs need to know what came first).
+    parts: list[Part] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def add_text(self, kind: str, text: str) -> None:
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+        if self.parts and self.parts[-1][0] == kind:
+            self.parts[-1] = (kind, self.parts[-1][1] + text)  # type: ignore[operator]
+        else:
+            self.parts.append((kind, text))
+
+    def add_tool_call(self, delta: ToolCallDelta) -> None:
+        self.tool_calls.append(delta)
+        self.parts.append(("tool_call", delta))
+
     def extend(self, other: ParsedDelta) -> None:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls.extend(other.tool_calls)
+        for kind, value in other.parts:
+            if kind == "tool_call":
+                self.add_tool_call(value)  # type: ignore[arg-type]
+            else:
+                self.add_text(kind, value)  # type: ignore[arg-type]
 
 
 def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
@@ -207,12 +230,9 @@ class ChatOutputParser:
         self._pending_nl = text[len(stripped) :]
         if not stripped:
             return
-        if self.state == "reasoning":
-            out.reasoning += stripped
-        else:
-            out.content += stripped
-            if stripped.strip():
-                self._content_seen = True
+        out.add_text("reasoning" if self.state == "reasoning" else "content", stripped)
+        if self.state != "reasoning" and stripped.strip():
+            self._content_seen = True
 
     def _switch(self, state: str) -> None:
         self.state = state
@@ -227,7 +247,7 @@ class ChatOutputParser:
         if match is None:
             return
         self._tool_id = new_tool_call_id()
-        out.tool_calls.append(
+        out.add_tool_call(
             ToolCallDelta(index=len(self.tool_calls), id=self._tool_id, name=match.group(1).strip())
         )
         self._tool_name_sent = True
@@ -251,9 +271,9 @@ class ChatOutputParser:
         call_id = self._tool_id or new_tool_call_id()
         arguments = json.dumps(args, ensure_ascii=False)
         if self._tool_name_sent:
-            out.tool_calls.append(ToolCallDelta(index=index, arguments=arguments))
+            out.add_tool_call(ToolCallDelta(index=index, arguments=arguments))
         else:
-            out.tool_calls.append(
+            out.add_tool_call(
                 ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)
             )
         self.tool_calls.append(ToolCall(index=index, id=call_id, name=name, arguments=arguments))

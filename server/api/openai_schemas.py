@@ -1,9 +1,9 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic v2).
+"""Request bodies of OpenAI's chat and text completions (pydantic v2).
 
 Unknown fields are ignored (``extra="ignore"``) so clients that send newer OpenAI fields keep
 working; known fields are type-checked here and range-checked where the range does not depend on
-the model (vocabulary- and context-dependent checks happen in the route, with the engine's
-numbers). Responses are built as plain dicts in the OpenAI shapes (see ``server/responses``).
+the model (vocabulary- and context-dependent checks happen in server/core/requests.py, with the
+engine's numbers). Response bodies are built as plain dicts in the OpenAI shapes by the adapters.
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""``POST /v1/completions``: OpenAI's legacy text completions mapped onto the core.
+
+The prompt is a string, token ids, or a batch of either; choices are ``n`` per prompt, in
+order. The text is not parsed (no reasoning or tool-call split): it is what the model wrote,
+cut at EOS or a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.api import TokenLogprob
+from server.api.openai_common import OpenAIStream, completion_body, openai_params
+from server.api.openai_schemas import CompletionRequest
+from server.core.http import json_body, read_body, respond, v1_router
+from server.core.jobs import Job, new_id, start_job
+from server.core.output import OutputDelta
+from server.core.requests import build_requests, encode_prompts
+from server.state import ServerState
+
+router = v1_router()
+
+
+@dataclass
+class TextLogprobs:
+    """The legacy completions logprobs object."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, state: ServerState, items: list[TokenLogprob], offset: int) -> None:
+        tt = state.token_text
+        for lp in items:
+            text = tt.text(lp.token_id)
+            self.tokens.append(text)
+            self.token_logprobs.append(lp.logprob)
+            self.top_logprobs.append({tt.text(t): v for t, v in lp.top})
+            self.text_offset.append(offset)
+            offset += len(text)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+@router.post("/completions", response_model=None, openapi_extra=json_body(CompletionRequest))
+async def completions(request: Request) -> Response:
+    state, req = await read_body(request, CompletionRequest)
+    model = state.check_model(req.model)
+    prompts = encode_prompts(state, req.prompt)
+    params = openai_params(req, top_logprobs=req.logprobs, top_logprobs_param="logprobs")
+    requests = build_requests(state, prompts, params)
+    job = start_job(state, prompts, params, requests, model=model, id=new_id("cmpl"), parse=False)
+    tokenizer = state.engine.tokenizer
+    echoes = [
+        tokenizer.decode(p.ids, skip_special_tokens=False) if req.echo else ""
+        for p in prompts
+        for _ in range(req.n)
+    ]
+    logprobs = req.logprobs is not None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    encoder = TextStream(job, echoes, logprobs, include_usage) if req.stream else None
+    return await respond(
+        request, job, stream_with=encoder, body=lambda d: text_body(job, d, echoes, logprobs)
+    )
+
+
+def text_body(
+    job: Job, deltas: list[list[OutputDelta]], echoes: list[str], logprobs: bool
+) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    for index, steps in enumerate(deltas):
+        text = echoes[index]
+        lps = TextLogprobs()
+        for step in steps:
+            lps.add(job.state, step.logprobs, len(text))
+            text += step.text
+        choices.append(
+            {
+                "index": index,
+                "text": text,
+                "logprobs": lps.body() if logprobs else None,
+                "finish_reason": job.choices[index].finish_reason,
+            }
+        )
+    return completion_body(job, "text_completion", choices)
+
+
+class TextStream(OpenAIStream):
+    """text_completion chunks: the echo (if asked), then the text deltas."""
+
+    object_type = "text_completion"
+
+    def __init__(self, job: Job, echoes: list[str], logprobs: bool, include_usage: bool) -> None:
+        super().__init__(job, include_usage)
+        self.echoes, self.logprobs = echoes, logprobs
+        self.offset = 0
+
+    def _choice(self, index: int, text: str, lps: dict | None, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+
+    def choice_start(self, index: int) -> Iterable[dict[str, Any]]:
+        echo = self.echoes[index]
+        self.offset = len(echo)
+        if echo:
+            yield self.chunk([self._choice(index, echo, None, None)])
+
+    def delta(self, index: int, step: OutputDelta) -> Iterable[dict[str, Any]]:
+        lps = TextLogprobs()
+        lps.add(self.job.state, step.logprobs, self.offset)
+        self.offset += len(step.text)
+        if not step.text and not step.logprobs and step.finish_reason is None:
+            return
+        body = lps.body() if self.logprobs else None
+        yield self.chunk([self._choice(index, step.text, body, step.finish_reason)])

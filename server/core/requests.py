@@ -1,0 +1,286 @@
+"""What every API's request becomes before it reaches the queue: a prompt and its limits.
+
+Adapters translate their own schema into the neutral pieces here — template messages (the dicts
+the checkpoint's chat template reads), tools in the function-tool shape, and ``GenerationParams``
+— and these functions do every model-dependent check (vocabulary, context length, chat template)
+so that a bad request is a 400 in the caller's error shape *before* it is queued. Sampler fields
+resolve as generation_config -> server preset / config -> request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.api import GenerationRequest
+from sampling.params import SamplingOverrides, SamplingParamError, SamplingParams, resolve
+from server.core.toolcalls import prompt_opens_reasoning
+from server.errors import APIError, bad_request
+from server.state import ServerState
+
+SAMPLER_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+
+#: Template arguments a request may not set: they belong to the renderer itself.
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "return_tensors",
+    "chat_template",
+    "documents",
+}
+
+
+@dataclass
+class GenerationParams:
+    """An API's generation fields in neutral form (``*_param``: the field name for errors)."""
+
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    prompt_param: str = "prompt"
+    #: temperature, top_p, top_k, ... as sent (None: not sent)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    logit_bias: dict[str, float] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_param: str = "stop"
+    n: int = 1
+    #: alternatives per emitted token; None = no logprobs
+    top_logprobs: int | None = None
+    top_logprobs_param: str = "top_logprobs"
+    ignore_eos: bool = False
+    draft_tokens: int | None = None
+
+
+@dataclass
+class Prompt:
+    """One rendered prompt: its text (None for raw token ids) and ids."""
+
+    ids: list[int]
+    text: str | None = None
+    #: The tools shown to the model (None: tool-call parsing off).
+    tools: list[dict[str, Any]] | None = None
+
+    @property
+    def opens_reasoning(self) -> bool:
+        return self.text is not None and prompt_opens_reasoning(self.text)
+
+
+def join_text(
+    content: str | Sequence[Any] | None, param: str, kinds: tuple[str, ...] = ("text",)
+) -> str:
+    """Message content (a string or parts with ``type`` and ``text``) -> text; a part of another
+    type is a 400 naming it (this is a text model)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        text = getattr(part, "text", None)
+        if part.type not in kinds or not isinstance(text, str):
+            raise bad_request(
+                f"content type {part.type!r} is not supported by this text model",
+                param=f"{param}.{j}",
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_arguments(arguments: str | dict[str, Any], param: str) -> dict[str, Any]:
+    """A tool call's arguments (JSON text or an object) -> the object the template renders."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise bad_request("tool call arguments must be a JSON object", param=param)
+    return value
+
+
+def select_tools(
+    tools: list[dict[str, Any]] | None, choice: str | None, *, named: str | None = None
+) -> list[dict[str, Any]] | None:
+    """The tools to show the model. ``choice``: none / auto / required / None; ``named``: the
+    one function a request forces (shown alone). None means tool calling is off."""
+    if not tools:
+        if choice == "required" or named is not None:
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if named is not None:
+        tools = [t for t in tools if t["function"]["name"] == named]
+        if not tools:
+            raise bad_request(
+                f"tool_choice names an unknown function {named!r}", param="tool_choice"
+            )
+    return tools
+
+
+def render_chat(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    param: str = "messages",
+) -> Prompt:
+    """Template messages -> prompt ids; the server's default template kwargs sit under the
+    request's. Template errors are the client's 400."""
+    tokenizer = state.engine.tokenizer
+    merged = dict(state.settings.chat_template_kwargs) | dict(template_kwargs or {})
+    kwargs = {k: v for k, v in merged.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # jinja2 TemplateError, TypeError from odd kwargs, ...
+        raise bad_request(f"could not apply the chat template: {exc}", param=param) from exc
+    if not isinstance(text, str):
+        raise bad_request("the chat template did not produce text", param=param)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise bad_request("the rendered prompt is empty", param=param)
+    return Prompt(ids=ids, text=text, tools=tools)
+
+
+def encode_prompts(state: ServerState, prompt: Any, param: str = "prompt") -> list[Prompt]:
+    """A completion ``prompt`` (string, token ids, or a batch of either) -> prompts."""
+    tokenizer, vocab_size = state.engine.tokenizer, state.engine.vocab_size
+    batch: list[str | list[int]]
+    if isinstance(prompt, str):
+        batch = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        batch = [list(prompt)]
+    else:
+        batch = list(prompt)
+    if not batch:
+        raise bad_request("prompt must not be empty", param=param)
+    out: list[Prompt] = []
+    for item in batch:
+        ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else item
+        if not ids:
+            raise bad_request("prompt must not be empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {vocab_size})", param=param)
+        out.append(Prompt(ids=list(ids)))
+    return out
+
+
+def check_limits(state: ServerState, params: GenerationParams, n_prompts: int = 1) -> None:
+    """Limits that do not depend on the prompt."""
+    settings = state.settings
+    if params.n * n_prompts > settings.max_n:
+        raise bad_request(f"n must be at most {settings.max_n}", param="n")
+    if len(params.stop) > settings.max_stop_sequences:
+        raise bad_request(
+            f"at most {settings.max_stop_sequences} stop sequences are allowed",
+            param=params.stop_param,
+        )
+    if (params.top_logprobs or 0) > settings.max_top_logprobs:
+        raise bad_request(
+            f"{params.top_logprobs_param} must be at most {settings.max_top_logprobs}",
+            param=params.top_logprobs_param,
+        )
+
+
+def resolve_sampling(state: ServerState, params: GenerationParams) -> SamplingParams:
+    """generation_config -> server layer -> request, validated against the vocabulary."""
+    engine = state.engine
+    values = {k: params.sampling.get(k) for k in SAMPLER_FIELDS}
+    if values["top_k"] == -1:  # vLLM's convention for "off"; ours is 0
+        values["top_k"] = 0
+    if params.logit_bias:
+        try:
+            values["logit_bias"] = {int(k): float(v) for k, v in params.logit_bias.items()}
+        except (TypeError, ValueError) as exc:
+            raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
+    try:
+        request_layer = SamplingOverrides.from_mapping(values)
+        resolved = resolve(engine.sampling_defaults, state.sampling_layer, request_layer)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"invalid sampling field: {exc}", code="invalid_value") from exc
+    if resolved.top_k >= engine.vocab_size:
+        # top_k >= vocab keeps every token: the same as "off", which is what the sampler expects.
+        resolved = replace(resolved, top_k=0)
+    try:
+        return resolved.validate(engine.vocab_size)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def decide_max_tokens(state: ServerState, params: GenerationParams, prompt_len: int) -> int:
+    """The token budget; prompt + max_tokens beyond the context is a 400 (never a silent cut)."""
+    context_length = state.engine.context_length
+    room = context_length - prompt_len
+    if room <= 0:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context_length} tokens, but the prompt "
+            f"has {prompt_len} tokens.",
+            param=params.prompt_param,
+            code="context_length_exceeded",
+        )
+    requested = params.max_tokens
+    if requested is None:
+        default = state.settings.default_max_tokens
+        return room if default is None else min(default, room)
+    if prompt_len + requested > context_length:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+            f"{requested} for the completion).",
+            param=params.max_tokens_param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def build_requests(
+    state: ServerState, prompts: list[Prompt], params: GenerationParams
+) -> list[GenerationRequest]:
+    """n requests per prompt; choice i of a prompt samples with seed + i (differ, reproduce)."""
+    check_limits(state, params, n_prompts=len(prompts))
+    engine = state.engine
+    sampling = resolve_sampling(state, params)
+    draft = params.draft_tokens if params.draft_tokens is not None else engine.default_draft_tokens
+    out: list[GenerationRequest] = []
+    for prompt in prompts:
+        max_tokens = decide_max_tokens(state, params, len(prompt.ids))
+        for i in range(params.n):
+            choice_sampling = sampling
+            if sampling.seed is not None and i:
+                choice_sampling = replace(sampling, seed=sampling.seed + i)
+                try:
+                    choice_sampling.validate(engine.vocab_size)
+                except SamplingParamError as exc:
+                    raise bad_request(str(exc), param=exc.param) from exc
+            out.append(
+                GenerationRequest(
+                    prompt_ids=list(prompt.ids),
+                    sampling=choice_sampling,
+                    max_tokens=max_tokens,
+                    stop_token_ids=frozenset(engine.eos_token_ids),
+                    ignore_eos=params.ignore_eos,
+                    draft_tokens=draft,
+                    top_logprobs=params.top_logprobs,
+                )
+            )
+    return out
