@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from engine.api import GenerationStats, TokenLogprob
+from engine.api import EngineUnavailable, GenerationStats, TokenLogprob
 from engine.scheduler import (
     GenerationFailedError,
     QueueFullError,
@@ -115,6 +115,8 @@ def engine_error(exc: BaseException) -> APIError:
         exc = exc.error
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, SamplingParamError):
         return bad_request(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, ValueError) and hasattr(exc, "param"):  # engine.api.RequestError
