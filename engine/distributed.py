@@ -30,8 +30,9 @@ A rank that dies or cannot be reached: the ring backend raises at the next colle
 peer's socket closes ("connection to a peer was lost"); a peer that hangs or whose link is gone
 without a reset is caught by a watchdog (no progress for ``MTPSERVE_DISTRIBUTED_TIMEOUT``
 seconds, default 120, while a generation runs). Either way rank 0 fails the running and queued
-requests with ``EngineUnavailable`` (HTTP 503), then stops the process (SIGTERM, so uvicorn
-shuts down; exit status 1). The group cannot be re-formed in-process.
+requests with ``EngineUnavailable`` (HTTP 503), then stops the process: a SIGTERM to itself, on
+which uvicorn shuts down gracefully and then re-raises it (``generate``/``bench``: the error
+propagates, exit status 1). The group cannot be re-formed in-process.
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ def load_sharded(model: str, *, mtp_weights: str | None, dtype: str) -> loader.L
 class Leader:
     """Rank 0's side: queues cache operations and sends them with the next forward."""
 
-    def __init__(self, group: Any, timeout: float) -> None:
+    def __init__(self, group: Any, timeout: float, stop: Callable[[], None] | None = None) -> None:
         self.group = group
+        self._stop = stop or _stop_process
         self.timeout = timeout
         self._ops: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._cache_ids = itertools.count(1)
@@ -287,7 +289,7 @@ class Leader:
                     callback(error)
                 except Exception:
                     log.exception("on_lost callback failed")
-            threading.Thread(target=_stop_process, name="mtpserve-stop", daemon=True).start()
+            threading.Thread(target=self._stop, name="mtpserve-stop", daemon=True).start()
         return error
 
     def watch(self) -> None:
