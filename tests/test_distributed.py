@@ -7,7 +7,8 @@
   mid-stream gives the client a 503-class error and rank 0 exits (both bounded by timeouts);
 * the watchdog fails a generation that stops making progress (a peer that hangs).
 
-Each rank runs one thread of BLAS (``OMP_NUM_THREADS``/BLIS default) on this 2-core machine.
+Each rank decodes on one BLAS thread (engine.blas); prefill widens to every core, and these
+prompts are a dozen tokens.
 """
 
 from __future__ import annotations
