@@ -246,8 +246,9 @@ class Leader:
         message = mx.array(self._header(ops) + [0] * INLINE_TOKENS, dtype=mx.int32)
         mx.eval(self._broadcast(message))
 
-    def memory_per_rank(self) -> list[dict[str, int]]:
-        """Peak and active memory of every rank (bytes), gathered with one collective."""
+    def memory_per_rank(self) -> list[dict[str, Any]]:
+        """Peak and active memory of every rank (bytes) and the followers' clocks
+        (``FollowerClock``), gathered with one collective."""
         self.flush((OP_MEMORY, 0, 0, 0))
         return _gather_memory(self.group)
 
@@ -355,14 +356,30 @@ class _Snapshot(list):
 # -- every rank ----------------------------------------------------------------------------------
 
 
-def _gather_memory(group: Any) -> list[dict[str, int]]:
+@dataclass
+class FollowerClock:
+    """Where a follower's time goes: waiting for rank 0's next message (rank 0 drafting,
+    sampling, or idle) against running forwards (its compute and the collectives inside)."""
+
+    waiting: float = 0.0
+    forwards: float = 0.0
+
+
+def _gather_memory(group: Any, clock: FollowerClock | None = None) -> list[dict[str, Any]]:
+    """Every rank's peak and active memory (bytes) and, for followers, their clock."""
     n, me = group.size(), group.rank()
-    mine = mx.zeros((n, 2), dtype=mx.float32)
+    mine = mx.zeros((n, 4), dtype=mx.float32)
     mib = 1 << 20
     mine[me, 0] = mx.get_peak_memory() / mib
     mine[me, 1] = mx.get_active_memory() / mib
+    if clock is not None:
+        mine[me, 2] = clock.waiting
+        mine[me, 3] = clock.forwards
     rows = mx.distributed.all_sum(mine, group=group).tolist()
-    return [{"peak_bytes": int(p * mib), "active_bytes": int(a * mib)} for p, a in rows]
+    return [
+        {"peak_bytes": int(p * mib), "active_bytes": int(a * mib), "waiting_s": w, "forward_s": f}
+        for p, a, w, f in rows
+    ]
 
 
 def _time_collectives(group: Any, positions: int, hidden: int, dtype: Any, reps: int) -> float:
@@ -382,8 +399,11 @@ def follow(trunk: Any, group: Any) -> None:
     empty = mx.zeros((MESSAGE_SIZE,), dtype=mx.int32)
     hidden_size = trunk.args.hidden_size
     dtype = trunk.model.norm.weight.dtype
+    clock = FollowerClock()
     while True:
+        t = time.perf_counter()
         values = mx.distributed.all_sum(empty, group=group).tolist()
+        clock.waiting += time.perf_counter() - t
         for i in range(values[0]):
             code, cid, a, b = values[1 + 4 * i : 5 + 4 * i]
             if code == OP_NEW:
@@ -401,6 +421,7 @@ def follow(trunk: Any, group: Any) -> None:
             elif code == OP_RESTORE:
                 caches[cid].restore(snapshots[cid].pop(a))
             elif code == OP_FORWARD:
+                t = time.perf_counter()
                 if a <= INLINE_TOKENS:
                     start = 1 + 4 * MAX_OPS
                     tokens = mx.array(values[start : start + a], dtype=mx.int32)
@@ -414,8 +435,9 @@ def follow(trunk: Any, group: Any) -> None:
                     with all_cores():
                         hidden = trunk_hidden(trunk, tokens[None], cache, capture=False)
                         mx.eval(hidden, cache.arrays())
+                clock.forwards += time.perf_counter() - t
             elif code == OP_MEMORY:
-                _gather_memory(group)
+                _gather_memory(group, clock)
             elif code == OP_PROBE:
                 _time_collectives(group, a, cid, mx.int32 if b % 2 else dtype, b // 2)
             elif code == OP_PING:
@@ -534,7 +556,7 @@ def bench_sharding(args: Any) -> dict[str, Any]:
     load_seconds = time.perf_counter() - t_load
     group, leader = world(), getattr(engine, "leader", None)
 
-    def memory() -> list[dict[str, int]]:
+    def memory() -> list[dict[str, Any]]:
         if leader is not None:
             return leader.memory_per_rank()
         return [{"peak_bytes": mx.get_peak_memory(), "active_bytes": mx.get_active_memory()}]
@@ -549,6 +571,7 @@ def bench_sharding(args: Any) -> dict[str, Any]:
     for name, k in configs:
         tokens = cycles = positions = 0
         seconds = 0.0
+        before = memory()
         for _ in range(args.repeats):
             for prompt in prompts:
                 request = GenerationRequest(
@@ -568,6 +591,11 @@ def bench_sharding(args: Any) -> dict[str, Any]:
             "ms_per_cycle": 1e3 * seconds / cycles,
             "verified_positions_per_cycle": positions / cycles,
         }
+        if leader is not None:  # rank 1's clock over these generations
+            after = memory()
+            waiting = after[1]["waiting_s"] - before[1]["waiting_s"]
+            forwards = after[1]["forward_s"] - before[1]["forward_s"]
+            rows[name]["follower_waiting_share"] = waiting / max(waiting + forwards, 1e-9)
     result: dict[str, Any] = {
         "model": str(engine.loaded.model_dir),
         "ranks": group.size() if group is not None else 1,
@@ -614,6 +642,7 @@ def format_report(result: dict[str, Any]) -> str:
             line += (
                 f"  collectives {row['collective_ms_per_cycle']:.1f} ms/cycle"
                 f" ({100 * row['collective_share']:.0f}%; all_sum {row['all_sum_ms']:.2f} ms)"
+                f"  rank 1 waiting {100 * row['follower_waiting_share']:.0f}%"
             )
         lines.append(line)
     if "send_ms" in result:
