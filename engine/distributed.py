@@ -476,11 +476,18 @@ class DistributedEngine(Engine):
         loaded = load_sharded(model, mtp_weights=mtp_weights, dtype=dtype)
         timeout = float(os.environ.get("MTPSERVE_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
         leader = Leader(group, timeout)
+        leader.active = 1  # start-up measures auto K's costs through the group: watched too
         loaded.trunk.mtpserve_new_cache = lambda: LeaderTrunkCache(loaded.trunk, leader)
         loaded.trunk.mtpserve_leader = leader
         leader.watch()
         atexit.register(leader.shutdown)
         return loaded
+
+    @classmethod
+    def load(cls, model: str, **kwargs: Any) -> DistributedEngine:
+        engine = super().load(model, **kwargs)
+        engine.leader.active -= 1  # loaded: the watchdog watches generations only
+        return engine
 
     def __post_init__(self) -> None:
         self.leader = getattr(self.loaded.trunk, "mtpserve_leader", None)
