@@ -137,3 +137,7 @@ class RequestError(ValueError):
 class ContextLengthExceeded(RequestError):
     def __init__(self, message: str) -> None:
         super().__init__(message, param="max_tokens", code="context_length_exceeded")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve any more (a rank of a distributed group was lost): HTTP 503."""

@@ -277,8 +277,17 @@ def machine_key(model_dir: Path) -> str:
         mx.__version__,
         blas_in_use(),
         _code_stamp(),
+        _group_stamp(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _group_stamp() -> str:
+    """Ranks sharing the trunk: a sharded cycle pays collectives, so its costs differ."""
+    from engine.distributed import world
+
+    group = world()
+    return f"ranks={group.size() if group is not None else 1}"
 
 
 def _code_stamp() -> str:

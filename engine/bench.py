@@ -501,6 +501,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from engine import distributed
+
+    if args.sharding or distributed.world() is not None:
+        return distributed.cmd_bench(args)
     t = time.perf_counter()
     result = bench(args)
     result["wall_seconds"] = time.perf_counter() - t
@@ -541,6 +545,12 @@ def register(sub: Any) -> None:
         type=float,
         default=None,
         help="also run the largest K with a draft-confidence cut at this head probability",
+    )
+    p.add_argument(
+        "--sharding",
+        action="store_true",
+        help="the sharding report (K=0 and auto: tokens/s, memory per rank, collectives); "
+        "what `bench` runs under mlx.launch, here for the 1-rank row",
     )
     p.add_argument("--out", default="bench-results")
     p.add_argument("--json", action="store_true")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,15 @@ def attach_head(
 
 
 def load(
-    model: str, *, mtp_weights: str | None = None, dtype: str = "auto", with_head: bool = True
+    model: str,
+    *,
+    mtp_weights: str | None = None,
+    dtype: str = "auto",
+    with_head: bool = True,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
+    """Load lazily, attach the head, ``prepare`` (e.g. shard: engine.distributed), then read
+    the weights: only what is left after ``prepare`` is ever read from disk."""
     model_dir = resolve_model_dir(model)
     config_path = model_dir / "config.json"
     if not config_path.exists():
@@ -200,6 +208,8 @@ def load(
     head_source, reason = None, None
     if with_head:
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
+    if prepare is not None:
+        prepare(net)
     mx.eval(net.parameters())
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)

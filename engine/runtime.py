@@ -96,7 +96,7 @@ class Engine:
     ) -> Engine:
         from transformers import AutoTokenizer
 
-        loaded = loader.load(model, mtp_weights=mtp_weights, dtype=dtype)
+        loaded = cls.load_model(model, mtp_weights=mtp_weights, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(loaded.model_dir))
         engine = cls(
             loaded=loaded,
@@ -115,6 +115,11 @@ class Engine:
             # Measure greedy costs now (start-up, not the first request); sampled on first use.
             engine.autok.for_request(resolve(SamplingOverrides(temperature=0.0)))
         return engine
+
+    @classmethod
+    def load_model(cls, model: str, *, mtp_weights: str | None, dtype: str) -> loader.LoadedModel:
+        """The weights (a subclass loads a shard: engine.distributed.DistributedEngine)."""
+        return loader.load(model, mtp_weights=mtp_weights, dtype=dtype)
 
     def set_draft_vocab(self, size: int | None) -> None:
         """Restrict drafting to ``size`` tokens (0: the full vocabulary; None: the checkpoint's

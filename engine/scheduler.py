@@ -200,6 +200,21 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def abort(self, error: BaseException) -> None:
+        """Fail the running request and every queued one with ``error`` and take no more:
+        the engine cannot serve again (a distributed group lost a rank). Does not wait for
+        the worker, which may be stuck in a collective that never returns."""
+        with self._cond:
+            self._closing = True
+            handles = list(self._pending)
+            self._pending.clear()
+            if self.running is not None:
+                handles.insert(0, self.running)
+            self._cond.notify_all()
+        for handle in handles:
+            handle.cancel()
+            handle._post(_Failure(error))
+
     # submission (event-loop side) --------------------------------------------------------------
     @property
     def queue_depth(self) -> int:

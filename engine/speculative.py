@@ -44,7 +44,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
-from engine.trunk import TrunkCache, trunk_hidden
+from engine.trunk import TrunkCache, new_trunk_cache, trunk_hidden
 from sampling.acceptance import accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
@@ -151,7 +151,7 @@ def start_sequence(
     seq = Sequence(
         tokens=list(prompt_ids),
         params=params,
-        trunk_cache=TrunkCache(trunk),
+        trunk_cache=new_trunk_cache(trunk),
         head_cache=KVCache() if (head is not None and use_head) else None,
         history=history,
         key=mx.random.key(seed),

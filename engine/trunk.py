@@ -159,6 +159,11 @@ class TrunkCache:
             else:
                 c.conv, c.recurrent, c.conv_window, c.capture = saved
 
+    def announce(self, token_ids: mx.array, capture: bool) -> mx.array:
+        """The input of a forward about to run over this cache. Here the tokens as given; rank
+        0 of a sharded model first broadcasts them to the other ranks (engine.distributed)."""
+        return token_ids
+
     def arrays(self) -> list[mx.array]:
         """Every array the next cycle will read (for evaluation together with a cycle)."""
         out: list[mx.array] = []
@@ -170,6 +175,12 @@ class TrunkCache:
                 out += [a for a in (c.conv_window, c.conv, c.recurrent) if a is not None]
                 out += c.capture.arrays() if c.capture is not None else []
         return out
+
+
+def new_trunk_cache(trunk: Any) -> TrunkCache:
+    """A cache for ``trunk``; a sharded trunk supplies its own (engine.distributed)."""
+    make = getattr(trunk, "mtpserve_new_cache", None)
+    return make() if make is not None else TrunkCache(trunk)
 
 
 def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool) -> mx.array:
@@ -210,8 +221,11 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
         )
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = m.norm(y, z)
-    return m.out_proj(out.reshape(B, T, -1))
+    out = m.out_proj(m.norm(y, z).reshape(B, T, -1))
+    if getattr(m, "sharding_group", None) is not None:
+        # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
+        out = mx.distributed.all_sum(out, group=m.sharding_group)
+    return out
 
 
 def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bool) -> mx.array:
@@ -221,6 +235,7 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
     the next forward. Without it (prefill: long, varying T) layers run eagerly through mlx-lm.
     """
+    token_ids = cache.announce(token_ids, capture)
     x = trunk.model.embed_tokens(token_ids)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
         for layer, c in zip(trunk.layers, cache.layers, strict=True):

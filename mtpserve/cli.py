@@ -86,13 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from engine.api import GenerationRequest, GenerationStats
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.runtime import Engine, chat_prompt_ids
+    from engine.distributed import engine_class
+    from engine.runtime import chat_prompt_ids
     from sampling.params import SamplingParamError, preset, resolve
 
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
-    engine = Engine.load(
+    engine = engine_class().load(
         args.model,
         draft_tokens=args.draft_tokens,
         mtp_weights=args.mtp_weights,
@@ -239,7 +240,38 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return int(args.func(args) or 0)
+    followed = follow_if_follower(args)
+    if followed is not None:
+        return followed
+    status = int(args.func(args) or 0)
+    if args.command in DISTRIBUTED_COMMANDS:
+        from engine import distributed
+
+        if distributed.lost_message() is not None:
+            return 1
+    return status
+
+
+#: commands that run under ``mlx.launch``: rank 0 runs them, the other ranks follow it
+DISTRIBUTED_COMMANDS = ("generate", "serve", "bench")
+
+
+def follow_if_follower(args: argparse.Namespace) -> int | None:
+    """On a rank other than 0 of an ``mlx.launch`` group: load this rank's shard and follow
+    rank 0 until it stops (the exit status); None on rank 0 or without a group."""
+    if args.command not in DISTRIBUTED_COMMANDS:
+        return None
+    from engine import distributed
+
+    if distributed.world() is None or distributed.rank() == 0:
+        return None
+    if args.command == "serve":
+        from server.cli import settings_from_args
+
+        model = settings_from_args(args).model or default_model()
+    else:
+        model = args.model
+    return distributed.run_follower(model, getattr(args, "dtype", "auto"))
 
 
 if __name__ == "__main__":

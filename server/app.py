@@ -119,6 +119,8 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         scheduler.start()
         loaded = await scheduler.wait_ready_async()  # raises (and aborts startup) on failure
         state.attach_engine(loaded)
+        if hasattr(loaded, "on_lost"):  # a sharded engine that lost a rank fails the queue
+            loaded.on_lost.append(scheduler.abort)
         logger.info("serving %s as %s", getattr(loaded, "model_dir", "?"), state.names)
         try:
             yield

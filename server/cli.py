@@ -100,9 +100,11 @@ def engine_factory(settings: ServerSettings) -> Any:
         from engine.blas import use_fast_blas
 
         use_fast_blas()  # must precede the first mlx import
-        from engine.runtime import Engine  # lazy: the server process imports mlx only here
+        # lazy: the server process imports mlx only here; rank 0 of an mlx.launch group gets
+        # the sharded engine (engine.distributed)
+        from engine.distributed import engine_class
 
-        return Engine.load(
+        return engine_class().load(
             settings.model,
             draft_tokens=settings.draft_tokens,
             mtp_weights=settings.mtp_weights,

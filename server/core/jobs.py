@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
-from engine.api import GenerationRequest
+from engine.api import EngineUnavailable, GenerationRequest
 from engine.scheduler import (
     GenerationFailedError,
     QueueFullError,
@@ -60,6 +60,8 @@ def engine_error(exc: BaseException) -> APIError:
         exc = exc.error
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, SamplingParamError):
         return bad_request(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, ValueError) and hasattr(exc, "param"):  # engine.api.RequestError

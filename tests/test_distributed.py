@@ -1,0 +1,274 @@
+"""Tensor-parallel serving over mx.distributed: 2 ranks (ring backend, loopback) against 1 process.
+
+* greedy output of the sharded engine equals the 1-process engine's for K = 0..3 and auto, on a
+  dense and an MoE checkpoint; seeded sampled output (fixed K) equals too — one ``mlx.launch``
+  of ``tests/distributed_driver.py`` runs every case for both checkpoints;
+* ``mtpserve serve`` on rank 0 answers the OpenAI SDK, streaming included; killing rank 1
+  mid-stream gives the client a 503-class error and rank 0 exits (both bounded by timeouts);
+* the watchdog fails a generation that stops making progress (a peer that hangs).
+
+Each rank decodes on one BLAS thread (engine.blas); prefill widens to every core, and these
+prompts are a dozen tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from checkpoints import VARIANTS
+
+from engine.api import EngineUnavailable, GenerationRequest
+from sampling.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+PROMPT = [289, 283, 67, 67, 295, 11, 266, 8, 25, 40, 41]
+MAX_TOKENS = 24
+GREEDY_KS = [0, 1, 2, 3, None]  # None: auto
+SAMPLED = [(2, 7), (0, 11)]  # (K, seed)
+SAMPLED_PARAMS = {"temperature": 1.0, "top_k": 20}
+CHECKPOINTS = ["dense-tied", "moe-untied-sharded"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cases() -> list[dict]:
+    out = [
+        {"prompt_ids": PROMPT, "k": k, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        for k in GREEDY_KS
+    ]
+    out += [
+        {"prompt_ids": PROMPT, "k": k, "max_tokens": MAX_TOKENS, "seed": seed, **SAMPLED_PARAMS}
+        for k, seed in SAMPLED
+    ]
+    return out
+
+
+def seed_auto_costs(model_dir: Path, vocab: int) -> None:
+    """Give the 2-rank engine a greedy cost table so auto K need not measure one at start-up
+    (minutes through loopback collectives on this machine). The table only decides which K
+    runs; greedy output must equal plain decoding whichever it picks. Costs that grow slowly
+    with K make auto draft."""
+    import engine.autok as autok
+
+    stamp = autok._group_stamp
+    autok._group_stamp = lambda: "ranks=2"
+    try:
+        key = autok.machine_key(model_dir)
+    finally:
+        autok._group_stamp = stamp
+    table = {
+        "cycle": [0.010, 0.011, 0.012, 0.013, 0.014],
+        "trunk": [0.009, 0.0095, 0.010, 0.0105, 0.011],
+        "head_step": 0.0005,
+        "absorb": [0.0005],
+        "absorb_far": 0.002,
+        "machine": "seeded by tests/test_distributed.py",
+    }
+    path = autok.CACHE_DIR / f"costs-{key}-v{vocab}-greedy.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table))
+
+
+@pytest.fixture(scope="module")
+def launched(make_checkpoint, tmp_path_factory) -> dict:
+    """One ``mlx.launch -n 2 --backend ring`` of the driver over both checkpoints."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    models = [str(make_checkpoint(VARIANTS[v])) for v in CHECKPOINTS]
+    for v, m in zip(CHECKPOINTS, models, strict=True):
+        seed_auto_costs(Path(m), VARIANTS[v].vocab)
+    spec, out = tmp / "spec.json", tmp / "out.json"
+    spec.write_text(json.dumps({"models": models, "cases": cases()}))
+    cmd = [
+        str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(1)[0]),
+        "--python", sys.executable,
+        "--env", f"PYTHONPATH={ROOT}",
+        "--env", f"MTPSERVE_CACHE={os.environ['MTPSERVE_CACHE']}",
+        "--", str(ROOT / "tests" / "distributed_driver.py"), str(spec), str(out), "--auto",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    pairs = zip(CHECKPOINTS, models, strict=True)
+    return {v: (results[m], results[m + ":memory"]) for v, m in pairs}
+
+
+def one_process(engine, case: dict) -> list[int]:
+    params = SamplingParams(
+        temperature=case["temperature"], top_k=case.get("top_k", 0), seed=case.get("seed")
+    )
+    request = GenerationRequest(
+        case["prompt_ids"], params, case["max_tokens"], draft_tokens=case["k"], ignore_eos=True
+    )
+    return [t for event in engine.generate(request) for t in event.token_ids]
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTS)
+def test_two_ranks_equal_one_process(launched, load_engine, variant: str) -> None:
+    sharded, memory = launched[variant]
+    engine = load_engine(variant, draft_tokens=0)
+    plain = one_process(engine, cases()[0])
+    assert len(plain) == MAX_TOKENS
+    for case, result in zip(cases(), sharded, strict=True):
+        label = f"K={case['k']} T={case['temperature']}"
+        if case["temperature"] == 0:
+            assert result["tokens"] == plain, f"2 ranks, greedy {label} differs from 1 process"
+        else:
+            assert result["tokens"] == one_process(engine, case), f"sampled {label} differs"
+    auto = sharded[GREEDY_KS.index(None)]
+    assert sum(auto["k_histogram"][1:]) > 0, "auto K never drafted"
+    assert sum(r["proposed"] for r in sharded) > sum(r["accepted"] for r in sharded) > 0
+    # rank 1 holds no head and no output projection: less memory than rank 0
+    assert 0 < memory[1]["active_bytes"] < memory[0]["active_bytes"]
+
+
+# -- a server on rank 0 --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(make_checkpoint, tmp_path_factory):
+    """``mtpserve serve`` as 2 ranks started directly (the env mlx.launch would set), so the
+    test holds both processes."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    ring, http = free_ports(2), free_ports(1)[0]
+    hosts = tmp / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
+    model = str(make_checkpoint(VARIANTS["dense-tied"]))
+    cmd = [
+        sys.executable, "-m", "mtpserve.cli", "serve", "--model", model, "--port", str(http),
+        "--served-model-name", "tiny", "--draft-tokens", "2", "--log-level", "warning",
+    ]  # fmt: skip
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+        env["PYTHONPATH"] = str(ROOT)
+        log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if any(p.poll() is not None for p in procs):
+                logs = [(tmp / f"rank{r}.log").read_text() for r in range(2)]
+                raise RuntimeError("a rank exited during start-up:\n" + "\n".join(logs))
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the 2-rank server did not become healthy")
+            time.sleep(0.2)
+        yield url, procs, tmp
+    finally:
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def sdk(url: str, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def test_server_on_rank0_answers_the_openai_sdk(cluster) -> None:
+    url, _, _ = cluster
+    client = sdk(url)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    body = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body=body
+    )
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.model_extra["speculative"]["draft_tokens"] == 2
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body=body,
+    )
+    chunks = [c for c in stream if c.choices]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> None:
+    """Runs last in this module: the server does not survive it."""
+    url, procs, tmp = cluster
+    client = sdk(url, timeout=60)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=2000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    started = time.monotonic()
+    error: Exception | None = None
+    received = 0
+    try:
+        for chunk in stream:
+            received += 1
+            if received == 3:
+                procs[1].send_signal(signal.SIGKILL)
+            assert time.monotonic() - started < 90, "the stream did not end after the kill"
+    except openai.APIError as exc:
+        error = exc
+    assert received >= 3
+    assert error is not None, "the stream ended without an error"
+    assert "distributed group" in str(error)
+    # uvicorn shuts down on the SIGTERM rank 0 sends itself, then re-raises it: status -15
+    assert procs[0].wait(60) != 0
+    assert "this server is shutting down" in (tmp / "rank0.log").read_text()
+
+
+def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
+    """A peer that hangs (no socket reset) never makes a collective return: the watchdog."""
+    from engine import distributed
+
+    class Group:
+        def size(self) -> int:
+            return 2
+
+    stopped = threading.Event()
+    failed: list[BaseException] = []
+    leader = distributed.Leader(Group(), timeout=0.2, stop=stopped.set)
+    leader.on_lost.append(failed.append)
+    leader.active = 1
+    leader.last_progress -= 1.0
+    try:
+        leader.watch()
+        assert stopped.wait(10), "the watchdog did not stop the process"
+        assert isinstance(failed[0], EngineUnavailable)
+        assert "no answer" in str(failed[0])
+        with pytest.raises(EngineUnavailable):
+            leader.announce(1, None, True)
+    finally:
+        distributed._lost = None
