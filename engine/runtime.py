@@ -87,6 +87,8 @@ class Engine:
     draft_vocab_bytes: int = 0
     #: the conversation cache (engine.prefix_cache.PrefixCache); None: every prompt is prefilled
     prefix_cache: Any = None
+    #: prefill chunk (= the cache's block): chunks end at its multiples, cached or not
+    prefill_chunk: int = PREFILL_CHUNK
 
     @classmethod
     def load(
@@ -155,6 +157,7 @@ class Engine:
         """Reuse cached prompt prefixes (engine.prefix_cache); ``budget_bytes`` 0 turns it off."""
         from engine.prefix_cache import DEFAULT_DISK_BUDGET_BYTES, PrefixCache, model_fingerprint
 
+        self.prefill_chunk = block_tokens
         if budget_bytes <= 0:
             self.prefix_cache = None
             return
@@ -269,14 +272,38 @@ class Engine:
                 seq.restored = restored.position
         from engine.prefix_cache import prefill_hook
 
+        # Also a snapshot where the prompt's last message begins (its last turn marker): a
+        # template that re-renders the previous reply (Qwen's drops its <think> block) still
+        # matches the next prompt up to there.
+        body = request.prompt_ids[: len(request.prompt_ids) - 1]
+        stops = [len(body)]
+        turn = self._turn_marker()
+        if cache is not None and turn is not None and turn in body:
+            marker = len(body) - 1 - body[::-1].index(turn)
+            if marker > seq.restored:
+                stops.insert(0, marker)
         hook = prefill_hook(cache, self.trunk, head, cancelled)
-        if not prefill(
-            self.trunk, head, seq, request.prompt_ids[seq.restored : -1], after_chunk=hook
-        ):
-            return None
-        if cache is not None:
-            cache.store(seq, self.trunk, head)
+        for stop in stops:
+            fed = prefill(
+                self.trunk,
+                head,
+                seq,
+                body[seq.trunk_cache.length : stop],
+                chunk_tokens=self.prefill_chunk,
+                after_chunk=hook,
+            )
+            if not fed:
+                return None
+            if cache is not None:
+                cache.store(seq, self.trunk, head)
         return seq
+
+    def _turn_marker(self) -> int | None:
+        """The id of ``<|im_start|>`` (ChatML's turn marker) if the tokenizer has it."""
+        if "_turn_marker_id" not in self.__dict__:
+            vocab = getattr(self.tokenizer, "get_vocab", dict)()
+            self.__dict__["_turn_marker_id"] = vocab.get("<|im_start|>")
+        return self.__dict__["_turn_marker_id"]
 
     def _keep(self, seq: Sequence) -> None:
         """Snapshot a finished generation (after its final commit) for the next turn."""

@@ -289,7 +289,10 @@ class ChoiceStream:
         stop: list[str],
         ignore_eos: bool,
         cancel: Callable[[], None],
+        prompt_key: int = 0,
     ) -> None:
+        #: which prompt this choice continues (usage counts cached tokens once per prompt)
+        self.prompt_key = prompt_key
         self._eos = frozenset() if ignore_eos else frozenset(eos_ids)
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids=self._eos)
         self._stop = StopMatcher(stop)

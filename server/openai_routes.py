@@ -176,11 +176,18 @@ class Usage:
     cycles: int = 0
     cycles_by_draft_tokens: list[int] = field(default_factory=list)
     generation_seconds: float = 0.0
+    #: prompt tokens restored from the conversation cache, per distinct prompt (the n choices
+    #: of one prompt share it: the least any of them reused)
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
 
     def add_choice(self, stream: ChoiceStream) -> None:
         self.completion_tokens += stream.completion_tokens
         stats: GenerationStats | None = stream.stats
         if stats is not None:
+            key = stream.prompt_key
+            self.cached_by_prompt[key] = min(
+                self.cached_by_prompt.get(key, stats.cached_tokens), stats.cached_tokens
+            )
             self.draft_tokens = max(self.draft_tokens, stats.draft_tokens)
             self.proposed += stats.proposed
             self.accepted += stats.accepted
@@ -196,6 +203,7 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_by_prompt.values())},
             "speculative": {
                 "draft_tokens": self.draft_tokens,
                 "proposed": self.proposed,
@@ -275,6 +283,7 @@ def _start_job(
             stop=stops,
             ignore_eos=ignore_eos,
             cancel=h.cancel,
+            prompt_key=hash(tuple(h.request.prompt_ids)),
         )
         for h in handles
     ]

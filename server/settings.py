@@ -58,6 +58,11 @@ class ServerSettings(BaseSettings):
     #: Default max_tokens when a request gives none (None: the rest of the context).
     default_max_tokens: int | None = Field(None, ge=1)
     log_level: str = "info"
+    #: Memory budget of the conversation (prefix) cache in bytes; 0 turns the cache off.
+    prompt_cache_bytes: int = Field(1 << 30, ge=0)
+    #: Folder for the cache's disk tier (None: memory only), and that tier's byte budget.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = Field(8 << 30, ge=0)
 
     @field_validator("draft_tokens", mode="before")
     @classmethod
