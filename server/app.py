@@ -108,8 +108,9 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         scheduler.start()
         loaded = await scheduler.wait_ready_async()  # raises (and aborts startup) on failure
         state.attach_engine(loaded)
-        cache = getattr(loaded, "prefix_cache", None)
-        metrics.bind_prompt_cache(lambda: cache.describe() if cache is not None else None)
+        metrics.bind_prompt_cache(
+            lambda: cache.describe() if (cache := getattr(loaded, "prefix_cache", None)) else None
+        )
         logger.info("serving %s as %s", getattr(loaded, "model_dir", "?"), state.names)
         try:
             yield

@@ -138,11 +138,11 @@ class _PromptCacheCollector(Collector):
         ("evictions", "Snapshots evicted to stay within the byte budget"),
     )
 
-    def __init__(self, describe: Callable[[], dict[str, Any] | None]) -> None:
-        self.describe = describe
+    def __init__(self, figures: Callable[[], dict[str, Any] | None]) -> None:
+        self._figures = figures  # not ``describe``: the registry would call that
 
     def collect(self) -> Iterator[Any]:
-        figures = self.describe() or {}
+        figures = self._figures() or {}
         for name, doc in self._COUNTERS:
             family = CounterMetricFamily(f"mtpserve_prompt_cache_{name}", doc)
             family.add_metric([], figures.get(name, 0))

@@ -69,7 +69,7 @@ def _ask(client: openai.OpenAI, messages: list[dict], turn: dict[str, Any]) -> A
     kw: dict[str, Any] = dict(
         model="m",
         messages=messages,
-        max_tokens=turn.get("max_tokens", 24),
+        max_tokens=turn.get("max_tokens", 16),
         extra_body=extra,
     )
     if turn.get("seed") is not None:
@@ -88,10 +88,13 @@ def _reply(r: Any) -> tuple[str, str, int]:
     return c.message.content or "", c.finish_reason, r.usage.completion_tokens
 
 
-def _cancelled(srv: LiveServer) -> float:
+def _metric(srv: LiveServer, key: str) -> float:
     text = httpx.get(srv.url + "/metrics").text
-    key = 'mtpserve_generations_total{outcome="cancelled"}'
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _cancelled(srv: LiveServer) -> float:
+    return _metric(srv, 'mtpserve_generations_total{outcome="cancelled"}')
 
 
 def test_ten_turn_chat_equals_a_cold_server(servers: Any) -> None:
@@ -111,6 +114,7 @@ def test_ten_turn_chat_equals_a_cold_server(servers: Any) -> None:
         {"k": 2},
     ]
     messages = [{"role": "system", "content": "You write short Python helpers."}]
+    prompt_tokens = 0
     for i, turn in enumerate(turns):
         messages.append({"role": "user", "content": f"Turn {i}: write def f{i}(x) for me."})
         if turn.get("cancel"):
@@ -118,15 +122,16 @@ def test_ten_turn_chat_equals_a_cold_server(servers: Any) -> None:
             stream = warm.chat.completions.create(
                 model="m",
                 messages=messages,
-                max_tokens=600,
+                # long enough that only the disconnect can end it
+                max_tokens=warm_srv.app.state.mtp.engine.context_length - prompt_tokens - 200,
                 temperature=0,
                 stream=True,
                 extra_body={"draft_tokens": 2, "ignore_eos": True},
             )
             partial = ""
-            for chunk in stream:
+            for n, chunk in enumerate(stream):
                 partial += (chunk.choices[0].delta.content or "") if chunk.choices else ""
-                if chunk.choices and chunk.choices[0].delta.content:
+                if n >= 3:  # a few chunks (content or reasoning), then leave
                     break
             stream.close()  # the client goes away mid-generation
             messages.append({"role": "assistant", "content": partial})
@@ -141,12 +146,36 @@ def test_ten_turn_chat_equals_a_cold_server(servers: Any) -> None:
         assert c.usage.prompt_tokens_details.cached_tokens == 0
         cached = w.usage.prompt_tokens_details.cached_tokens
         assert (cached > 0) == (i > 0) and cached < w.usage.prompt_tokens
+        prompt_tokens = w.usage.prompt_tokens
         if i == 8:
             assert _cancelled(warm_srv) == before + 1, "the disconnected turn was not cancelled"
         messages.append({"role": "assistant", "content": _reply(w)[0]})
-    metrics = httpx.get(warm_srv.url + "/metrics").text
-    assert "mtpserve_prompt_cache_hits_total" in metrics
-    assert "mtpserve_prompt_cache_bytes" in metrics
+    # the same prompt again, streamed: the final usage chunk counts the whole prompt as cached
+    # (its end was snapshotted), and so does the completions endpoint
+    chunks = list(
+        warm.chat.completions.create(
+            model="m",
+            messages=messages[:-1],
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    ids = list(range(40, 140))
+    for expect in (0, len(ids) - 1):
+        r = warm.completions.create(model="m", prompt=ids, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == expect
+    # n > 1 prefills once: the later choices restore the first one's prompt snapshot
+    before = _metric(warm_srv, "mtpserve_prompt_cache_reused_tokens_total")
+    r = warm.completions.create(model="m", prompt=ids[:70], max_tokens=2, temperature=0, n=3)
+    reused = _metric(warm_srv, "mtpserve_prompt_cache_reused_tokens_total") - before
+    first = 0 if name == "demo" else 2 * TINY_BLOCK  # block ends within the 70 tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == first
+    assert reused == r.usage.prompt_tokens_details.cached_tokens + 2 * 69
+    assert _metric(warm_srv, "mtpserve_prompt_cache_bytes") > 0
 
 
 # -- engine-level: stops, re-rendering, budget, sharing, disk, cancellation ------------------
