@@ -7,8 +7,9 @@ P positions, as the ``Sequence`` invariant has it after prefill: engine.speculat
   **by block** of ``block_tokens`` positions in a trie keyed by each block's token ids: a prefix
   shared by many prompts (a system prompt) is held once;
 * the Gated-DeltaNet conv window and recurrent state of every GDN layer at P — not trimmable,
-  so they are kept only at chosen points (**snapshots**): every block end inside a prompt, the
-  end of every prompt, the end of every generation (after its final commit);
+  so they are kept only at chosen points (**snapshots**): block ends inside a prompt (every
+  ``snapshot_stride`` positions), where the prompt's last message begins, the end of every
+  prompt, the end of every generation (after its final commit);
 * the MTP head's KV for the pairs (h_t, x_{t+1}), t <= P-2, and the pending trunk state
   h_{P-1} (its pair needs x_P, which belongs to the next request). A block holds the head rows
   of the pairs whose x_{t+1} lies in the block, so a block's head rows depend on its own path
@@ -170,6 +171,8 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self.directory = Path(directory) if directory else None
         self.disk_budget_bytes = disk_budget_bytes
+        self._stride: int | None = None
+        self._unwritten: list[_Snapshot] = []
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load_index()
@@ -210,7 +213,7 @@ class PrefixCache:
         path = snap.node.path()
         try:
             self._load(snap, path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, struct.error) as exc:
             log.warning("prompt cache: skipping a stored snapshot: %s", exc)
             self.counters.disk_rejected += 1
             self._drop(snap)
@@ -320,9 +323,17 @@ class PrefixCache:
         self._fill(snap, layers, head_tail, _own(pending) if with_head else None)
         mx.eval(new + self._arrays(snap))
         self.counters.stored += 1
-        if self.directory is not None:
-            self._write(snap)
+        if self.directory is not None and snap not in self._unwritten:
+            self._unwritten.append(snap)
         self._evict()
+
+    def flush(self) -> None:
+        """Write the snapshots stored since the last flush to the disk tier (the engine calls
+        this after a generation's last event, so disk writes never delay a first token)."""
+        unwritten, self._unwritten = self._unwritten, []
+        for snap in unwritten:
+            if snap.loaded and snap.node.snapshots.get(snap.tail) is snap:
+                self._write(snap)
 
     @staticmethod
     def _arrays(snap: _Snapshot) -> list[mx.array]:
@@ -381,10 +392,16 @@ class PrefixCache:
             node.parent.children.pop(node.tokens, None)
             node = node.parent
 
-    def _evict(self) -> None:
-        while self.bytes_held > self.budget_bytes and self._lru:
+    def _evict(self, keep: _Snapshot | None = None) -> None:
+        """Least recently used snapshots out until within the budget (never ``keep``)."""
+        if keep is not None:
+            self._lru.move_to_end(id(keep))
+        while self.bytes_held > self.budget_bytes and len(self._lru) > (keep is not None):
             _, oldest = next(iter(self._lru.items()))
             self.counters.evictions += 1
+            if oldest in self._unwritten:  # the disk tier still gets it
+                self._unwritten.remove(oldest)
+                self._write(oldest)
             if oldest.on_disk:
                 self._unload(oldest)
             else:
@@ -473,14 +490,7 @@ class PrefixCache:
         else:
             self._fill(snap, layers, None, None)
         self.counters.disk_loads += 1
-        self._evict_except(snap)
-
-    def _evict_except(self, keep: _Snapshot) -> None:
-        self._lru.move_to_end(id(keep))
-        while self.bytes_held > self.budget_bytes and len(self._lru) > 1:
-            _, oldest = next(iter(self._lru.items()))
-            self.counters.evictions += 1
-            self._unload(oldest) if oldest.on_disk else self._drop(oldest)
+        self._evict(keep=snap)
 
     def _load_index(self) -> None:
         """Register every snapshot file of this model found in the directory (headers only)."""
@@ -488,13 +498,16 @@ class PrefixCache:
         for path in sorted(self.directory.glob("s-*.mtpc"), key=lambda p: p.stat().st_mtime):
             try:
                 header = _read_header(path)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, KeyError, struct.error) as exc:
                 log.warning("prompt cache: skipping %s: %s", path.name, exc)
                 continue
             if header.get("fingerprint") != self.fingerprint or header.get("block_tokens") != B:
                 log.info("prompt cache: skipping %s (another model or block size)", path.name)
                 continue
-            tokens = header["tokens"]
+            tokens = header.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                log.warning("prompt cache: skipping %s (no token key)", path.name)
+                continue
             node = self.root
             for k in range(len(tokens) // B):
                 key = tuple(tokens[k * B : (k + 1) * B])
@@ -548,6 +561,24 @@ class PrefixCache:
 
     def _all_snapshots(self) -> list[_Snapshot]:
         return [s for b in self._all_blocks() for s in b.snapshots.values()]
+
+    def snapshot_stride(self, seq: Any) -> int:
+        """Positions between in-prompt snapshots: the multiple of the block whose KV (trunk and
+        head) weighs at least one snapshot's GDN states, so in-prompt snapshots at most double
+        a prompt's bytes (demo model: a snapshot weighs ~270 positions of KV, so every 512;
+        Qwen3.5-0.8B: ~1,400, so every 1,536)."""
+        if self._stride is None:
+            gdn = kv = 0
+            for c in seq.trunk_cache.layers:
+                if isinstance(c, KVCache):
+                    kv += 2 * c.keys[..., :1, :].nbytes
+                else:
+                    gdn += c.conv.nbytes + c.recurrent.nbytes
+            if seq.head_cache is not None and seq.head_cache.keys is not None:
+                kv += 2 * seq.head_cache.keys[..., :1, :].nbytes
+            blocks = -(-gdn // max(kv * self.block_tokens, 1))
+            self._stride = self.block_tokens * max(1, blocks)
+        return self._stride
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -681,7 +712,7 @@ def prefill_hook(
     cache), then whether to go on (False once the request is cancelled)."""
 
     def after_chunk(seq: Any) -> bool:
-        if cache is not None and seq.trunk_cache.length % cache.block_tokens == 0:
+        if cache is not None and seq.trunk_cache.length % cache.snapshot_stride(seq) == 0:
             cache.store(seq, trunk, head)
         return not cancelled()
 

@@ -309,6 +309,7 @@ class Engine:
         """Snapshot a finished generation (after its final commit) for the next turn."""
         if self.prefix_cache is not None:
             self.prefix_cache.store(seq, self.trunk, self.loaded.head)
+            self.prefix_cache.flush()
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
