@@ -79,7 +79,11 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
         {"role": "system", "content": "You are a careful Python reviewer."}
     ]
     rows = []
+    before_last = cache_dir.with_name(cache_dir.name + "-before-last-turn")
     for i, text in enumerate(texts):
+        if i == len(texts) - 1:  # what a server restarted before the last turn finds on disk
+            shutil.rmtree(before_last, ignore_errors=True)
+            shutil.copytree(cache_dir, before_last)
         ask = "Review this file:\n" if i == 0 else "And this part:\n"
         messages.append({"role": "user", "content": ask + text})
         prompt = chat_prompt_ids(tok, messages)
@@ -113,12 +117,11 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
     last_prompt = chat_prompt_ids(tok, messages[:-1])
     del engine, cache
     restarted = Engine.load(args.model, draft_tokens=args.draft_tokens)
-    restarted.enable_prefix_cache(args.cache_bytes, cache_dir)
     _ttft(restarted, tok.encode("def warm(up):\n    pass\n"), 4, args.draft_tokens)
-    disk_cache = restarted.prefix_cache
-    restarted.prefix_cache = None
     cold, cold_out = _ttft(restarted, last_prompt, args.max_tokens, args.draft_tokens)
-    restarted.prefix_cache = disk_cache
+    # the disk tier as it was after turn N-1: the last turn resumes a chat of the old server
+    restarted.enable_prefix_cache(args.cache_bytes, before_last)
+    disk_cache = restarted.prefix_cache
     warm, warm_out = _ttft(restarted, last_prompt, args.max_tokens, args.draft_tokens)
     if warm_out != cold_out:
         raise RuntimeError("the reply restored from disk differs from the cold one")
@@ -143,13 +146,16 @@ def chunk_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     engine = Engine.load(args.model, draft_tokens=args.draft_tokens)
     text = "\n".join(p.read_text() for p in SOURCES)
     prompt = engine.tokenizer.encode(text)[: args.sweep_tokens]
+    times: dict[int, list[float]] = {chunk: [] for chunk in args.chunks}
+    for _ in range(args.repeats):  # interleaved rounds: a load change hits every size alike
+        for chunk in args.chunks:
+            engine.prefill_chunk = chunk
+            times[chunk].append(_ttft(engine, prompt, 1, 0)[0])
     out = []
-    for chunk in args.chunks:
-        engine.prefill_chunk = chunk
-        times = [_ttft(engine, prompt, 1, 0)[0] for _ in range(args.repeats)]
-        best = min(times)
+    for chunk, seen in times.items():
+        best = min(seen)
         out.append({"chunk": chunk, "prefill_s": best, "tokens_per_s": len(prompt) / best})
-        print(f"chunk {chunk:4d}: {len(prompt)} tokens in {best * 1000:.0f} ms", flush=True)
+        print(f"chunk {chunk:4d}: {len(prompt)} tokens in {best * 1000:.0f} ms (best)", flush=True)
     engine.enable_prefix_cache(1 << 30, block_tokens=256)
     _ttft(engine, prompt[:600], 1, 2)
     cache = engine.prefix_cache
