@@ -409,3 +409,20 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
     assert engine.prefill_chunk == 256 and len(long_prompt) > 15 * 256
     # the long prompt ran one chunk; the short one's prefill came next
     assert calls[0] == ("prefill", 256) and calls[1] == ("prefill", len(short) - 1)
+
+
+def test_cli_flags_reach_the_settings(tmp_path: Path) -> None:
+    import argparse
+
+    from server.cli import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(
+        ["--prompt-cache-bytes", "0", "--prompt-cache-dir", str(tmp_path)]
+        + ["--prompt-cache-disk-bytes", "1000"]
+    )
+    settings = settings_from_args(args)
+    assert settings.prompt_cache_bytes == 0 and settings.prompt_cache_dir == str(tmp_path)
+    assert settings.prompt_cache_disk_bytes == 1000
+    assert ServerSettings().prompt_cache_bytes == 1 << 30  # the default the README states
