@@ -492,6 +492,13 @@ class DistributedEngine(Engine):
     def __post_init__(self) -> None:
         self.leader = getattr(self.loaded.trunk, "mtpserve_leader", None)
 
+    def enable_prefix_cache(self, budget_bytes: int, *args: Any, **kwargs: Any) -> None:
+        """The conversation cache restores trunk caches by building new arrays, which the
+        followers would never see (they mirror only ``TrunkCache`` operations): off here."""
+        if budget_bytes > 0:
+            log.warning("the conversation cache is off under mlx.launch (sharded trunk)")
+        super().enable_prefix_cache(0)
+
     @property
     def on_lost(self) -> list[Callable[[BaseException], None]]:
         """Callbacks run once when the group is lost (the server fails its queue there)."""

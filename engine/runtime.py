@@ -27,6 +27,7 @@ from engine.api import (
     TokenLogprob,
 )
 from engine.speculative import (
+    PREFILL_CHUNK,
     CacheSnapshot,
     CycleResult,
     LaunchedCycle,
@@ -35,6 +36,8 @@ from engine.speculative import (
     commit_unread,
     finish_unread,
     launch_cycle,
+    new_sequence,
+    prefill,
     read_cycle,
     start_sequence,
 )
@@ -82,6 +85,10 @@ class Engine:
     #: tokens the head drafts over (see set_draft_vocab) and the bytes that subset costs
     draft_vocab_size: int = 0
     draft_vocab_bytes: int = 0
+    #: the conversation cache (engine.prefix_cache.PrefixCache); None: every prompt is prefilled
+    prefix_cache: Any = None
+    #: prefill chunk (= the cache's block): chunks end at its multiples, cached or not
+    prefill_chunk: int = PREFILL_CHUNK
 
     @classmethod
     def load(
@@ -144,6 +151,31 @@ class Engine:
         ids |= {i for i in added if i < self.vocab_size}
         self.draft_vocab_bytes = head.set_draft_vocab(self.trunk, sorted(ids))
         self.draft_vocab_size = len(ids)
+
+    def enable_prefix_cache(
+        self,
+        budget_bytes: int,
+        directory: str | Path | None = None,
+        disk_budget_bytes: int | None = None,
+        block_tokens: int = PREFILL_CHUNK,
+    ) -> None:
+        """Reuse cached prompt prefixes (engine.prefix_cache); ``budget_bytes`` 0 turns it off."""
+        from engine.prefix_cache import DEFAULT_DISK_BUDGET_BYTES, PrefixCache, model_fingerprint
+
+        self.prefill_chunk = block_tokens
+        if budget_bytes <= 0:
+            self.prefix_cache = None
+            return
+        dtype = str(self.trunk.model.embed_tokens.weight.dtype)
+        extra = f"{dtype}|{self.loaded.head_source}|{self.draft_vocab_size}"
+        self.prefix_cache = PrefixCache(
+            self.trunk,
+            budget_bytes=budget_bytes,
+            block_tokens=block_tokens,
+            directory=directory,
+            disk_budget_bytes=disk_budget_bytes or DEFAULT_DISK_BUDGET_BYTES,
+            fingerprint=model_fingerprint(self.loaded.model_dir, extra),
+        )
 
     # -- facts the server and CLI need -------------------------------------------------------
     @property
@@ -209,8 +241,80 @@ class Engine:
         self.check(request)
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
-        seq = self.start(request, policy)
-        yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
+        seq = self.start_cached(request, policy, cancelled)
+        if seq is None:  # cancelled during the prefill
+            stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+            stats.prompt_seconds = time.perf_counter() - t0
+            yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+            return
+        try:
+            yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
+        except GeneratorExit:  # the consumer stopped at a yield: the sequence is consistent
+            self._keep(seq)
+            raise
+        self._keep(seq)
+
+    def start_cached(
+        self,
+        request: GenerationRequest,
+        policy: DraftPolicy,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Sequence | None:
+        """Restore the longest cached prefix of the prompt, prefill the rest in chunks (a
+        snapshot at each block end and at the prompt's end); None if cancelled meanwhile."""
+        use_head = policy.fixed != 0 and self.has_head
+        head = self.loaded.head
+        seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
+        seq.draft_confidence = self.draft_confidence
+        cache = self.prefix_cache
+        if cache is not None:
+            restored = cache.lookup(request.prompt_ids, use_head)
+            if restored is not None:
+                seq.trunk_cache.layers = restored.layers
+                if use_head:
+                    seq.head_cache = restored.head_cache
+                    seq.head_pending = [restored.head_pending]
+                seq.restored = restored.position
+        from engine.prefix_cache import prefill_hook
+
+        # Also a snapshot where the prompt's last message begins (its last turn marker): a
+        # template that re-renders the previous reply (Qwen's drops its <think> block) still
+        # matches the next prompt up to there.
+        body = request.prompt_ids[: len(request.prompt_ids) - 1]
+        stops = [len(body)]
+        turn = self._turn_marker()
+        if cache is not None and turn is not None and turn in body:
+            marker = len(body) - 1 - body[::-1].index(turn)
+            if marker > seq.restored:
+                stops.insert(0, marker)
+        hook = prefill_hook(cache, self.trunk, head, cancelled)
+        for stop in stops:
+            fed = prefill(
+                self.trunk,
+                head,
+                seq,
+                body[seq.trunk_cache.length : stop],
+                chunk_tokens=self.prefill_chunk,
+                after_chunk=hook,
+            )
+            if not fed:
+                return None
+            if cache is not None:
+                cache.store(seq, self.trunk, head)
+        return seq
+
+    def _turn_marker(self) -> int | None:
+        """The id of ``<|im_start|>`` (ChatML's turn marker) if the tokenizer has it."""
+        if "_turn_marker_id" not in self.__dict__:
+            vocab = getattr(self.tokenizer, "get_vocab", dict)()
+            self.__dict__["_turn_marker_id"] = vocab.get("<|im_start|>")
+        return self.__dict__["_turn_marker_id"]
+
+    def _keep(self, seq: Sequence) -> None:
+        """Snapshot a finished generation (after its final commit) for the next turn."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(seq, self.trunk, self.loaded.head)
+            self.prefix_cache.flush()
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
@@ -236,7 +340,7 @@ class Engine:
     ) -> Iterator[GenerationEvent]:
         """Decode up to ``request.max_tokens`` more tokens onto ``seq`` (which may continue)."""
         policy = policy or self.policy(request.draft_tokens, request.sampling)
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), cached_tokens=seq.restored)
         stats.prompt_seconds = prompt_seconds
         stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS
         stats.k_histogram = [0] * (MAX_DRAFT_TOKENS + 1)

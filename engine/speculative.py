@@ -36,6 +36,7 @@ out unwanted (a stop) is undone with ``CacheSnapshot``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,11 @@ from sampling.distribution import (
 )
 from sampling.params import SamplingParams
 
-PREFILL_CHUNK = 512
+#: Prefill chunk, and the prefix cache's block: chunks end at its multiples (``prefill``), so a
+#: prompt resumed at a cached block boundary runs the chunks a cold prefill runs; the prefill
+#: checks for cancellation between chunks. 256 by measurement (docs/BENCHMARKS.md,
+#: "Conversation cache").
+PREFILL_CHUNK = 256
 #: most pending positions a drafting cycle's first head step catches up on: engine.autok's
 #: MAX_PROBE_INTERVAL (plain cycles between probes) plus one cycle's commit, so that auto K's
 #: probes never skip
@@ -77,6 +82,8 @@ class Sequence:
     unread_token: mx.array | None = None
     #: committed positions the head's cache skipped (module docstring)
     head_skipped: int = 0
+    #: prompt positions restored from the prefix cache instead of prefilled
+    restored: int = 0
 
     @property
     def head_position(self) -> int:
@@ -144,11 +151,24 @@ def start_sequence(
     use_head: bool,
 ) -> Sequence:
     """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks."""
+    seq = new_sequence(trunk, head, prompt_ids, params, use_head)
+    prefill(trunk, head, seq, prompt_ids[:-1])
+    return seq
+
+
+def new_sequence(
+    trunk: Any,
+    head: MTPHead | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    use_head: bool,
+) -> Sequence:
+    """A sequence for ``prompt_ids`` with empty caches, its penalty history and PRNG key."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
     seed = params.seed if params.seed is not None else int.from_bytes(_entropy(), "little")
     history = PenaltyHistory(trunk.args.vocab_size, prompt_ids) if params.uses_history else None
-    seq = Sequence(
+    return Sequence(
         tokens=list(prompt_ids),
         params=params,
         trunk_cache=new_trunk_cache(trunk),
@@ -156,21 +176,39 @@ def start_sequence(
         history=history,
         key=mx.random.key(seed),
     )
-    _prefill(trunk, head, seq, prompt_ids[:-1])
-    return seq
 
 
-def _prefill(trunk: Any, head: MTPHead | None, seq: Sequence, body: list[int]) -> None:
+def prefill(
+    trunk: Any,
+    head: MTPHead | None,
+    seq: Sequence,
+    body: list[int],
+    chunk_tokens: int = PREFILL_CHUNK,
+    after_chunk: Callable[[Sequence], bool] | None = None,
+) -> bool:
     """Feed ``body`` (tokens after the cache's end) through the trunk in chunks, and their
-    committed pairs through the head's cache (the last pair stays pending for the next draft)."""
+    committed pairs through the head's cache (the last pair stays pending for the next draft).
+
+    Chunks end at multiples of ``chunk_tokens`` counted from position 0, so a prefill resumed
+    from a cached block boundary runs the same chunks as a cold one. ``after_chunk(seq)`` runs
+    after each chunk (the sequence is then at a consistent point); when it returns False the
+    prefill stops there and this returns False (cancellation).
+    """
+    done = seq.trunk_cache.length
     with all_cores():
-        for start in range(0, len(body), PREFILL_CHUNK):
-            chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
+        start = 0
+        while start < len(body):
+            end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
+            chunk = mx.array(body[start:end])[None]
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
             if seq.head_cache is not None:
                 seq.head_pending.append(hidden)
                 _absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+            start = end
+            if after_chunk is not None and not after_chunk(seq):
+                return False
+    return True
 
 
 def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
@@ -359,7 +397,7 @@ def extend_sequence(trunk: Any, head: MTPHead | None, seq: Sequence, token_ids: 
         return
     body = [seq.tokens[-1], *token_ids[:-1]]
     seq.tokens.extend(token_ids)
-    _prefill(trunk, head, seq, body)
+    prefill(trunk, head, seq, body)
     if seq.history is not None:
         # Appended text counts as prompt (seen) for the repetition penalty, not as output.
         seq.history.seen[mx.array(token_ids)] = True

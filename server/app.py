@@ -121,6 +121,9 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         state.attach_engine(loaded)
         if hasattr(loaded, "on_lost"):  # a sharded engine that lost a rank fails the queue
             loaded.on_lost.append(scheduler.abort)
+        metrics.bind_prompt_cache(
+            lambda: cache.describe() if (cache := getattr(loaded, "prefix_cache", None)) else None
+        )
         logger.info("serving %s as %s", getattr(loaded, "model_dir", "?"), state.names)
         try:
             yield

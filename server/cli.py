@@ -61,6 +61,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="default chat-template arguments, e.g. '{\"enable_thinking\": false}' "
         "(a request's chat_template_kwargs override them key by key)",
     )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        dest="prompt_cache_bytes",
+        type=int,
+        help="memory budget of the conversation cache in bytes (default 1 GiB; 0: off)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        dest="prompt_cache_dir",
+        help="keep the conversation cache on disk here too (survives restarts)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        dest="prompt_cache_disk_bytes",
+        type=int,
+        help="byte budget of --prompt-cache-dir (default 8 GiB)",
+    )
     parser.add_argument("--config", help="TOML settings file (default: configs/server.toml)")
     parser.add_argument(
         "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
@@ -82,6 +99,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "served_model_names",
             "log_level",
             "chat_template_kwargs",
+            "prompt_cache_bytes",
+            "prompt_cache_dir",
+            "prompt_cache_disk_bytes",
         )
     }
     draft = getattr(args, "draft_tokens", None)
@@ -104,12 +124,18 @@ def engine_factory(settings: ServerSettings) -> Any:
         # the sharded engine (engine.distributed)
         from engine.distributed import engine_class
 
-        return engine_class().load(
+        engine = engine_class().load(
             settings.model,
             draft_tokens=settings.draft_tokens,
             mtp_weights=settings.mtp_weights,
             draft_vocab=settings.draft_vocab,
         )
+        engine.enable_prefix_cache(
+            settings.prompt_cache_bytes,
+            settings.prompt_cache_dir,
+            settings.prompt_cache_disk_bytes,
+        )
+        return engine
 
     return load
 

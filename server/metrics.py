@@ -7,7 +7,8 @@ come from the same ``GenerationStats`` that ``usage`` reports, so /metrics, usag
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,6 +18,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.api import GenerationStats
 
@@ -117,5 +120,38 @@ class ServerMetrics:
         accepted = self.draft_accepted._value.get()
         self.acceptance_rate.set(accepted / proposed if proposed else 0.0)
 
+    def bind_prompt_cache(self, describe: Callable[[], dict[str, Any] | None]) -> None:
+        """Expose the engine's conversation-cache counters (read at scrape time)."""
+        self.registry.register(_PromptCacheCollector(describe))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector(Collector):
+    """The engine's prefix-cache figures (``PrefixCache.describe()``) as Prometheus samples."""
+
+    _COUNTERS = (
+        ("lookups", "Prompt-cache lookups (one per generation)"),
+        ("hits", "Lookups that restored a cached prefix"),
+        ("reused_tokens", "Prompt tokens restored from the cache instead of prefilled"),
+        ("evictions", "Snapshots evicted to stay within the byte budget"),
+    )
+
+    def __init__(self, figures: Callable[[], dict[str, Any] | None]) -> None:
+        self._figures = figures  # not ``describe``: the registry would call that
+
+    def collect(self) -> Iterator[Any]:
+        figures = self._figures() or {}
+        for name, doc in self._COUNTERS:
+            family = CounterMetricFamily(f"mtpserve_prompt_cache_{name}", doc)
+            family.add_metric([], figures.get(name, 0))
+            yield family
+        held = GaugeMetricFamily("mtpserve_prompt_cache_bytes", "Bytes the prompt cache holds")
+        held.add_metric([], figures.get("bytes_held", 0))
+        yield held
+        snaps = GaugeMetricFamily(
+            "mtpserve_prompt_cache_snapshots", "Snapshots held in memory by the prompt cache"
+        )
+        snaps.add_metric([], figures.get("snapshots", 0))
+        yield snaps

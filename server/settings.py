@@ -64,6 +64,11 @@ class ServerSettings(BaseSettings):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     #: Seconds of silence after which a stream sends a keep-alive ping (long prefills).
     sse_ping_seconds: float = Field(15.0, gt=0)
+    #: Memory budget of the conversation (prefix) cache in bytes; 0 turns the cache off.
+    prompt_cache_bytes: int = Field(1 << 30, ge=0)
+    #: Folder for the cache's disk tier (None: memory only), and that tier's byte budget.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = Field(8 << 30, ge=0)
 
     @field_validator("chat_template_kwargs", mode="before")
     @classmethod
