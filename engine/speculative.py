@@ -262,7 +262,8 @@ def launch_cycle(
     verify_in = mx.concatenate([last, drafts])[None]
     hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
     logits = project_to_vocab(trunk, hidden)[0]
-    history = seq.history.rows(drafts, k + 1) if seq.history else None
+    # Rows for the drafts made, not the K asked for: a confidence cut may have drafted fewer.
+    history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None
     if profile:
         mx.eval(logits, seq.trunk_cache.arrays())
     t_verified = time.perf_counter()

@@ -185,6 +185,27 @@ def test_plain_look_ahead_changes_no_token(load_engine, k: int | None) -> None:
     assert tokens(sampled, False) != tokens(unpenalised, False)
 
 
+def test_confidence_cut_with_penalties_runs(load_engine) -> None:
+    """A draft-confidence cut drafts fewer than K tokens; with penalties the verify pass's
+    history rows must follow the drafts made (they followed the K asked for and crashed)."""
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    penalised = [
+        SamplingParams(temperature=1.0, top_k=40, presence_penalty=1.0, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ]
+    engine.draft_confidence = 0.9
+    try:
+        for params in penalised:
+            trace: list[dict] = []
+            request = GenerationRequest(prompt, params, 40, draft_tokens=3, ignore_eos=True)
+            tokens, _ = run(engine, request, trace)
+            assert len(tokens) == 40
+            assert any(0 < len(line["draft"]) < 3 for line in trace)  # the cut happened
+    finally:
+        engine.draft_confidence = None
+
+
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
