@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine import loader
 from engine.api import (
+    MAX_DRAFT_TOKENS,
     ContextLengthExceeded,
     GenerationEvent,
     GenerationRequest,
@@ -47,8 +48,6 @@ from sampling.params import (
 
 log = logging.getLogger("mtpserve.engine")
 
-#: Largest K a request may ask for.
-MAX_DRAFT_TOKENS = 8
 #: Optional file in a model folder: token ids by corpus frequency, for the draft vocabulary.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 

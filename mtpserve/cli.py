@@ -28,12 +28,12 @@ def default_model() -> str:
 
 
 def parse_draft_tokens(value: str) -> int | None:
-    if value == "auto":
-        return None
-    k = int(value)
-    if k < 0:
-        raise argparse.ArgumentTypeError("draft tokens must be >= 0 or 'auto'")
-    return k
+    from engine.api import parse_draft_tokens as parse
+
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

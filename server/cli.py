@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import Any
 
+from engine.api import parse_draft_tokens
 from server.settings import ServerSettings, load_settings
 
 #: shared by `serve`, `generate` and `bench`
@@ -78,7 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     }
     draft = getattr(args, "draft_tokens", None)
     if draft is not None:
-        overrides["draft_tokens"] = None if str(draft).lower() == "auto" else int(draft)
+        overrides["draft_tokens"] = parse_draft_tokens(draft)  # a bad K fails here, at start
     settings = load_settings(getattr(args, "config", None), **overrides)
     if draft is not None and str(draft).lower() == "auto":
         settings.draft_tokens = None

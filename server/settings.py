@@ -21,6 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from engine.api import parse_draft_tokens
 from sampling.params import SamplingOverrides, preset
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "server.toml"
@@ -38,7 +39,7 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     #: Speculative draft length K (0 = plain decoding); None = the engine's automatic choice.
-    draft_tokens: int | None = Field(None, ge=0, le=32)
+    draft_tokens: int | None = None
     mtp_weights: str | None = None
     draft_vocab: int | None = Field(None, ge=0)
     #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
@@ -62,9 +63,9 @@ class ServerSettings(BaseSettings):
     @field_validator("draft_tokens", mode="before")
     @classmethod
     def _auto_is_none(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "auto", "none"):
+        if isinstance(value, str) and value.strip().lower() == "none":
             return None
-        return value
+        return parse_draft_tokens(value)  # 'auto' -> None; outside the engine's range: error
 
     @classmethod
     def settings_customise_sources(
