@@ -27,6 +27,7 @@ from engine.api import (
     RequestError,
     TokenLogprob,
 )
+from engine.memory import release_between_requests
 from engine.speculative import (
     CacheSnapshot,
     CycleResult,
@@ -92,10 +93,11 @@ class Engine:
         dtype: str = "auto",
         model_id: str | None = None,
         draft_vocab: int | None = None,
+        memory_limit: int | None = None,
     ) -> Engine:
         from transformers import AutoTokenizer
 
-        loaded = loader.load(model, mtp_weights=mtp_weights, dtype=dtype)
+        loaded = loader.load(model, mtp_weights=mtp_weights, dtype=dtype, memory_limit=memory_limit)
         tokenizer = AutoTokenizer.from_pretrained(str(loaded.model_dir))
         engine = cls(
             loaded=loaded,
@@ -203,8 +205,11 @@ class Engine:
         self.check(request)
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
-        seq = self.start(request, policy)
-        yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
+        try:
+            seq = self.start(request, policy)
+            yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
+        finally:
+            release_between_requests()
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
@@ -215,6 +220,7 @@ class Engine:
             request.prompt_ids,
             request.sampling,
             use_head=policy.fixed != 0,
+            coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
         return seq

@@ -45,10 +45,11 @@ from mlx_lm.models.cache import KVCache
 from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, trunk_hidden
-from sampling.acceptance import accept_drafts, accept_greedy
+from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
     Truncated,
+    coupled_draw,
     greedy_tokens,
     truncate,
     truncate_and_sample,
@@ -77,6 +78,15 @@ class Sequence:
     unread_token: mx.array | None = None
     #: committed positions the head's cache skipped (module docstring)
     head_skipped: int = 0
+    #: a seeded sampled request's seed: every draw is ``coupled_draw`` with noise fixed by
+    #: (seed, position), so its text does not depend on the K of each cycle (auto K follows
+    #: timings); None: draws from ``key`` and rejection sampling
+    coupled_seed: int | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The sequence position of the next token to draw."""
+        return len(self.tokens) + (0 if self.unread_token is None else 1)
 
     @property
     def head_position(self) -> int:
@@ -142,8 +152,13 @@ def start_sequence(
     prompt_ids: list[int],
     params: SamplingParams,
     use_head: bool,
+    coupled: bool = False,
 ) -> Sequence:
-    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks."""
+    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks.
+
+    ``coupled``: draw a seeded sampled request with ``coupled_draw`` (``Sequence.coupled_seed``):
+    for automatic K, whose choices follow the machine's timings; a fixed K is repeatable with
+    rejection sampling's draws already."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
     seed = params.seed if params.seed is not None else int.from_bytes(_entropy(), "little")
@@ -155,6 +170,7 @@ def start_sequence(
         head_cache=KVCache() if (head is not None and use_head) else None,
         history=history,
         key=mx.random.key(seed),
+        coupled_seed=params.seed if coupled and not params.greedy else None,
     )
     _prefill(trunk, head, seq, prompt_ids[:-1])
     return seq
@@ -224,6 +240,8 @@ def launch_cycle(
     #    last emitted token); later steps feed the head's own output and its draft token.
     draft_ids: list[mx.array] = []
     draft_rows: list[Truncated] = []
+    coupled = seq.coupled_seed is not None
+    position = seq.next_position
     if k > 0:
         out, logits = _absorb_pending(trunk, head, seq, keep_last=False)
         state, step_logits = out[:, -1:], logits[0, -1:]
@@ -232,6 +250,10 @@ def launch_cycle(
             history = seq.history.row_after(draft_ids) if seq.history else None
             if params.greedy:
                 d = greedy_tokens(step_logits, params, history)
+            elif coupled:
+                q = truncate(step_logits, params, history)
+                d = coupled_draw(q, seq.coupled_seed, mx.array([position + i]))
+                draft_rows.append(q)
             else:
                 q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
                 draft_rows.append(q)
@@ -271,6 +293,10 @@ def launch_cycle(
     # 3. Accept (on device); read_cycle syncs once.
     if params.greedy:
         n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
+    elif coupled:
+        rows = mx.arange(position, position + len(draft_ids) + 1)
+        targets = coupled_draw(truncate(logits, params, history), seq.coupled_seed, rows)
+        n_acc, next_token = accept_coupled(drafts, targets)
     elif not draft_ids:  # plain decoding: a draw from p_1, truncation and draw in one call
         n_acc = mx.array(0, dtype=mx.int32)
         next_token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]

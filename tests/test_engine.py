@@ -206,6 +206,35 @@ def test_confidence_cut_with_penalties_runs(load_engine) -> None:
         engine.draft_confidence = None
 
 
+def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> None:
+    """Auto K follows the machine's timings, so a seeded request's K differ from run to run: its
+    draws are coupled to (seed, position) and its text is the same whatever K each cycle
+    drafts. Three runs, the auto K costs skewed between them so that K really differs."""
+    from engine.autok import PatternChooser
+    from engine.runtime import DraftPolicy
+
+    engine = load_engine("dense-untied-sharded")
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=8.0, top_k=40, presence_penalty=0.5, seed=11)
+    request = GenerationRequest(prompt, params, 48, draft_tokens=None, ignore_eos=True)
+    runs = []
+    for calibration in ([1.0, 1.0], [0.3, 3.0], [3.0, 0.3]):  # as measured, plain, drafting
+        engine.policy(None, params)  # the sampled kind's costs exist from here on
+        engine.autok.kinds["sampled"].calibration = calibration
+        tokens, event = run(engine, request)
+        runs.append((tokens, event.stats.k_histogram))
+    assert runs[0][0] == runs[1][0] == runs[2][0] and len(runs[0][0]) == 48
+    assert runs[1][1][0] > runs[2][1][0]  # the runs drafted differently
+    # Any schedule of K gives that text (the pattern stands in for auto K's choices).
+    for pattern in ([3], [0, 0, 1, 2], [2, 0]):
+        seq = engine.start(request, DraftPolicy(fixed=None))
+        chooser = PatternChooser(pattern)
+        events = engine.decode(seq, request, policy=DraftPolicy(fixed=None, chooser=chooser))
+        assert [t for e in events for t in e.token_ids] == runs[0][0], pattern
+    # Unseeded requests are not coupled; neither are fixed-K ones (rejection sampling).
+    assert engine.start(request, DraftPolicy(fixed=2)).coupled_seed is None
+
+
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
