@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
+from engine import memory
 from engine.mtp import MTPHead
 
 log = logging.getLogger("mtpserve.loader")
@@ -243,34 +245,83 @@ def attach_head(model: nn.Module, weights: dict[str, mx.array], shift_norms: boo
 
 
 def load(
-    model: str, *, mtp_weights: str | None = None, dtype: str = "auto", with_head: bool = True
+    model: str,
+    *,
+    mtp_weights: str | None = None,
+    dtype: str = "auto",
+    with_head: bool = True,
+    memory_limit: int | None = None,
 ) -> LoadedModel:
+    """Load the trunk and attach the head. ``dtype`` auto keeps the stored dtype on GPUs and
+    uses fp32 on CPUs where it fits (``engine.memory.plan``; ``memory_limit`` bytes stands for
+    the memory available). Refuses with ``InsufficientMemory`` before reading any weight when
+    nothing fits. Each tensor is read and cast once (lazily mapped, evaluated in batches), so
+    loading never holds a second copy of the weights."""
     model_dir = resolve_model_dir(model)
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = json.loads(config_path.read_text())
+    files = _weight_files(model_dir)
+    if sidecar := (mtp_weights if with_head else None) or config.get(SIDECAR_CONFIG_KEY):
+        path = Path(sidecar).expanduser()
+        path = path if path.exists() else model_dir / path
+        files += [path] if path.exists() else []
+    size = memory.checkpoint_size(files)
+    chosen = memory.plan(size, dtype, mx.default_device() == mx.cpu, memory_limit)
+    log.info(
+        "loading %s: %.2f GB of weights in %s (stored as %s; %.1f GB available)",
+        model_dir.name,
+        chosen.needed / 1e9,
+        chosen.dtype,
+        size.stored_dtype,
+        chosen.available / 1e9,
+    )
+    t0 = time.perf_counter()
     net, config = load_model(model_dir, lazy=True, get_model_classes=_model_classes)
 
-    target = _target_dtype(dtype, config)
+    target = None if chosen.dtype == size.stored_dtype and dtype == "auto" else chosen.dtype
+    target = getattr(mx, target) if target else None
     if target is not None:
         net.set_dtype(target)  # floating parameters only; packed quantized weights stay
 
     head_source, reason = None, None
     if with_head:
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
-    mx.eval(net.parameters())
+    _materialise(net, chosen.needed)
+    log.info("weights loaded in %.1fs", time.perf_counter() - t0)
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)
+    memory.configure_device(chosen.needed)
     return LoadedModel(net, config, model_dir, head_source, reason)
 
 
-def _target_dtype(dtype: str, config: dict[str, Any]) -> mx.Dtype | None:
-    if dtype == "auto":
-        # bf16 matmuls are ~25x slower than fp32 on x86 CPUs (REFERENCE §10); keep the
-        # checkpoint dtype on GPUs. Quantized layers keep their packed weights either way.
-        return mx.float32 if mx.default_device() == mx.cpu else None
-    return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+#: bytes evaluated at a time while loading: bounds what a cast holds twice, and paces progress
+LOAD_BATCH_BYTES = 256 * 2**20
+
+
+def _materialise(net: nn.Module, total: int) -> None:
+    """Evaluate the lazily loaded (and cast) parameters a batch at a time, logging progress:
+    a tensor's stored copy is freed as soon as its cast is made."""
+    from mlx.utils import tree_flatten
+
+    params = [a for _, a in tree_flatten(net.parameters())]
+    t0, done, batch, batch_bytes, next_report = time.perf_counter(), 0, [], 0, 0.25
+    for array in params:
+        batch.append(array)
+        batch_bytes += array.nbytes
+        if batch_bytes >= LOAD_BATCH_BYTES or array is params[-1]:
+            mx.eval(batch)
+            done += batch_bytes
+            batch, batch_bytes = [], 0
+            if total > 4 * LOAD_BATCH_BYTES and done >= next_report * total:
+                log.info(
+                    "loaded %.1f of %.1f GB (%.0fs)",
+                    done / 1e9,
+                    total / 1e9,
+                    time.perf_counter() - t0,
+                )
+                next_report += 0.25
 
 
 def _load_head(

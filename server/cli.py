@@ -36,6 +36,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mtp-weights", dest="mtp_weights", help="MTP head sidecar file")
     parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype (default auto: as stored on GPUs, float32 on CPUs where it fits)",
+    )
+    parser.add_argument(
         "--draft-vocab",
         dest="draft_vocab",
         type=int,
@@ -69,6 +74,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "host",
             "port",
             "mtp_weights",
+            "dtype",
             "draft_vocab",
             "api_key",
             "preset",
@@ -100,6 +106,7 @@ def engine_factory(settings: ServerSettings) -> Any:
             draft_tokens=settings.draft_tokens,
             mtp_weights=settings.mtp_weights,
             draft_vocab=settings.draft_vocab,
+            dtype=settings.dtype,
         )
 
     return load

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -41,6 +41,8 @@ class ServerSettings(BaseSettings):
     #: Speculative draft length K (0 = plain decoding); None = the engine's automatic choice.
     draft_tokens: int | None = None
     mtp_weights: str | None = None
+    #: Weights dtype: auto (as stored on GPUs, float32 on CPUs where it fits) or a dtype name.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     draft_vocab: int | None = Field(None, ge=0)
     #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
     api_key: SecretStr | None = None
