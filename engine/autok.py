@@ -405,6 +405,107 @@ def measure_costs(
     )
 
 
+def estimate_costs(
+    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 1, every_length: bool = False
+) -> CostTable:
+    """A quick cost table from a few timed forwards (seconds, not minutes, on a large model):
+    the trunk over 1 and max_k+1 tokens with the vocabulary projection, and the head over 1 and
+    max_k+1 positions, each the lowest of ``reps`` timings after one warm-up (which compiles).
+    Forwards over 2..max_k tokens are interpolated linearly between them (a forward's cost is
+    affine in its tokens while weights, not arithmetic, bound it), or timed too with
+    ``every_length`` (the benchmark's cost table). Cycles follow the cost model:
+    a plain cycle is a one-token forward; a K-cycle one catch-up step, K-1 draft steps and the
+    (K+1)-token verify.
+
+    What the model leaves out (sampling, host syncs, the plain cycles' overlap) is learned in
+    the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
+    timed cycles on (``CALIBRATION_STALE`` weighs the first timings fully)."""
+    from engine.api import GenerationRequest
+    from engine.mtp import project_to_vocab
+    from engine.runtime import DraftPolicy
+    from engine.trunk import trunk_hidden
+    from sampling.params import SamplingParams
+
+    trunk, head = engine.trunk, engine.loaded.head
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(16)]
+    seq = engine.start(GenerationRequest(ids, SamplingParams(temperature=0.0), 1), DraftPolicy(1))
+    hidden_size = trunk.args.hidden_size
+
+    def timed(run: Any) -> float:
+        best = float("inf")
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def forward(n: int) -> None:
+        hidden = trunk_hidden(trunk, mx.array([ids[:n]]), seq.trunk_cache, capture=True)
+        mx.eval(hidden, project_to_vocab(trunk, hidden), seq.trunk_cache.arrays())
+        seq.trunk_cache.commit(1, n)  # the context grows by one token per forward
+
+    def head_run(n: int) -> None:
+        _, logits = head(trunk, mx.array([ids[:n]]), mx.zeros((1, n, hidden_size)), seq.head_cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        seq.head_cache.trim(n)
+
+    lengths = range(1, max_k + 2) if every_length else (1, max_k + 1)
+
+    def by_length(run: Any) -> list[float]:
+        timings = {n: timed(lambda n=n: run(n)) for n in lengths}
+        one, many = timings[1], timings[max_k + 1]
+        return [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
+
+    t0 = time.perf_counter()
+    trunk_times = by_length(forward)
+    absorb = by_length(head_run)
+    head_step = absorb[0]
+    cycle = [trunk_times[0]] + [
+        trunk_times[k] + absorb[0] + (k - 1) * head_step for k in range(1, max_k + 1)
+    ]
+    per_position = (absorb[-1] - absorb[0]) / max_k
+    log.info(
+        "auto K: estimated cycle costs from %d timed forwards in %.1fs: plain %.1f ms, "
+        "head step %.1f ms, verify of %d tokens %.1f ms (refined from the cycles that run)",
+        2 * len(lengths) * (reps + 1),
+        time.perf_counter() - t0,
+        1e3 * cycle[0],
+        1e3 * head_step,
+        max_k + 1,
+        1e3 * trunk_times[-1],
+    )
+    return CostTable(
+        cycle=cycle,
+        trunk=trunk_times,
+        head_step=head_step,
+        absorb=absorb,
+        absorb_far=absorb[-1] + per_position * (MAX_CATCH_UP - max_k - 1),
+        machine=platform.platform(),
+    )
+
+
+def cost_cache_path(engine: Any, kind: str) -> Path:
+    key = machine_key(engine.loaded.model_dir)
+    return CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
+
+
+def cached_costs(engine: Any, kind: str) -> CostTable | None:
+    path = cost_cache_path(engine, kind)
+    try:
+        return CostTable(**json.loads(path.read_text()))
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def save_costs(engine: Any, kind: str, costs: CostTable) -> None:
+    try:
+        path = cost_cache_path(engine, kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(costs)))
+    except OSError:
+        pass
+
+
 def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
     """The cost table for greedy (``params`` None) or for sampling with ``params``."""
     key = machine_key(engine.loaded.model_dir)
@@ -531,6 +632,13 @@ class AutoK:
         """The table scaled by the class factors (the tilts apply per K, in ``rates``)."""
         return self.costs.scaled(*self.calibration)
 
+    def refined_costs(self) -> CostTable:
+        """The calibrated table with each drafting K's tilt folded into its cycle: what the run
+        has learned, as a table to start from next time."""
+        table = self.calibrated_costs()
+        cycle = [c * self.tilt[min(k, len(self.tilt) - 1)] for k, c in enumerate(table.cycle)]
+        return replace(table, cycle=[table.cycle[0], *cycle[1:]])
+
     def rates(self, acceptance: list[float]) -> list[float]:
         """``calibrated_costs().rates(acceptance)``, each drafting K's divided by its tilt,
         without building the scaled table (run every cycle): a factor scales every cost of its
@@ -549,25 +657,57 @@ class AutoK:
         return RequestAutoK(self, AcceptanceCounts())
 
 
+#: timed cycles of a kind after which its calibrated table is written back to the disk cache
+SAVE_EVERY_TIMED = 64
+
+
 @dataclass
 class EngineAutoK:
-    """One ``AutoK`` per decoding kind, measured on first use."""
+    """One ``AutoK`` per decoding kind. Its table comes from the disk cache (what earlier runs
+    measured and refined), else the other kind's table, else ``estimate_costs`` (seconds): no
+    request waits on a long measurement. Live cycles refine it (``AutoK.calibrate``), and the
+    refined table goes back to the cache every ``SAVE_EVERY_TIMED`` timed cycles."""
 
     engine: Any
     kinds: dict[str, AutoK] = field(default_factory=dict)
+    saved_at: dict[str, int] = field(default_factory=dict)
 
     def for_request(self, params: Any) -> RequestAutoK:
         self.costs(params)
-        return self.kinds[decoding_kind(params)].for_request()
+        kind = decoding_kind(params)
+        self.save_refined(kind)
+        return self.kinds[kind].for_request()
 
     def costs(self, params: Any, refresh: bool = False) -> CostTable:
-        """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
+        """The cost table auto K uses for ``params``' kind (fully measured now if ``refresh``:
+        the bench's start-up table)."""
         kind = decoding_kind(params)
-        if kind not in self.kinds or refresh:
+        if refresh:
             sampler = representative_sampler(self.engine, params)
             costs = load_or_measure(self.engine, refresh, params=sampler)
-            self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
-        return self.kinds[kind].costs
+        elif kind in self.kinds:
+            return self.kinds[kind].costs
+        elif cached := cached_costs(self.engine, kind):
+            log.info("auto K: %s cycle costs from the cache", kind)
+            costs = cached
+        elif self.kinds:
+            # The other kind's calibrated table: sampled cycles add sampler work, which this
+            # kind's own calibration learns from its first timed cycles.
+            costs = next(iter(self.kinds.values())).refined_costs()
+            log.info("auto K: %s cycle costs start from the %s table", kind, next(iter(self.kinds)))
+        else:
+            costs = estimate_costs(self.engine)
+            save_costs(self.engine, kind, costs)
+        self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
+        self.saved_at[kind] = 0
+        return costs
+
+    def save_refined(self, kind: str) -> None:
+        """Write the kind's calibrated table to the disk cache once it has enough new timings."""
+        auto = self.kinds[kind]
+        if auto.timed_cycles - self.saved_at.get(kind, 0) >= SAVE_EVERY_TIMED:
+            save_costs(self.engine, kind, auto.refined_costs())
+            self.saved_at[kind] = auto.timed_cycles
 
 
 def decoding_kind(params: Any) -> str:
