@@ -92,13 +92,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
-    engine = Engine.load(
-        args.model,
-        draft_tokens=args.draft_tokens,
-        mtp_weights=args.mtp_weights,
-        dtype=args.dtype,
-        draft_vocab=args.draft_vocab,
-    )
+    from engine.memory import InsufficientMemory
+
+    try:
+        engine = Engine.load(
+            args.model,
+            draft_tokens=args.draft_tokens,
+            mtp_weights=args.mtp_weights,
+            dtype=args.dtype,
+            draft_vocab=args.draft_vocab,
+        )
+    except InsufficientMemory as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.chat:
         prompt_ids = chat_prompt_ids(
             engine.tokenizer,
