@@ -405,15 +405,22 @@ def measure_costs(
     )
 
 
+#: a warm-up forward slower than this (seconds) is timing enough: its compilation is a small
+#: part of it, and a large model's start-up should not wait on more
+SLOW_FORWARD = 0.5
+
+
 def estimate_costs(
-    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 1, every_length: bool = False
+    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 1, thorough: bool = False
 ) -> CostTable:
     """A quick cost table from a few timed forwards (seconds, not minutes, on a large model):
     the trunk over 1 and max_k+1 tokens with the vocabulary projection, and the head over 1 and
-    max_k+1 positions, each the lowest of ``reps`` timings after one warm-up (which compiles).
+    max_k+1 positions, each the lowest of ``reps`` timings after one warm-up (which compiles;
+    the warm-up alone when it is slower than ``SLOW_FORWARD``).
     Forwards over 2..max_k tokens are interpolated linearly between them (a forward's cost is
-    affine in its tokens while weights, not arithmetic, bound it), or timed too with
-    ``every_length`` (the benchmark's cost table). Cycles follow the cost model:
+    affine in its tokens while weights, not arithmetic, bound it). ``thorough`` (the
+    benchmark's cost table) times every length, ``reps`` times each. Cycles follow the cost
+    model:
     a plain cycle is a one-token forward; a K-cycle one catch-up step, K-1 draft steps and the
     (K+1)-token verify.
 
@@ -427,13 +434,15 @@ def estimate_costs(
     from sampling.params import SamplingParams
 
     trunk, head = engine.trunk, engine.loaded.head
-    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(16)]
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(8)]
     seq = engine.start(GenerationRequest(ids, SamplingParams(temperature=0.0), 1), DraftPolicy(1))
     hidden_size = trunk.args.hidden_size
 
     def timed(run: Any) -> float:
-        best = float("inf")
-        for _ in range(reps + 1):
+        t = time.perf_counter()
+        run()  # the warm-up compiles; on a large model that is a small part of a forward
+        best = time.perf_counter() - t
+        for _ in range(reps if thorough or best < SLOW_FORWARD else 0):
             t = time.perf_counter()
             run()
             best = min(best, time.perf_counter() - t)
@@ -449,7 +458,7 @@ def estimate_costs(
         mx.eval(mx.argmax(logits, axis=-1))
         seq.head_cache.trim(n)
 
-    lengths = range(1, max_k + 2) if every_length else (1, max_k + 1)
+    lengths = range(1, max_k + 2) if thorough else (1, max_k + 1)
 
     def by_length(run: Any) -> list[float]:
         timings = {n: timed(lambda n=n: run(n)) for n in lengths}
@@ -465,9 +474,8 @@ def estimate_costs(
     ]
     per_position = (absorb[-1] - absorb[0]) / max_k
     log.info(
-        "auto K: estimated cycle costs from %d timed forwards in %.1fs: plain %.1f ms, "
+        "auto K: estimated cycle costs from timed forwards in %.1fs: plain %.1f ms, "
         "head step %.1f ms, verify of %d tokens %.1f ms (refined from the cycles that run)",
-        2 * len(lengths) * (reps + 1),
         time.perf_counter() - t0,
         1e3 * cycle[0],
         1e3 * head_step,

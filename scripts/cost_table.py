@@ -58,9 +58,9 @@ def main() -> int:
 
     engine = Engine.load(args.model, draft_tokens=0, dtype=args.dtype)
     dtype = str(engine.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
-    full = estimate_costs(engine, reps=args.reps, every_length=True)
+    full = estimate_costs(engine, reps=args.reps, thorough=True)
     engine.set_draft_vocab(args.draft_vocab)
-    draft = estimate_costs(engine, reps=args.reps, every_length=True)
+    draft = estimate_costs(engine, reps=args.reps, thorough=True)
     engine.set_draft_vocab(0)
 
     greedy = SamplingParams(temperature=0.0)

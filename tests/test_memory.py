@@ -43,7 +43,9 @@ def test_loading_a_bf16_checkpoint_as_fp32_holds_one_copy(make_checkpoint) -> No
     with_head = measure(make_checkpoint(BF16), True)
     resident = with_head["trunk_bytes"] + with_head["head_bytes"]
     assert with_head["dtype"] == "float32"
-    assert with_head["load_peak"] <= 1.1 * resident, (with_head["load_peak"], resident)
+    # 1.1x is the promise; evaluated in one go (two copies of some tensors at once) it was
+    # 1.06-1.11x here, in batches 1.02x
+    assert with_head["load_peak"] <= 1.05 * resident, (with_head["load_peak"], resident)
 
 
 def test_memory_limit_chooses_fp32_then_the_stored_dtype_then_refuses(
