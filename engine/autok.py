@@ -411,7 +411,11 @@ SLOW_FORWARD = 0.5
 
 
 def estimate_costs(
-    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 1, thorough: bool = False
+    engine: Any,
+    max_k: int = MAX_AUTO_K,
+    reps: int = 1,
+    thorough: bool = False,
+    clock: Any = time.perf_counter,
 ) -> CostTable:
     """A quick cost table from a few timed forwards (seconds, not minutes, on a large model):
     the trunk over 1 and max_k+1 tokens with the vocabulary projection, and the head over 1 and
@@ -419,7 +423,8 @@ def estimate_costs(
     the warm-up alone when it is slower than ``SLOW_FORWARD``).
     Forwards over 2..max_k tokens are interpolated linearly between them (a forward's cost is
     affine in its tokens while weights, not arithmetic, bound it). ``thorough`` (the
-    benchmark's cost table) times every length, ``reps`` times each. Cycles follow the cost
+    benchmark's cost table) times every length, ``reps`` times each; ``clock`` is what times
+    them (the benchmark on a shared machine: the process's CPU time). Cycles follow the cost
     model:
     a plain cycle is a one-token forward; a K-cycle one catch-up step, K-1 draft steps and the
     (K+1)-token verify.
@@ -439,13 +444,13 @@ def estimate_costs(
     hidden_size = trunk.args.hidden_size
 
     def timed(run: Any) -> float:
-        t = time.perf_counter()
+        t = clock()
         run()  # the warm-up compiles; on a large model that is a small part of a forward
-        best = time.perf_counter() - t
+        best = clock() - t
         for _ in range(reps if thorough or best < SLOW_FORWARD else 0):
-            t = time.perf_counter()
+            t = clock()
             run()
-            best = min(best, time.perf_counter() - t)
+            best = min(best, clock() - t)
         return best
 
     def forward(n: int) -> None:
