@@ -439,7 +439,7 @@ def estimate_costs(
     from sampling.params import SamplingParams
 
     trunk, head = engine.trunk, engine.loaded.head
-    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(8)]
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max_k + 2)]
     seq = engine.start(GenerationRequest(ids, SamplingParams(temperature=0.0), 1), DraftPolicy(1))
     hidden_size = trunk.args.hidden_size
 
@@ -465,14 +465,24 @@ def estimate_costs(
 
     lengths = range(1, max_k + 2) if thorough else (1, max_k + 1)
 
-    def by_length(run: Any) -> list[float]:
-        timings = {n: timed(lambda n=n: run(n)) for n in lengths}
+    def by_length(run: Any, known: dict[int, float] | None = None) -> list[float]:
+        timings = dict(known or {})
+        timings |= {n: timed(lambda n=n: run(n)) for n in lengths if n not in timings}
         one, many = timings[1], timings[max_k + 1]
         return [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
 
     t0 = time.perf_counter()
-    trunk_times = by_length(forward)
-    absorb = by_length(head_run)
+    one = timed(lambda: forward(1))
+    if one > SLOW_FORWARD and not thorough:
+        # A slow model (a forward of seconds: bf16 weights on a CPU, a large model): one timed
+        # forward is all start-up waits for. Its weights bound it, so a verify of K+1 tokens is
+        # priced as one forward and a head step by the bytes it reads; the run's first cycles
+        # calibrate both classes (exploration drafts K=4 before the table decides anything).
+        trunk_times = [one] * (max_k + 1)
+        absorb = [one * head_bytes_ratio(engine)] * (max_k + 1)
+    else:
+        trunk_times = by_length(forward, {1: one})
+        absorb = by_length(head_run)
     head_step = absorb[0]
     cycle = [trunk_times[0]] + [
         trunk_times[k] + absorb[0] + (k - 1) * head_step for k in range(1, max_k + 1)
@@ -495,6 +505,27 @@ def estimate_costs(
         absorb_far=absorb[-1] + per_position * (MAX_CATCH_UP - max_k - 1),
         machine=platform.platform(),
     )
+
+
+def head_bytes_ratio(engine: Any) -> float:
+    """Bytes a head step reads over the bytes a plain step reads: its own layer and the output
+    projection (its draft-vocabulary rows when drafting over a subset), against the trunk's
+    weights (an untied input embedding is gathered, not read whole)."""
+    from mlx.utils import tree_flatten
+
+    trunk = engine.trunk
+    params = tree_flatten(trunk.parameters())
+    head = sum(a.nbytes for n, a in params if n.startswith("mtp."))
+    embed = trunk.model.embed_tokens.weight.nbytes
+    if trunk.args.tie_word_embeddings:
+        projection = embed
+        plain = sum(a.nbytes for n, a in params if not n.startswith("mtp."))
+    else:
+        projection = trunk.lm_head.weight.nbytes
+        plain = sum(a.nbytes for n, a in params if not n.startswith("mtp.")) - embed
+    if engine.draft_vocab_bytes:
+        projection = engine.draft_vocab_bytes
+    return (head + projection) / max(plain, 1)
 
 
 def cost_cache_path(engine: Any, kind: str) -> Path:

@@ -337,3 +337,18 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
     again = Engine.load(model)
     assert estimates == [1]  # read from the cache
     assert again.autok.costs(sampled).cycle == pytest.approx(kind.refined_costs().cycle)
+
+
+def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch) -> None:
+    """Where one forward takes seconds (bf16 on a CPU, a large model) start-up times only it:
+    a verify is priced as one forward, a head step by the bytes it reads."""
+    import engine.autok as autok
+
+    engine = load_engine("dense-tied", draft_tokens=0)
+    monkeypatch.setattr(autok, "SLOW_FORWARD", 0.0)
+    costs = autok.estimate_costs(engine)
+    ratio = autok.head_bytes_ratio(engine)
+    assert 0 < ratio < 1
+    assert costs.trunk == [costs.cycle[0]] * (MAX_AUTO_K + 1)
+    assert costs.head_step == pytest.approx(costs.cycle[0] * ratio)
+    assert costs.cycle[2] == pytest.approx(costs.cycle[0] * (1 + 2 * ratio))
