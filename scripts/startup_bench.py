@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--warm", action="store_true", help="use the existing cost cache")
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--ready-only", action="store_true", help="stop once the engine is ready")
     args = parser.parse_args()
     if not args.warm:
         os.environ["MTPSERVE_CACHE"] = tempfile.mkdtemp(prefix="mtpserve-cache-")
@@ -74,6 +75,18 @@ def main() -> int:
     params_all = tree_flatten(engine.trunk.parameters())
     resident = sum(a.nbytes for _, a in params_all)
 
+    out: dict = {
+        "model": str(args.model),
+        "dtype": str(engine.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core."),
+        "resident_bytes": resident,
+        "load_seconds": marks["weights_loaded"] - t0,
+        "ready_after_weights_seconds": ready - marks["weights_loaded"],
+        "load_peak_bytes": peaks["load_peak"],
+        "load_peak_rss_bytes": peaks["load_rss"],
+    }
+    if args.ready_only:
+        print(json.dumps(out, indent=2))
+        return 0
     prompt = [(i * 7919) % 1000 for i in range(args.prompt_tokens)]
 
     def first_token(params: SamplingParams, k: int | None, tokens: int = 8) -> tuple:
@@ -88,15 +101,6 @@ def main() -> int:
 
     sampled = resolve(engine.sampling_defaults)
     greedy = SamplingParams(temperature=0.0)
-    out: dict = {
-        "model": str(args.model),
-        "dtype": str(engine.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core."),
-        "resident_bytes": resident,
-        "load_seconds": marks["weights_loaded"] - t0,
-        "ready_after_weights_seconds": ready - marks["weights_loaded"],
-        "load_peak_bytes": peaks["load_peak"],
-        "load_peak_rss_bytes": peaks["load_rss"],
-    }
     for name, params in (("sampled", sampled), ("greedy", greedy)):
         first, first_cpu, stats, _ = first_token(params, None)
         again, again_cpu, _, _ = first_token(params, None)
