@@ -440,7 +440,9 @@ def estimate_costs(
 
     trunk, head = engine.trunk, engine.loaded.head
     ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max_k + 2)]
-    seq = engine.start(GenerationRequest(ids, SamplingParams(temperature=0.0), 1), DraftPolicy(1))
+    # A one-token prompt: nothing to prefill (on a slow model a prefill takes a forward too).
+    request = GenerationRequest(ids[:1], SamplingParams(temperature=0.0), 1)
+    seq = engine.start(request, DraftPolicy(1))
     hidden_size = trunk.args.hidden_size
 
     def timed(run: Any) -> float:

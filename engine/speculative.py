@@ -56,7 +56,10 @@ from sampling.distribution import (
 )
 from sampling.params import SamplingParams
 
-PREFILL_CHUNK = 512
+#: prompt tokens per prefill forward. At Qwen3.5-0.8B's shape on a CPU, chunks of 64 and 128
+#: prefilled ~21 tokens per CPU second and chunks of 256 ~5 (docs/BENCHMARKS.md §8): the
+#: Gated-DeltaNet layers' per-chunk work grows faster than the chunk
+PREFILL_CHUNK = 128
 #: most pending positions a drafting cycle's first head step catches up on: engine.autok's
 #: MAX_PROBE_INTERVAL (plain cycles between probes) plus one cycle's commit, so that auto K's
 #: probes never skip
