@@ -16,6 +16,24 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 #: ``draft_tokens=None`` asks the engine to choose K per cycle from measured costs.
 AUTO_DRAFT = None
+#: Largest K a request or a command-line flag may ask for (the verify pass's compiled shapes).
+MAX_DRAFT_TOKENS = 8
+
+
+def parse_draft_tokens(value: str | int | None) -> int | None:
+    """``'auto'`` (or None) -> None; an integer in 0..MAX_DRAFT_TOKENS -> itself; anything
+    else -> ``ValueError`` naming the range (flags fail at start, not on every request)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "")):
+        return AUTO_DRAFT
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        k = -1
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"draft tokens must be 'auto' or an integer in 0..{MAX_DRAFT_TOKENS}, got {value!r}"
+        )
+    return k
 
 
 @dataclass

@@ -414,6 +414,153 @@ def measure_costs(
     )
 
 
+#: a warm-up forward slower than this (seconds) is timing enough: its compilation is a small
+#: part of it, and a large model's start-up should not wait on more
+SLOW_FORWARD = 0.5
+
+
+def estimate_costs(
+    engine: Any,
+    max_k: int = MAX_AUTO_K,
+    reps: int = 1,
+    thorough: bool = False,
+    clock: Any = time.perf_counter,
+) -> CostTable:
+    """A quick cost table from a few timed forwards (seconds, not minutes, on a large model):
+    the trunk over 1 and max_k+1 tokens with the vocabulary projection, and the head over 1 and
+    max_k+1 positions, each the lowest of ``reps`` timings after one warm-up (which compiles;
+    the warm-up alone when it is slower than ``SLOW_FORWARD``).
+    Forwards over 2..max_k tokens are interpolated linearly between them (a forward's cost is
+    affine in its tokens while weights, not arithmetic, bound it). ``thorough`` (the
+    benchmark's cost table) times every length, ``reps`` times each; ``clock`` is what times
+    them (the benchmark on a shared machine: the process's CPU time). Cycles follow the cost
+    model:
+    a plain cycle is a one-token forward; a K-cycle one catch-up step, K-1 draft steps and the
+    (K+1)-token verify.
+
+    What the model leaves out (sampling, host syncs, the plain cycles' overlap) is learned in
+    the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
+    timed cycles on (``CALIBRATION_STALE`` weighs the first timings fully)."""
+    from engine.api import GenerationRequest
+    from engine.mtp import project_to_vocab
+    from engine.runtime import DraftPolicy
+    from engine.trunk import trunk_hidden
+    from sampling.params import SamplingParams
+
+    trunk, head = engine.trunk, engine.loaded.head
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max_k + 2)]
+    # A one-token prompt: nothing to prefill (on a slow model a prefill takes a forward too).
+    request = GenerationRequest(ids[:1], SamplingParams(temperature=0.0), 1)
+    seq = engine.start(request, DraftPolicy(1))
+    hidden_size = trunk.args.hidden_size
+
+    def timed(run: Any) -> float:
+        t = clock()
+        run()  # the warm-up compiles; on a large model that is a small part of a forward
+        best = clock() - t
+        for _ in range(reps if thorough or best < SLOW_FORWARD else 0):
+            t = clock()
+            run()
+            best = min(best, clock() - t)
+        return best
+
+    def forward(n: int) -> None:
+        hidden = trunk_hidden(trunk, mx.array([ids[:n]]), seq.trunk_cache, capture=True)
+        mx.eval(hidden, project_to_vocab(trunk, hidden), seq.trunk_cache.arrays())
+        seq.trunk_cache.commit(1, n)  # the context grows by one token per forward
+
+    def head_run(n: int) -> None:
+        _, logits = head(trunk, mx.array([ids[:n]]), mx.zeros((1, n, hidden_size)), seq.head_cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        seq.head_cache.trim(n)
+
+    lengths = range(1, max_k + 2) if thorough else (1, max_k + 1)
+
+    def by_length(run: Any, known: dict[int, float] | None = None) -> list[float]:
+        timings = dict(known or {})
+        timings |= {n: timed(lambda n=n: run(n)) for n in lengths if n not in timings}
+        one, many = timings[1], timings[max_k + 1]
+        return [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
+
+    t0 = time.perf_counter()
+    one = timed(lambda: forward(1))
+    if one > SLOW_FORWARD and not thorough:
+        # A slow model (a forward of seconds: bf16 weights on a CPU, a large model): one timed
+        # forward is all start-up waits for. Its weights bound it, so a verify of K+1 tokens is
+        # priced as one forward and a head step by the bytes it reads; the run's first cycles
+        # calibrate both classes (exploration drafts K=4 before the table decides anything).
+        trunk_times = [one] * (max_k + 1)
+        absorb = [one * head_bytes_ratio(engine)] * (max_k + 1)
+    else:
+        trunk_times = by_length(forward, {1: one})
+        absorb = by_length(head_run)
+    head_step = absorb[0]
+    cycle = [trunk_times[0]] + [
+        trunk_times[k] + absorb[0] + (k - 1) * head_step for k in range(1, max_k + 1)
+    ]
+    per_position = (absorb[-1] - absorb[0]) / max_k
+    log.info(
+        "auto K: estimated cycle costs from timed forwards in %.1fs: plain %.1f ms, "
+        "head step %.1f ms, verify of %d tokens %.1f ms (refined from the cycles that run)",
+        time.perf_counter() - t0,
+        1e3 * cycle[0],
+        1e3 * head_step,
+        max_k + 1,
+        1e3 * trunk_times[-1],
+    )
+    return CostTable(
+        cycle=cycle,
+        trunk=trunk_times,
+        head_step=head_step,
+        absorb=absorb,
+        absorb_far=absorb[-1] + per_position * (MAX_CATCH_UP - max_k - 1),
+        machine=platform.platform(),
+    )
+
+
+def head_bytes_ratio(engine: Any) -> float:
+    """Bytes a head step reads over the bytes a plain step reads: its own layer and the output
+    projection (its draft-vocabulary rows when drafting over a subset), against the trunk's
+    weights (an untied input embedding is gathered, not read whole)."""
+    from mlx.utils import tree_flatten
+
+    trunk = engine.trunk
+    params = tree_flatten(trunk.parameters())
+    head = sum(a.nbytes for n, a in params if n.startswith("mtp."))
+    embed = trunk.model.embed_tokens.weight.nbytes
+    if trunk.args.tie_word_embeddings:
+        projection = embed
+        plain = sum(a.nbytes for n, a in params if not n.startswith("mtp."))
+    else:
+        projection = trunk.lm_head.weight.nbytes
+        plain = sum(a.nbytes for n, a in params if not n.startswith("mtp.")) - embed
+    if engine.draft_vocab_bytes:
+        projection = engine.draft_vocab_bytes
+    return (head + projection) / max(plain, 1)
+
+
+def cost_cache_path(engine: Any, kind: str) -> Path:
+    key = machine_key(engine.loaded.model_dir)
+    return CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
+
+
+def cached_costs(engine: Any, kind: str) -> CostTable | None:
+    path = cost_cache_path(engine, kind)
+    try:
+        return CostTable(**json.loads(path.read_text()))
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def save_costs(engine: Any, kind: str, costs: CostTable) -> None:
+    try:
+        path = cost_cache_path(engine, kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(costs)))
+    except OSError:
+        pass
+
+
 def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
     """The cost table for greedy (``params`` None) or for sampling with ``params``."""
     key = machine_key(engine.loaded.model_dir)
@@ -540,6 +687,13 @@ class AutoK:
         """The table scaled by the class factors (the tilts apply per K, in ``rates``)."""
         return self.costs.scaled(*self.calibration)
 
+    def refined_costs(self) -> CostTable:
+        """The calibrated table with each drafting K's tilt folded into its cycle: what the run
+        has learned, as a table to start from next time."""
+        table = self.calibrated_costs()
+        cycle = [c * self.tilt[min(k, len(self.tilt) - 1)] for k, c in enumerate(table.cycle)]
+        return replace(table, cycle=[table.cycle[0], *cycle[1:]])
+
     def rates(self, acceptance: list[float]) -> list[float]:
         """``calibrated_costs().rates(acceptance)``, each drafting K's divided by its tilt,
         without building the scaled table (run every cycle): a factor scales every cost of its
@@ -558,25 +712,57 @@ class AutoK:
         return RequestAutoK(self, AcceptanceCounts())
 
 
+#: timed cycles of a kind after which its calibrated table is written back to the disk cache
+SAVE_EVERY_TIMED = 64
+
+
 @dataclass
 class EngineAutoK:
-    """One ``AutoK`` per decoding kind, measured on first use."""
+    """One ``AutoK`` per decoding kind. Its table comes from the disk cache (what earlier runs
+    measured and refined), else the other kind's table, else ``estimate_costs`` (seconds): no
+    request waits on a long measurement. Live cycles refine it (``AutoK.calibrate``), and the
+    refined table goes back to the cache every ``SAVE_EVERY_TIMED`` timed cycles."""
 
     engine: Any
     kinds: dict[str, AutoK] = field(default_factory=dict)
+    saved_at: dict[str, int] = field(default_factory=dict)
 
     def for_request(self, params: Any) -> RequestAutoK:
         self.costs(params)
-        return self.kinds[decoding_kind(params)].for_request()
+        kind = decoding_kind(params)
+        self.save_refined(kind)
+        return self.kinds[kind].for_request()
 
     def costs(self, params: Any, refresh: bool = False) -> CostTable:
-        """The cost table auto K uses for ``params``' kind (measured now if ``refresh``)."""
+        """The cost table auto K uses for ``params``' kind (fully measured now if ``refresh``:
+        the bench's start-up table)."""
         kind = decoding_kind(params)
-        if kind not in self.kinds or refresh:
+        if refresh:
             sampler = representative_sampler(self.engine, params)
             costs = load_or_measure(self.engine, refresh, params=sampler)
-            self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
-        return self.kinds[kind].costs
+        elif kind in self.kinds:
+            return self.kinds[kind].costs
+        elif cached := cached_costs(self.engine, kind):
+            log.info("auto K: %s cycle costs from the cache", kind)
+            costs = cached
+        elif self.kinds:
+            # The other kind's calibrated table: sampled cycles add sampler work, which this
+            # kind's own calibration learns from its first timed cycles.
+            costs = next(iter(self.kinds.values())).refined_costs()
+            log.info("auto K: %s cycle costs start from the %s table", kind, next(iter(self.kinds)))
+        else:
+            costs = estimate_costs(self.engine)
+            save_costs(self.engine, kind, costs)
+        self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
+        self.saved_at[kind] = 0
+        return costs
+
+    def save_refined(self, kind: str) -> None:
+        """Write the kind's calibrated table to the disk cache once it has enough new timings."""
+        auto = self.kinds[kind]
+        if auto.timed_cycles - self.saved_at.get(kind, 0) >= SAVE_EVERY_TIMED:
+            save_costs(self.engine, kind, auto.refined_costs())
+            self.saved_at[kind] = auto.timed_cycles
 
 
 def decoding_kind(params: Any) -> str:

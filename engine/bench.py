@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine.api import GenerationStats
+from engine.api import GenerationStats, parse_draft_tokens
 from engine.autok import decoding_kind, measure_costs, representative_sampler
 from engine.blas import blas_in_use
 
@@ -143,8 +143,15 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
 def run_ours(
     engine: Any, prompt_ids: list[int], params: Any, k: int | None, max_tokens: int, row: Row
 ) -> None:
+    from dataclasses import replace
+
     from engine.api import GenerationRequest
 
+    if k is None and params.seed is not None:
+        # A seeded auto-K request draws by the coupled rule (repeatable whatever K; lower
+        # acceptance): the bench measures auto K as unseeded requests run it, with rejection
+        # sampling like the fixed-K rows.
+        params = replace(params, seed=None)
     request = GenerationRequest(prompt_ids, params, max_tokens, draft_tokens=k, ignore_eos=True)
     event = None
     for event in engine.generate(request):
@@ -161,7 +168,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         args.model, draft_tokens=None, mtp_weights=args.mtp_weights, draft_vocab=args.draft_vocab
     )
     samplers = parse_samplers(args.sampler, engine)
-    ks: list[int | None] = [None if k == "auto" else int(k) for k in args.draft_tokens.split(",")]
+    ks: list[int | None] = [parse_draft_tokens(k) for k in args.draft_tokens.split(",")]
     if not engine.has_head:
         ks = [0]
     prompts = load_prompts(Path(args.prompts), engine.tokenizer, args.limit)
@@ -525,6 +532,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_token_list(value: str) -> str:
+    """Check every K of a comma-separated list at parse time (a CLI error naming the range)."""
+    try:
+        for k in value.split(","):
+            parse_draft_tokens(k)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
 def register(sub: Any) -> None:
     from mtpserve.cli import default_model
     from server.cli import DRAFT_VOCAB_HELP
@@ -533,7 +550,7 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default=default_model())
     p.add_argument("--mtp-weights", default=None)
     p.add_argument("--draft-vocab", type=int, default=None, help=DRAFT_VOCAB_HELP)
-    p.add_argument("--draft-tokens", default="0,1,2,3,4,auto")
+    p.add_argument("--draft-tokens", default="0,1,2,3,4,auto", type=_draft_token_list)
     p.add_argument("--sampler", default="greedy,preset:qwen")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))

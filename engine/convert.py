@@ -127,49 +127,26 @@ def source_head_files(model_dir: Path, config: dict[str, Any]) -> list[Path]:
     return loader._files_holding_mtp(model_dir)
 
 
-def _holds_conv1d_in_hf_layout(files: list[Path]) -> bool | None:
-    for f in files:
-        for k, v in mx.load(str(f)).items():  # lazy: shapes only
-            if "conv1d.weight" in k:
-                return v.shape[-1] != 1
-    return None
-
-
-def read_head(
-    files: list[Path], model_dir: Path | None
-) -> tuple[dict[str, mx.array], bool, dict[str, Any] | None]:
-    """(raw head tensors, whether their norms still need the +1, their quantization or None).
+def read_head(files: list[Path]) -> tuple[dict[str, mx.array], bool]:
+    """(raw head tensors, whether their norms still need the +1). Quantized layers carry their
+    bits and group size in their shapes (``loader.quantization_from_shapes``).
 
     Only ``mtp.*`` tensors are read (lazily); other tensors in the same files stay on disk.
     """
     tensors, metadata = loader.read_mtp_tensors(files)
-    if loader.SIDECAR_NORMS_SHIFTED in metadata:
-        shift = metadata[loader.SIDECAR_NORMS_SHIFTED] != "true"
-    elif model_dir is not None:
-        shift = loader._source_is_raw_hf(model_dir)
-    else:
-        # Downloaded shards only: mlx-lm conversions drop mtp.*, so a file that still holds it
-        # comes from an original (raw HF, zero-centred norms) checkpoint unless it says otherwise.
-        layout = _holds_conv1d_in_hf_layout(files)
-        shift = True if layout is None else layout
-    quantization = (
-        json.loads(metadata[SIDECAR_QUANTIZATION]) if SIDECAR_QUANTIZATION in metadata else None
-    )
-    return tensors, shift, quantization
+    return tensors, loader.head_norms_zero_centred(tensors, metadata)
 
 
 # -- building and writing a sidecar ----------------------------------------------------------
 
 
-def build_head(
-    args: Any, tensors: dict[str, mx.array], shift: bool, quantization: dict[str, Any] | None
-) -> MTPHead:
+def build_head(args: Any, tensors: dict[str, mx.array], shift: bool) -> MTPHead:
     """An ``MTPHead`` for trunk ``args`` loaded (strictly) with the given tensors, dequantized."""
     from mlx_lm.utils import dequantize_model
 
     holder = SimpleNamespace(language_model=SimpleNamespace(args=args))
-    head = loader.attach_head(holder, tensors, shift, quantization)  # strict shape check
-    if quantization:
+    head = loader.attach_head(holder, tensors, shift)  # strict shape check
+    if any(k.endswith(".scales") for k in tensors):
         dequantize_model(head)
     return head
 
@@ -304,11 +281,11 @@ def convert(
 
     # The head first: a head that does not fit refuses before anything is written.
     head_files = source_head_files(src, raw_config)
-    tensors, shift, quantization = read_head(head_files, src)
+    tensors, shift = read_head(head_files)
     head_summary = None
     if tensors:
         try:
-            head = build_head(net.language_model.args, tensors, shift, quantization)
+            head = build_head(net.language_model.args, tensors, shift)
         except ValueError as exc:
             raise ConvertError(f"the MTP head of {model} does not load: {exc}") from exc
     else:
@@ -381,13 +358,13 @@ def extract_head(
         src = None
         head_config, files = download_head_files(model, revision, download)
     check_architecture(head_config, trunk_config, f"{model} -> {into}")
-    tensors, shift, quantization = read_head(files, src)
+    tensors, shift = read_head(files)
     if not tensors:
         raise ConvertError(
             f"{model} has no mtp.* tensors (read {', '.join(f.name for f in files)})"
         )
     try:
-        head = build_head(trunk_args(into, trunk_config), tensors, shift, quantization)
+        head = build_head(trunk_args(into, trunk_config), tensors, shift)
     except ValueError as exc:
         raise ConvertError(
             f"the MTP head of {model} does not fit the trunk in {into}: {exc}"

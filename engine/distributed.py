@@ -143,7 +143,9 @@ def shard_trunk(net: nn.Module, group: Any, keep_output: bool) -> None:
         lm.pop("lm_head")
 
 
-def load_sharded(model: str, *, mtp_weights: str | None, dtype: str) -> loader.LoadedModel:
+def load_sharded(
+    model: str, *, mtp_weights: str | None, dtype: str, memory_limit: int | None = None
+) -> loader.LoadedModel:
     """This rank's shard (rank 0: plus the output projection and the head)."""
     group = world()
     lead = group.rank() == 0
@@ -155,6 +157,8 @@ def load_sharded(model: str, *, mtp_weights: str | None, dtype: str) -> loader.L
         dtype=dtype,
         with_head=lead,
         prepare=lambda net: shard_trunk(net, group, keep_output=lead),
+        memory_limit=memory_limit,
+        ranks=group.size(),
     )
 
 
@@ -469,11 +473,15 @@ class DistributedEngine(Engine):
     leader: Leader | None = field(default=None, repr=False)
 
     @classmethod
-    def load_model(cls, model: str, *, mtp_weights: str | None, dtype: str) -> loader.LoadedModel:
+    def load_model(
+        cls, model: str, *, mtp_weights: str | None, dtype: str, memory_limit: int | None = None
+    ) -> loader.LoadedModel:
         group = world()
         if group is None or group.rank() != 0:
             raise RuntimeError("DistributedEngine runs on rank 0 of a group (mlx.launch)")
-        loaded = load_sharded(model, mtp_weights=mtp_weights, dtype=dtype)
+        loaded = load_sharded(
+            model, mtp_weights=mtp_weights, dtype=dtype, memory_limit=memory_limit
+        )
         timeout = float(os.environ.get("MTPSERVE_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
         leader = Leader(group, timeout)
         leader.active = 1  # start-up measures auto K's costs through the group: watched too

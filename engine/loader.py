@@ -7,9 +7,14 @@
 * The head's tensors are found through ``model.safetensors.index.json`` (or by scanning the
   single file / a sidecar), read lazily from only the shards that hold them, and loaded into an
   ``MTPHead`` set as ``language_model.mtp``: one model object, one copy of every weight.
-* The +1 shift of zero-centred norms is applied to the head exactly once, when the source is
-  raw HF (detected as mlx-lm does for the trunk: conv1d weights still in HF layout), or per the
-  sidecar's own metadata.
+* The +1 shift of zero-centred norms is applied to the head exactly once: per the sidecar's own
+  metadata, else as the head's own norm weights show (raw HF stores them zero-centred, near 0;
+  an mlx conversion stores 1 + w, near 1). Never from the trunk's folder: a head extracted by
+  hand from an HF shard may sit beside an mlx-converted trunk.
+* A quantized head needs no metadata: each layer's bits and group size follow from its packed
+  weight's and its scales' shapes.
+* A head the engine cannot run (more than one MTP layer, dedicated head embeddings) is left out
+  with one warning: the model serves plain decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
+from engine import memory
 from engine.mtp import MTPHead
 
 log = logging.getLogger("mtpserve.loader")
@@ -117,13 +124,71 @@ def _files_holding_mtp(model_dir: Path) -> list[Path]:
     return _weight_files(model_dir)
 
 
-def _source_is_raw_hf(model_dir: Path) -> bool:
-    """Raw HF checkpoints keep conv1d weights as [C, 1, K]; mlx-converted ones as [C, K, 1]."""
-    for f in _weight_files(model_dir):
-        for k, v in mx.load(str(f)).items():  # lazy: shapes only
-            if "conv1d.weight" in k:
-                return v.shape[-1] != 1
-    return False
+#: mean norm weight below which a head's norms are taken as zero-centred (raw HF): trained
+#: zero-centred weights sit near 0, their mlx-shifted form near 1
+ZERO_CENTRED_BELOW = 0.5
+
+
+def head_norms_zero_centred(tensors: dict[str, mx.array], metadata: dict[str, str]) -> bool:
+    """Whether the head's norm weights still need the +1 (raw HF convention).
+
+    The file's own metadata decides when it has ours; otherwise the weights do: the mean of the
+    head's RMSNorm weights is near 0 when stored zero-centred and near 1 when shifted.
+    """
+    if SIDECAR_NORMS_SHIFTED in metadata:
+        return metadata[SIDECAR_NORMS_SHIFTED] != "true"
+    means = [
+        v.astype(mx.float32).mean().item()
+        for k, v in tensors.items()
+        if v.ndim == 1 and k.endswith(ZERO_CENTRED_NORMS)
+    ]
+    if not means:
+        return False
+    middle = sorted(means)[len(means) // 2]
+    if 0.25 < middle < 0.75:
+        log.warning(
+            "MTP head norm weights average %.2f: cannot tell raw-HF (near 0) from mlx-shifted "
+            "(near 1) for sure; taking them as %s",
+            middle,
+            "raw HF" if middle < ZERO_CENTRED_BELOW else "shifted",
+        )
+    return middle < ZERO_CENTRED_BELOW
+
+
+def unsupported_head(text_config: dict[str, Any], tensors: dict[str, mx.array]) -> str | None:
+    """Why the engine cannot run this head (None when it can): it runs one full-attention MTP
+    layer sharing the trunk's embedding and output projection."""
+    layers = int(text_config.get("mtp_num_hidden_layers", 1) or 1)
+    layers = max(
+        layers,
+        1
+        + max(
+            (int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))), default=0
+        ),
+    )
+    if layers > 1:
+        return f"the head has {layers} MTP layers (mtp_num_hidden_layers); the engine runs one"
+    own = sorted(k for k in tensors if k.startswith(("embed_tokens.", "lm_head.", "shared_head.")))
+    if text_config.get("mtp_use_dedicated_embeddings") or own:
+        return "the head has dedicated embeddings; the engine shares the trunk's"
+    return None
+
+
+def quantization_from_shapes(
+    head: nn.Module, weights: dict[str, mx.array]
+) -> Callable[[str, nn.Module], bool | dict[str, int]]:
+    """``nn.quantize`` predicate: each layer with ``scales`` quantized at the bits and group size
+    its shapes imply (packed uint32 width = in * bits / 32, scales width = in / group size)."""
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
+        scales = weights.get(f"{path}.scales")
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        in_features = module.weight.shape[-1]
+        packed = weights[f"{path}.weight"].shape[-1]
+        return {"group_size": in_features // scales.shape[-1], "bits": packed * 32 // in_features}
+
+    return predicate
 
 
 def read_mtp_tensors(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -165,20 +230,15 @@ def sanitize_head(weights: dict[str, mx.array], shift_norms: bool) -> dict[str, 
     return out
 
 
-def attach_head(
-    model: nn.Module, weights: dict[str, mx.array], shift_norms: bool, quantization: dict | None
-) -> MTPHead:
+def attach_head(model: nn.Module, weights: dict[str, mx.array], shift_norms: bool) -> MTPHead:
     """Build the head, load its weights and set it as ``model.language_model.mtp``."""
     trunk = model.language_model
     head = MTPHead(trunk.args)
-    if quantization:
-        nn.quantize(
-            head,
-            group_size=quantization["group_size"],
-            bits=quantization["bits"],
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
-        )
-    head.load_weights(list(sanitize_head(weights, shift_norms).items()), strict=True)
+    named = sanitize_head(weights, shift_norms)
+    if any(k.endswith(".scales") for k in named):
+        # Bits and group size from the shapes: sidecars of other tools carry no metadata of ours.
+        nn.quantize(head, class_predicate=quantization_from_shapes(head, named))
+    head.load_weights(list(named.items()), strict=True)
     head.eval()
     trunk.mtp = head
     return head
@@ -191,17 +251,41 @@ def load(
     dtype: str = "auto",
     with_head: bool = True,
     prepare: Callable[[nn.Module], None] | None = None,
+    memory_limit: int | None = None,
+    ranks: int = 1,
 ) -> LoadedModel:
-    """Load lazily, attach the head, ``prepare`` (e.g. shard: engine.distributed), then read
-    the weights: only what is left after ``prepare`` is ever read from disk."""
+    """Load the trunk and attach the head. ``dtype`` auto keeps the stored dtype on GPUs and
+    uses fp32 on CPUs where it fits (``engine.memory.plan``; ``memory_limit`` bytes stands for
+    the memory available). Refuses with ``InsufficientMemory`` before reading any weight when
+    nothing fits. The model is loaded lazily and ``prepare`` (e.g. shard: engine.distributed)
+    runs before any weight is read, so only what is left after it is read from disk; each
+    tensor is read and cast once (evaluated in batches), so loading never holds a second copy
+    of the weights. ``ranks``: the memory plan is for one rank's shard of that many."""
     model_dir = resolve_model_dir(model)
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = json.loads(config_path.read_text())
+    files = _weight_files(model_dir)
+    if sidecar := (mtp_weights if with_head else None) or config.get(SIDECAR_CONFIG_KEY):
+        path = Path(sidecar).expanduser()
+        path = path if path.exists() else model_dir / path
+        files += [path] if path.exists() else []
+    size = memory.checkpoint_size(files).per_rank(ranks)
+    chosen = memory.plan(size, dtype, mx.default_device() == mx.cpu, memory_limit)
+    log.info(
+        "loading %s: %.2f GB of weights in %s (stored as %s; %.1f GB available)",
+        model_dir.name,
+        chosen.needed / 1e9,
+        chosen.dtype,
+        size.stored_dtype,
+        chosen.available / 1e9,
+    )
+    t0 = time.perf_counter()
     net, config = load_model(model_dir, lazy=True, get_model_classes=_model_classes)
 
-    target = _target_dtype(dtype, config)
+    target = None if chosen.dtype == size.stored_dtype and dtype == "auto" else chosen.dtype
+    target = getattr(mx, target) if target else None
     if target is not None:
         net.set_dtype(target)  # floating parameters only; packed quantized weights stay
 
@@ -210,18 +294,43 @@ def load(
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
     if prepare is not None:
         prepare(net)
-    mx.eval(net.parameters())
+    _materialise(net, chosen.needed)
+    log.info("weights loaded in %.1fs", time.perf_counter() - t0)
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)
+    memory.configure_device(chosen.needed)
     return LoadedModel(net, config, model_dir, head_source, reason)
 
 
-def _target_dtype(dtype: str, config: dict[str, Any]) -> mx.Dtype | None:
-    if dtype == "auto":
-        # bf16 matmuls are ~25x slower than fp32 on x86 CPUs (REFERENCE §10); keep the
-        # checkpoint dtype on GPUs. Quantized layers keep their packed weights either way.
-        return mx.float32 if mx.default_device() == mx.cpu else None
-    return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+#: bytes evaluated at a time while loading (at most; a 32nd of the weights on smaller models):
+#: bounds what a cast holds twice, and paces progress. Evaluated all at once, a bf16 checkpoint
+#: widened to fp32 peaked at 1.06-1.11x its resident bytes (33 M parameters), in 32 batches 1.02x
+LOAD_BATCH_BYTES = 256 * 2**20
+
+
+def _materialise(net: nn.Module, total: int) -> None:
+    """Evaluate the lazily loaded (and cast) parameters a batch at a time, logging progress:
+    a tensor's stored copy is freed as soon as its cast is made."""
+    from mlx.utils import tree_flatten
+
+    params = [a for _, a in tree_flatten(net.parameters())]
+    batch_limit = min(LOAD_BATCH_BYTES, max(total // 32, 2**20))
+    t0, done, batch, batch_bytes, next_report = time.perf_counter(), 0, [], 0, 0.25
+    for array in params:
+        batch.append(array)
+        batch_bytes += array.nbytes
+        if batch_bytes >= batch_limit or array is params[-1]:
+            mx.eval(batch)
+            done += batch_bytes
+            batch, batch_bytes = [], 0
+            if total > 4 * LOAD_BATCH_BYTES and done >= next_report * total:
+                log.info(
+                    "loaded %.1f of %.1f GB (%.0fs)",
+                    done / 1e9,
+                    total / 1e9,
+                    time.perf_counter() - t0,
+                )
+                next_report += 0.25
 
 
 def _load_head(
@@ -254,17 +363,11 @@ def _load_head(
             why += f" although config says mtp_num_hidden_layers={n} (converted without the head?"
             why += " see `mtpserve extract-head`)"
         return None, why
-    if SIDECAR_NORMS_SHIFTED in metadata:
-        shift = metadata[SIDECAR_NORMS_SHIFTED] != "true"
-    else:
-        shift = _source_is_raw_hf(model_dir)
-    quantization = (
-        json.loads(metadata["mtpserve.quantization"])
-        if ("mtpserve.quantization" in metadata)
-        else None
-    )
+    if why := unsupported_head(text_config, tensors):
+        return None, why
+    shift = head_norms_zero_centred(tensors, metadata)
     try:
-        head = attach_head(net, tensors, shift, quantization)
+        head = attach_head(net, tensors, shift)
     except ValueError as exc:
         raise ValueError(f"MTP head in {files[0]} does not match the trunk: {exc}") from exc
     if target is not None:

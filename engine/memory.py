@@ -1,20 +1,201 @@
-"""Peak memory of loading and generating, with or without the MTP head, each in a fresh process.
+"""Memory: what a checkpoint needs in the dtype it will run in, what the machine has, and peak
+memory measurements.
 
-``python -m engine.memory MODEL 0|1`` prints one JSON object (run by ``measure`` below, which the
-bench and tests/test_memory.py use): mlx's peak-memory counter after loading, and during 64
-greedy tokens (K=2 with the head, K=0 without), plus the trunk's and the head's weight bytes.
-A fresh process per measurement keeps the peaks from mixing.
+Planning (``plan``), before any weight is read: the bytes of every tensor come from the
+safetensors headers; floating tensors are counted in the dtype chosen, packed quantized ones
+as stored. On CPUs fp32 is chosen only when it fits with ``HEADROOM`` (bf16 matmuls are ~8x
+slower than fp32 there, REFERENCE §10); else the stored dtype is kept and the server says so;
+when not even that fits, loading is refused with the figures. GPUs keep the stored dtype.
+The memory available is MemAvailable (and a cgroup limit) on Linux, the recommended working set
+on Metal, or ``MTPSERVE_MEMORY_LIMIT`` (bytes, or with a K/M/G suffix) when set.
+
+Measuring (``measure``): ``python -m engine.memory MODEL 0|1`` prints one JSON object: mlx's
+peak-memory counter after loading, and during 64 greedy tokens (K=2 with the head, K=0 without),
+plus the trunk's and the head's weight bytes. A fresh process per measurement keeps the peaks
+from mixing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("mtpserve.memory")
+
+GiB = 2**30
+#: fp32 on a CPU only when weights x this + RESERVE fit: the KV caches, activations, the
+#: tokenizer and the OS need room too
+HEADROOM = 1.15
+RESERVE = 512 * 2**20
+FLOAT_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+BYTES_OF = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class InsufficientMemory(MemoryError):
+    """The checkpoint does not fit in the memory available, in any dtype the engine may use."""
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    #: floating-point elements (cast with the dtype chosen), their stored dtype's name
+    float_elements: int
+    stored_dtype: str
+    #: bytes of everything else (packed quantized weights), kept as stored
+    other_bytes: int
+
+    def bytes_in(self, dtype: str | None) -> int:
+        """Resident bytes with floating tensors in ``dtype`` (None: as stored)."""
+        width = BYTES_OF[dtype or self.stored_dtype]
+        return self.float_elements * width + self.other_bytes
+
+    def per_rank(self, ranks: int) -> CheckpointSize:
+        """One rank's part of a model sharded over ``ranks`` (tensor parallel): about 1/ranks.
+        The replicated embedding and rank 0's head are not split, which the plan's headroom
+        covers on real checkpoints, whose layers dominate."""
+        if ranks <= 1:
+            return self
+        return CheckpointSize(
+            -(-self.float_elements // ranks), self.stored_dtype, -(-self.other_bytes // ranks)
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    dtype: str  # the floating dtype the weights will be held in
+    size: CheckpointSize
+    available: int
+
+    @property
+    def needed(self) -> int:
+        return self.size.bytes_in(self.dtype)
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_size(files: list[Path]) -> CheckpointSize:
+    elements: dict[str, int] = {}
+    other = 0
+    for f in files:
+        for info in safetensors_header(f).values():
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            if info["dtype"] in DTYPE_NAMES:
+                elements[info["dtype"]] = elements.get(info["dtype"], 0) + n
+            else:
+                begin, end = info["data_offsets"]
+                other += end - begin
+    stored = max(elements, key=elements.__getitem__) if elements else "F32"
+    return CheckpointSize(sum(elements.values()), DTYPE_NAMES[stored], other)
+
+
+def parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def available_bytes() -> int:
+    """Memory this process may fill (see the module docstring)."""
+    if limit := os.environ.get("MTPSERVE_MEMORY_LIMIT"):
+        return parse_bytes(limit)
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        return int(mx.device_info()["max_recommended_working_set_size"])
+    candidates = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        fields = {line.split(":")[0]: line.split()[1] for line in meminfo}
+        candidates.append(int(fields["MemAvailable"]) * 1024)
+    except (OSError, KeyError, ValueError, IndexError):
+        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    try:
+        cgroup = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cgroup != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            candidates.append(int(cgroup) - used)
+    except (OSError, ValueError):
+        pass
+    return min(candidates)
+
+
+def plan(
+    size: CheckpointSize, requested: str, on_cpu: bool, available: int | None = None
+) -> MemoryPlan:
+    """The dtype to load in (``requested``: auto, float32, bfloat16 or float16), or
+    ``InsufficientMemory`` naming what is needed and what there is."""
+    available = available_bytes() if available is None else available
+    stored = size.stored_dtype
+    if requested != "auto":
+        choice = MemoryPlan(requested, size, available)
+    elif on_cpu and stored != "float32":
+        fp32 = MemoryPlan("float32", size, available)
+        if fp32.needed * HEADROOM + RESERVE <= available:
+            return fp32
+        choice = MemoryPlan(stored, size, available)
+        if choice.needed <= available:
+            log.warning(
+                "keeping the weights in %s: float32 would need %.1f GB (with headroom %.1f GB), "
+                "%.1f GB available; %s matmuls are slower than float32 on CPUs (--dtype "
+                "float32 forces it)",
+                stored,
+                fp32.needed / 1e9,
+                (fp32.needed * HEADROOM + RESERVE) / 1e9,
+                available / 1e9,
+                stored,
+            )
+    else:
+        choice = MemoryPlan(stored, size, available)
+    if choice.needed > available:
+        raise InsufficientMemory(
+            f"the weights need {choice.needed / 1e9:.1f} GB in {choice.dtype} and "
+            f"{available / 1e9:.1f} GB are available: not loading (a quantized checkpoint, "
+            f"`mtpserve convert --bits 4`, needs about a quarter of bfloat16)"
+        )
+    return choice
+
+
+def configure_device(weight_bytes: int) -> None:
+    """On Metal, as mlx-lm does: wire the recommended working set so the weights stay
+    resident between requests, and warn when the model is close to it."""
+    import mlx.core as mx
+
+    if not (mx.default_device() == mx.gpu and mx.metal.is_available()):
+        return
+    limit = int(mx.device_info()["max_recommended_working_set_size"])
+    if weight_bytes > 0.9 * limit:
+        log.warning(
+            "the weights (%.1f GB) are close to the recommended working set (%.1f GB): "
+            "generation may be slow; raise it with `sudo sysctl iogpu.wired_limit_mb=N`",
+            weight_bytes / 1e9,
+            limit / 1e9,
+        )
+    mx.set_wired_limit(limit)
+
+
+def release_between_requests() -> None:
+    """On Metal, free mlx's buffer cache after a request (as mlx-lm's server does), so a long
+    prompt's activations do not stay allocated; on CPUs the cache is kept (cheap, and reused)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        mx.clear_cache()
 
 
 def measure(model: str | Path, with_head: bool) -> dict[str, Any]:
@@ -43,6 +224,7 @@ def _probe(model: str, with_head: bool) -> dict[str, Any]:
     loaded = loader.load(model, with_head=with_head)
     load_peak = mx.get_peak_memory()
     params = tree_flatten(loaded.trunk.parameters())
+    dtype = str(loaded.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
     trunk_bytes = sum(a.nbytes for n, a in params if not n.startswith("mtp."))
     head_bytes = sum(a.nbytes for n, a in params if n.startswith("mtp."))
     k = 2 if with_head else 0
@@ -62,6 +244,7 @@ def _probe(model: str, with_head: bool) -> dict[str, Any]:
         "trunk_bytes": trunk_bytes,
         "head_bytes": head_bytes,
         "proposed": event.stats.proposed,
+        "dtype": dtype,
     }
 
 

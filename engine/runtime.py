@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine import loader
 from engine.api import (
+    MAX_DRAFT_TOKENS,
     ContextLengthExceeded,
     GenerationEvent,
     GenerationRequest,
@@ -26,6 +27,7 @@ from engine.api import (
     RequestError,
     TokenLogprob,
 )
+from engine.memory import release_between_requests
 from engine.speculative import (
     PREFILL_CHUNK,
     CacheSnapshot,
@@ -50,8 +52,6 @@ from sampling.params import (
 
 log = logging.getLogger("mtpserve.engine")
 
-#: Largest K a request may ask for.
-MAX_DRAFT_TOKENS = 8
 #: Optional file in a model folder: token ids by corpus frequency, for the draft vocabulary.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -100,10 +100,13 @@ class Engine:
         dtype: str = "auto",
         model_id: str | None = None,
         draft_vocab: int | None = None,
+        memory_limit: int | None = None,
     ) -> Engine:
         from transformers import AutoTokenizer
 
-        loaded = cls.load_model(model, mtp_weights=mtp_weights, dtype=dtype)
+        loaded = cls.load_model(
+            model, mtp_weights=mtp_weights, dtype=dtype, memory_limit=memory_limit
+        )
         tokenizer = AutoTokenizer.from_pretrained(str(loaded.model_dir))
         engine = cls(
             loaded=loaded,
@@ -124,9 +127,11 @@ class Engine:
         return engine
 
     @classmethod
-    def load_model(cls, model: str, *, mtp_weights: str | None, dtype: str) -> loader.LoadedModel:
+    def load_model(
+        cls, model: str, *, mtp_weights: str | None, dtype: str, memory_limit: int | None = None
+    ) -> loader.LoadedModel:
         """The weights (a subclass loads a shard: engine.distributed.DistributedEngine)."""
-        return loader.load(model, mtp_weights=mtp_weights, dtype=dtype)
+        return loader.load(model, mtp_weights=mtp_weights, dtype=dtype, memory_limit=memory_limit)
 
     def set_draft_vocab(self, size: int | None) -> None:
         """Restrict drafting to ``size`` tokens (0: the full vocabulary; None: the checkpoint's
@@ -241,18 +246,23 @@ class Engine:
         self.check(request)
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
-        seq = self.start_cached(request, policy, cancelled)
-        if seq is None:  # cancelled during the prefill
-            stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-            stats.prompt_seconds = time.perf_counter() - t0
-            yield GenerationEvent([], finish_reason="cancelled", stats=stats)
-            return
         try:
-            yield from self.decode(seq, request, cancelled, trace, policy, time.perf_counter() - t0)
-        except GeneratorExit:  # the consumer stopped at a yield: the sequence is consistent
+            seq = self.start_cached(request, policy, cancelled)
+            if seq is None:  # cancelled during the prefill
+                stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+                stats.prompt_seconds = time.perf_counter() - t0
+                yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+                return
+            try:
+                yield from self.decode(
+                    seq, request, cancelled, trace, policy, time.perf_counter() - t0
+                )
+            except GeneratorExit:  # the consumer stopped at a yield: the sequence is consistent
+                self._keep(seq)
+                raise
             self._keep(seq)
-            raise
-        self._keep(seq)
+        finally:
+            release_between_requests()
 
     def start_cached(
         self,
@@ -264,7 +274,11 @@ class Engine:
         snapshot at each block end and at the prompt's end); None if cancelled meanwhile."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
-        seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
+        # a seeded request under auto K draws with coupled noise: the same text whatever K runs
+        coupled = policy.fixed is None
+        seq = new_sequence(
+            self.trunk, head, request.prompt_ids, request.sampling, use_head, coupled
+        )
         seq.draft_confidence = self.draft_confidence
         cache = self.prefix_cache
         if cache is not None:
@@ -325,6 +339,7 @@ class Engine:
             request.prompt_ids,
             request.sampling,
             use_head=policy.fixed != 0,
+            coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
         return seq

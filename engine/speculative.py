@@ -46,21 +46,24 @@ from mlx_lm.models.cache import KVCache
 from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
 from engine.trunk import TrunkCache, new_trunk_cache, trunk_hidden
-from sampling.acceptance import accept_drafts, accept_greedy
+from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
     Truncated,
+    coupled_draw,
     greedy_tokens,
     truncate,
     truncate_and_sample,
 )
 from sampling.params import SamplingParams
 
-#: Prefill chunk, and the prefix cache's block: chunks end at its multiples (``prefill``), so a
-#: prompt resumed at a cached block boundary runs the chunks a cold prefill runs; the prefill
-#: checks for cancellation between chunks. 256 by measurement (docs/BENCHMARKS.md,
-#: "Conversation cache").
-PREFILL_CHUNK = 256
+#: Prompt tokens per prefill forward, and the conversation cache's block: chunks end at its
+#: multiples (``prefill``), so a prompt resumed at a cached block boundary runs the chunks a
+#: cold prefill runs, and the prefill checks for cancellation between chunks. At
+#: Qwen3.5-0.8B's shape on a CPU, chunks of 64 and 128 prefilled ~21 tokens per CPU second and
+#: chunks of 256 ~5 (the Gated-DeltaNet layers' per-chunk work grows faster than the chunk);
+#: on the demo model 128 to 512 are within 6% (docs/BENCHMARKS.md).
+PREFILL_CHUNK = 128
 #: most pending positions a drafting cycle's first head step catches up on: engine.autok's
 #: MAX_PROBE_INTERVAL (plain cycles between probes) plus one cycle's commit, so that auto K's
 #: probes never skip
@@ -84,6 +87,15 @@ class Sequence:
     head_skipped: int = 0
     #: prompt positions restored from the prefix cache instead of prefilled
     restored: int = 0
+    #: a seeded sampled request's seed: every draw is ``coupled_draw`` with noise fixed by
+    #: (seed, position), so its text does not depend on the K of each cycle (auto K follows
+    #: timings); None: draws from ``key`` and rejection sampling
+    coupled_seed: int | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The sequence position of the next token to draw."""
+        return len(self.tokens) + (0 if self.unread_token is None else 1)
 
     @property
     def head_position(self) -> int:
@@ -149,9 +161,14 @@ def start_sequence(
     prompt_ids: list[int],
     params: SamplingParams,
     use_head: bool,
+    coupled: bool = False,
 ) -> Sequence:
-    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks."""
-    seq = new_sequence(trunk, head, prompt_ids, params, use_head)
+    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks.
+
+    ``coupled``: draw a seeded sampled request with ``coupled_draw`` (``Sequence.coupled_seed``):
+    for automatic K, whose choices follow the machine's timings; a fixed K is repeatable with
+    rejection sampling's draws already."""
+    seq = new_sequence(trunk, head, prompt_ids, params, use_head, coupled)
     prefill(trunk, head, seq, prompt_ids[:-1])
     return seq
 
@@ -162,6 +179,7 @@ def new_sequence(
     prompt_ids: list[int],
     params: SamplingParams,
     use_head: bool,
+    coupled: bool = False,
 ) -> Sequence:
     """A sequence for ``prompt_ids`` with empty caches, its penalty history and PRNG key."""
     if not prompt_ids:
@@ -175,6 +193,7 @@ def new_sequence(
         head_cache=KVCache() if (head is not None and use_head) else None,
         history=history,
         key=mx.random.key(seed),
+        coupled_seed=params.seed if coupled and not params.greedy else None,
     )
 
 
@@ -262,6 +281,8 @@ def launch_cycle(
     #    last emitted token); later steps feed the head's own output and its draft token.
     draft_ids: list[mx.array] = []
     draft_rows: list[Truncated] = []
+    coupled = seq.coupled_seed is not None
+    position = seq.next_position
     if k > 0:
         out, logits = _absorb_pending(trunk, head, seq, keep_last=False)
         state, step_logits = out[:, -1:], logits[0, -1:]
@@ -270,6 +291,10 @@ def launch_cycle(
             history = seq.history.row_after(draft_ids) if seq.history else None
             if params.greedy:
                 d = greedy_tokens(step_logits, params, history)
+            elif coupled:
+                q = truncate(step_logits, params, history)
+                d = coupled_draw(q, seq.coupled_seed, mx.array([position + i]))
+                draft_rows.append(q)
             else:
                 q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
                 draft_rows.append(q)
@@ -300,7 +325,8 @@ def launch_cycle(
     verify_in = mx.concatenate([last, drafts])[None]
     hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
     logits = project_to_vocab(trunk, hidden)[0]
-    history = seq.history.rows(drafts, k + 1) if seq.history else None
+    # Rows for the drafts made, not the K asked for: a confidence cut may have drafted fewer.
+    history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None
     if profile:
         mx.eval(logits, seq.trunk_cache.arrays())
     t_verified = time.perf_counter()
@@ -308,6 +334,10 @@ def launch_cycle(
     # 3. Accept (on device); read_cycle syncs once.
     if params.greedy:
         n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
+    elif coupled:
+        rows = mx.arange(position, position + len(draft_ids) + 1)
+        targets = coupled_draw(truncate(logits, params, history), seq.coupled_seed, rows)
+        n_acc, next_token = accept_coupled(drafts, targets)
     elif not draft_ids:  # plain decoding: a draw from p_1, truncation and draw in one call
         n_acc = mx.array(0, dtype=mx.int32)
         next_token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]

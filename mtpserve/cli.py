@@ -28,12 +28,12 @@ def default_model() -> str:
 
 
 def parse_draft_tokens(value: str) -> int | None:
-    if value == "auto":
-        return None
-    k = int(value)
-    if k < 0:
-        raise argparse.ArgumentTypeError("draft tokens must be >= 0 or 'auto'")
-    return k
+    from engine.api import parse_draft_tokens as parse
+
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,13 +93,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
-    engine = engine_class().load(
-        args.model,
-        draft_tokens=args.draft_tokens,
-        mtp_weights=args.mtp_weights,
-        dtype=args.dtype,
-        draft_vocab=args.draft_vocab,
-    )
+    from engine.memory import InsufficientMemory
+
+    try:
+        engine = engine_class().load(
+            args.model,
+            draft_tokens=args.draft_tokens,
+            mtp_weights=args.mtp_weights,
+            dtype=args.dtype,
+            draft_vocab=args.draft_vocab,
+        )
+    except InsufficientMemory as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.chat:
         prompt_ids = chat_prompt_ids(
             engine.tokenizer,

@@ -124,3 +124,28 @@ def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, 
     matches = (draft_ids == target_ids[:k]).astype(mx.int32)
     n_accepted = mx.cumprod(matches).sum().astype(mx.int32)
     return n_accepted, target_ids[n_accepted]
+
+
+def accept_coupled(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
+    """The acceptance rule of seeded requests: drafts and targets were drawn with the same noise
+    per position (``distribution.coupled_draw``); a draft is accepted while it equals the
+    target's draw, and the target's draw at the first mismatch (or the bonus) is emitted.
+
+    Every emitted token is the target's own draw at its position, so the output is exactly
+    plain sampling with that noise — the same text for a seed whatever K each cycle drafts.
+    The price is acceptance: the coupling agrees less often than rejection sampling's
+    ``min(1, p/q)`` (at total-variation distance d between q and p, at least (1-d)/(1+d)
+    instead of 1-d).
+
+    Args:
+        draft_ids: ``[K]`` drafts; target_ids: ``[K+1]`` the verify rows' coupled draws.
+
+    Returns:
+        ``(n_accepted, next_token)`` as ``accept_drafts``.
+    """
+    k = draft_ids.shape[0]
+    if k == 0:
+        return mx.array(0, dtype=mx.int32), target_ids[0]
+    matches = (draft_ids == target_ids[:k]).astype(mx.int32)
+    n_accepted = mx.cumprod(matches).sum().astype(mx.int32)
+    return n_accepted, target_ids[n_accepted]

@@ -299,3 +299,39 @@ def draw_tokens(probs: mx.array, ids: mx.array | None, key: mx.array) -> mx.arra
 
 _compiled_draw = mx.compile(inverse_cdf_draw)
 _compiled_sample_ids = mx.compile(draw_tokens)
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """A 32-bit integer hash (Wellons' lowbias32): every input bit moves every output bit."""
+    x = x ^ mx.right_shift(x, 16)
+    x = x * mx.array(0x7FEB352D, dtype=mx.uint32)
+    x = x ^ mx.right_shift(x, 15)
+    x = x * mx.array(0x846CA68B, dtype=mx.uint32)
+    return x ^ mx.right_shift(x, 16)
+
+
+def position_noise(seed: int, positions: mx.array, ids: mx.array) -> mx.array:
+    """Exponential(1) noise fixed by (seed, sequence position, token id): ``[T, W]`` float32 for
+    ``positions [T]`` and token ids ``ids [T, W]``. Counter-based (a hash, no PRNG state), so a
+    token's noise at a position is the same whichever cycle, K or row layout draws it."""
+    lo = mx.array(seed & 0xFFFFFFFF, dtype=mx.uint32)
+    hi = mx.array((seed >> 32) & 0xFFFFFFFF, dtype=mx.uint32)
+    h = _mix32(ids.astype(mx.uint32) * mx.array(0x9E3779B9, dtype=mx.uint32) + lo)
+    h = _mix32(h ^ (positions.astype(mx.uint32)[:, None] * mx.array(0x85EBCA6B, dtype=mx.uint32)))
+    h = _mix32(h ^ hi)
+    u = (mx.right_shift(h, 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
+    return -mx.log(u)
+
+
+def coupled_draw(rows: Truncated, seed: int, positions: mx.array) -> mx.array:
+    """One draw per row by the exponential race: the token maximising p / E, E the noise of
+    (seed, the row's position, the token) — exactly a draw from the row's p, whose outcome
+    depends on the distribution and that noise only. Drafts and targets drawn this way at the
+    same position agree whenever q and p are close (``sampling.acceptance.accept_coupled``).
+    int32 ``[T]``."""
+    ids = rows.ids
+    if ids is None:
+        ids = mx.broadcast_to(mx.arange(rows.probs.shape[-1], dtype=mx.int32), rows.probs.shape)
+    score = rows.probs / position_noise(seed, positions, ids)
+    column = mx.argmax(score, axis=-1)
+    return mx.take_along_axis(ids, column[:, None], axis=-1)[:, 0].astype(mx.int32)

@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import Any
 
+from engine.api import parse_draft_tokens
 from server.settings import ServerSettings, load_settings
 
 #: shared by `serve`, `generate` and `bench`
@@ -34,6 +35,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="MTP draft tokens per cycle: an integer (0 = plain decoding) or 'auto'",
     )
     parser.add_argument("--mtp-weights", dest="mtp_weights", help="MTP head sidecar file")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype (default auto: as stored on GPUs, float32 on CPUs where it fits)",
+    )
     parser.add_argument(
         "--draft-vocab",
         dest="draft_vocab",
@@ -92,6 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "host",
             "port",
             "mtp_weights",
+            "dtype",
             "draft_vocab",
             "api_key",
             "preset",
@@ -106,7 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     }
     draft = getattr(args, "draft_tokens", None)
     if draft is not None:
-        overrides["draft_tokens"] = None if str(draft).lower() == "auto" else int(draft)
+        overrides["draft_tokens"] = parse_draft_tokens(draft)  # a bad K fails here, at start
     settings = load_settings(getattr(args, "config", None), **overrides)
     if draft is not None and str(draft).lower() == "auto":
         settings.draft_tokens = None
@@ -129,6 +136,7 @@ def engine_factory(settings: ServerSettings) -> Any:
             draft_tokens=settings.draft_tokens,
             mtp_weights=settings.mtp_weights,
             draft_vocab=settings.draft_vocab,
+            dtype=settings.dtype,
         )
         engine.enable_prefix_cache(
             settings.prompt_cache_bytes,

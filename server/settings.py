@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -22,6 +22,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from engine.api import parse_draft_tokens
 from sampling.params import SamplingOverrides, preset
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "server.toml"
@@ -39,8 +40,10 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     #: Speculative draft length K (0 = plain decoding); None = the engine's automatic choice.
-    draft_tokens: int | None = Field(None, ge=0, le=32)
+    draft_tokens: int | None = None
     mtp_weights: str | None = None
+    #: Weights dtype: auto (as stored on GPUs, float32 on CPUs where it fits) or a dtype name.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     draft_vocab: int | None = Field(None, ge=0)
     #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
     api_key: SecretStr | None = None
@@ -85,9 +88,9 @@ class ServerSettings(BaseSettings):
     @field_validator("draft_tokens", mode="before")
     @classmethod
     def _auto_is_none(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "auto", "none"):
+        if isinstance(value, str) and value.strip().lower() == "none":
             return None
-        return value
+        return parse_draft_tokens(value)  # 'auto' -> None; outside the engine's range: error
 
     @classmethod
     def settings_customise_sources(

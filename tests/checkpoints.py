@@ -239,11 +239,9 @@ def write_checkpoint(out_dir: Path, v: Variant) -> Path:
         )
     )
     weights = random_weights(v)
-    if v.dtype != "float32":
-        import ml_dtypes  # noqa: F401  (only needed for bf16 fixtures)
     names = sorted(weights)
     if v.shards == 1:
-        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        _save(weights, out_dir / "model.safetensors", v.dtype)
     else:
         # Put mtp.* tensors in the last shard only, as Qwen's own checkpoints do.
         trunk = [n for n in names if not n.startswith("mtp.")]
@@ -252,12 +250,22 @@ def write_checkpoint(out_dir: Path, v: Variant) -> Path:
         weight_map = {}
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{v.shards:05d}.safetensors"
-            save_file(
-                {n: weights[n] for n in group}, str(out_dir / fname), metadata={"format": "pt"}
-            )
+            _save({n: weights[n] for n in group}, out_dir / fname, v.dtype)
             weight_map.update({n: fname for n in group})
         total = sum(a.nbytes for a in weights.values())
         (out_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
     return out_dir
+
+
+def _save(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    """float32 through safetensors' numpy writer; other dtypes (bfloat16: what real checkpoints
+    store) through mlx, which numpy cannot represent."""
+    if dtype == "float32":
+        save_file(weights, str(path), metadata={"format": "pt"})
+        return
+    import mlx.core as mx
+
+    cast = {n: mx.array(a).astype(getattr(mx, dtype)) for n, a in weights.items()}
+    mx.save_safetensors(str(path), cast, metadata={"format": "pt"})

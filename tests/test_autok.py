@@ -293,3 +293,62 @@ def test_the_head_catches_up_on_the_longest_plain_stretch_between_probes() -> No
     from engine.speculative import MAX_CATCH_UP
 
     assert MAX_CATCH_UP >= MAX_PROBE_INTERVAL + MAX_AUTO_K + 1
+
+
+def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
+    make_checkpoint, monkeypatch, tmp_path
+) -> None:
+    """Auto K starts from a few timed forwards (no long measurement at start-up or in the first
+    sampled request), refines from live cycles, and writes the refined tables to the cache,
+    from which the next start reads them instead of timing anything."""
+    from checkpoints import VARIANTS
+
+    import engine.autok as autok
+    from engine.api import GenerationRequest
+    from engine.runtime import Engine
+    from sampling.params import SamplingParams
+
+    monkeypatch.setattr(autok, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(autok, "SAVE_EVERY_TIMED", 1)
+    monkeypatch.setattr(autok, "measure_costs", lambda *a, **k: pytest.fail("long measurement"))
+    estimates: list[int] = []
+    real_estimate = autok.estimate_costs
+
+    def counted(*args, **kwargs):
+        estimates.append(1)
+        return real_estimate(*args, **kwargs)
+
+    monkeypatch.setattr(autok, "estimate_costs", counted)
+    model = str(make_checkpoint(VARIANTS["dense-tied"]))
+    engine = Engine.load(model)
+    assert estimates == [1] and set(engine.autok.kinds) == {"greedy"}
+    sampled = SamplingParams(temperature=1.0, top_k=20)
+    for _ in range(2):
+        request = GenerationRequest([5, 6, 7], sampled, 80, draft_tokens=None, ignore_eos=True)
+        for _ in engine.generate(request):
+            pass
+    assert estimates == [1]  # the sampled kind started from the greedy table
+    kind = engine.autok.kinds["sampled"]
+    assert kind.timed_cycles > 0 and kind.calibration != [1.0, 1.0]  # refined in the run
+    engine.autok.for_request(sampled)  # new timed cycles since the last save: written back
+    saved = {p.name.rsplit("-", 1)[-1] for p in tmp_path.glob("costs-*.json")}
+    assert saved == {"greedy.json", "sampled.json"}
+
+    again = Engine.load(model)
+    assert estimates == [1]  # read from the cache
+    assert again.autok.costs(sampled).cycle == pytest.approx(kind.refined_costs().cycle)
+
+
+def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch) -> None:
+    """Where one forward takes seconds (bf16 on a CPU, a large model) start-up times only it:
+    a verify is priced as one forward, a head step by the bytes it reads."""
+    import engine.autok as autok
+
+    engine = load_engine("dense-tied", draft_tokens=0)
+    monkeypatch.setattr(autok, "SLOW_FORWARD", 0.0)
+    costs = autok.estimate_costs(engine)
+    ratio = autok.head_bytes_ratio(engine)
+    assert 0 < ratio < 1
+    assert costs.trunk == [costs.cycle[0]] * (MAX_AUTO_K + 1)
+    assert costs.head_step == pytest.approx(costs.cycle[0] * ratio)
+    assert costs.cycle[2] == pytest.approx(costs.cycle[0] * (1 + 2 * ratio))

@@ -98,3 +98,27 @@ def test_chat_prompt_uses_the_template(tiny_checkpoint: Path) -> None:
     prompt = tokenizer.decode(json.loads(out.stdout)["prompt_token_ids"])
     assert prompt.startswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
     assert prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_draft_tokens_outside_the_range_is_an_error_at_start(capsys) -> None:
+    """`--draft-tokens 12` fails when the command starts (naming the range), for every command
+    that takes it, instead of starting and then failing every request."""
+    import pytest
+
+    from engine.api import MAX_DRAFT_TOKENS
+    from mtpserve.cli import build_parser, main
+
+    wanted = f"0..{MAX_DRAFT_TOKENS}"
+    for argv in (
+        ["generate", "--prompt", "x", "--draft-tokens", "12"],
+        ["bench", "--draft-tokens", "0,2,12"],
+        ["generate", "--prompt", "x", "--draft-tokens", "two"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 2
+        assert wanted in capsys.readouterr().err
+    # serve: flags, environment and config file all go through the same check.
+    assert main(["serve", "--draft-tokens", "12"]) == 2
+    assert wanted in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--draft-tokens", "auto"])

@@ -226,6 +226,30 @@ def test_mtp_weights_points_at_a_sidecar(converted, headless, tmp_path, monkeypa
         loader.load(str(headless), mtp_weights=str(tmp_path / "typo.safetensors"))
 
 
+def test_quantized_sidecar_without_our_metadata_loads(converted, headless, tmp_path) -> None:
+    """A quantized head written by another tool (no mtpserve metadata): bits and group size
+    per layer from the shapes, norms from the weights; it drafts what our own sidecar drafts."""
+    ours = converted("dense-tied", 4, 8) / conv.SIDECAR_NAME
+    foreign = tmp_path / "foreign-mtp.safetensors"
+    mx.save_safetensors(str(foreign), mx.load(str(ours)))  # same tensors, no metadata
+    assert not mx.load(str(foreign), return_metadata=True)[1]
+
+    heads = [
+        Engine.load(str(headless), mtp_weights=str(f), draft_tokens=2) for f in (ours, foreign)
+    ]
+    assert quantized_bits(heads[1].loaded.head) == {8}
+    assert heads[1].loaded.head.layers[0].self_attn.q_proj.group_size == 64
+    ids = heads[0].tokenizer.encode(PROMPTS[0])
+    drafts = []
+    for engine in heads:
+        trace: list[dict] = []
+        request = GenerationRequest(ids, GREEDY, TOKENS, draft_tokens=2, ignore_eos=True)
+        for _ in engine.generate(request, trace=trace.append):
+            pass
+        drafts.append([line["draft"] for line in trace])
+    assert drafts[0] == drafts[1]
+
+
 def test_group_size_32_round_trip(converted, make_checkpoint, tmp_path) -> None:
     """Group 32 quantizes the 32-wide MoE expert down projections too (skipped at 64)."""
     out = tmp_path / "g32"

@@ -222,6 +222,56 @@ def test_plain_look_ahead_changes_no_token(load_engine, k: int | None) -> None:
     assert tokens(sampled, False) != tokens(unpenalised, False)
 
 
+def test_confidence_cut_with_penalties_runs(load_engine) -> None:
+    """A draft-confidence cut drafts fewer than K tokens; with penalties the verify pass's
+    history rows must follow the drafts made (they followed the K asked for and crashed)."""
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    penalised = [
+        SamplingParams(temperature=1.0, top_k=40, presence_penalty=1.0, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ]
+    engine.draft_confidence = 0.9
+    try:
+        for params in penalised:
+            trace: list[dict] = []
+            request = GenerationRequest(prompt, params, 40, draft_tokens=3, ignore_eos=True)
+            tokens, _ = run(engine, request, trace)
+            assert len(tokens) == 40
+            assert any(0 < len(line["draft"]) < 3 for line in trace)  # the cut happened
+    finally:
+        engine.draft_confidence = None
+
+
+def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> None:
+    """Auto K follows the machine's timings, so a seeded request's K differ from run to run: its
+    draws are coupled to (seed, position) and its text is the same whatever K each cycle
+    drafts. Three runs, the auto K costs skewed between them so that K really differs."""
+    from engine.autok import PatternChooser
+    from engine.runtime import DraftPolicy
+
+    engine = load_engine("dense-untied-sharded")
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=8.0, top_k=40, presence_penalty=0.5, seed=11)
+    request = GenerationRequest(prompt, params, 48, draft_tokens=None, ignore_eos=True)
+    runs = []
+    for calibration in ([1.0, 1.0], [0.3, 3.0], [3.0, 0.3]):  # as measured, plain, drafting
+        engine.policy(None, params)  # the sampled kind's costs exist from here on
+        engine.autok.kinds["sampled"].calibration = calibration
+        tokens, event = run(engine, request)
+        runs.append((tokens, event.stats.k_histogram))
+    assert runs[0][0] == runs[1][0] == runs[2][0] and len(runs[0][0]) == 48
+    assert runs[1][1][0] > runs[2][1][0]  # the runs drafted differently
+    # Any schedule of K gives that text (the pattern stands in for auto K's choices).
+    for pattern in ([3], [0, 0, 1, 2], [2, 0]):
+        seq = engine.start(request, DraftPolicy(fixed=None))
+        chooser = PatternChooser(pattern)
+        events = engine.decode(seq, request, policy=DraftPolicy(fixed=None, chooser=chooser))
+        assert [t for e in events for t in e.token_ids] == runs[0][0], pattern
+    # Unseeded requests are not coupled; neither are fixed-K ones (rejection sampling).
+    assert engine.start(request, DraftPolicy(fixed=2)).coupled_seed is None
+
+
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
@@ -356,6 +406,90 @@ def test_converted_layout_gives_the_same_drafts(tmp_path: Path, make_checkpoint)
         )
         outputs.append((tokens, [line["draft"] for line in trace]))
     assert outputs[0] == outputs[1]
+
+
+def _converted_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What mlx-lm's conversion does to raw HF tensors: conv1d moved, zero-centred norms +1."""
+    from engine.loader import ZERO_CENTRED_NORMS
+
+    out = {}
+    for name, value in weights.items():
+        if "conv1d.weight" in name:
+            value = np.ascontiguousarray(np.moveaxis(value, 2, 1))
+        elif value.ndim == 1 and name.endswith(ZERO_CENTRED_NORMS) and "linear_attn" not in name:
+            value = value + 1.0
+        out[name] = value
+    return out
+
+
+def test_head_file_norms_follow_its_own_weights_not_the_trunk_folder(
+    tmp_path: Path, make_checkpoint
+) -> None:
+    """A raw-HF head extracted by hand (no metadata) beside an mlx-converted trunk, and an
+    mlx-shifted head beside a raw-HF trunk, both draft exactly what the checkpoint's own head
+    drafts: the +1 follows the head's weights (near 0 or near 1), not the trunk's layout."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    raw_dir = make_checkpoint(VARIANTS["dense-tied"])
+    weights = load_file(str(raw_dir / "model.safetensors"))
+    raw_head = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    raw_trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    cases = []
+    for name, trunk, head in (
+        ("converted-trunk", _converted_layout(raw_trunk), raw_head),
+        ("raw-trunk", raw_trunk, _converted_layout(raw_head)),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(raw_dir, folder)
+        save_file(trunk, str(folder / "model.safetensors"))
+        save_file(head, str(tmp_path / f"{name}-head.safetensors"))
+        cases.append((folder, str(tmp_path / f"{name}-head.safetensors")))
+
+    def drafts(model_dir: Path, mtp_weights: str | None) -> tuple[list[int], list]:
+        engine = Engine.load(str(model_dir), draft_tokens=2, mtp_weights=mtp_weights)
+        trace: list[dict] = []
+        request = greedy_request(engine.tokenizer.encode(PROMPTS[0]), 2, 40, ignore_eos=True)
+        tokens, _ = run(engine, request, trace)
+        return tokens, [line["draft"] for line in trace]
+
+    reference = drafts(raw_dir, None)
+    for folder, head in cases:
+        assert drafts(folder, head) == reference, folder.name
+
+
+@pytest.mark.parametrize("change", ["two-layers", "dedicated-embeddings"])
+def test_head_the_engine_cannot_run_serves_plain_with_one_warning(
+    tmp_path: Path, make_checkpoint, caplog, change: str
+) -> None:
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / change
+    shutil.copytree(make_checkpoint(VARIANTS["dense-tied"]), folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    weights = load_file(str(folder / "model.safetensors"))
+    if change == "two-layers":
+        text["mtp_num_hidden_layers"] = 2
+        for k in [k for k in weights if k.startswith("mtp.layers.0.")]:
+            weights[k.replace("layers.0.", "layers.1.")] = weights[k]
+    else:
+        text["mtp_use_dedicated_embeddings"] = True
+        weights["mtp.embed_tokens.weight"] = weights["model.language_model.embed_tokens.weight"]
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(folder / "model.safetensors"))
+
+    with caplog.at_level(logging.WARNING, logger="mtpserve.loader"):
+        engine = Engine.load(str(folder), draft_tokens=3)
+    assert not engine.has_head
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "serving plain decoding" in warnings[0]
+    assert ("2 MTP layers" if change == "two-layers" else "dedicated embeddings") in warnings[0]
+    tokens, event = run(engine, greedy_request([5, 6, 7], None, 12, ignore_eos=True))
+    assert len(tokens) == 12 and event.stats.proposed == 0
 
 
 def test_flat_text_config_with_plain_model_prefix(tmp_path: Path, load_engine) -> None:

@@ -174,6 +174,44 @@ def test_sample_draws_each_row_from_its_probabilities(with_ids: bool) -> None:
         assert chi2 < 20.5  # at most 4 degrees of freedom, alpha 0.001
 
 
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_coupled_draw_follows_each_row_and_is_fixed_by_seed_and_position(with_ids: bool) -> None:
+    """The draw of seeded auto-K requests: over positions, frequencies match the row
+    (chi-square) and zero-probability tokens never come; one (seed, position) always gives the
+    same token, and a draft drawn from q at a position agrees with the target's draw there."""
+    from sampling.acceptance import accept_coupled
+    from sampling.distribution import coupled_draw
+
+    row = np.array([0.1, 0.0, 0.4, 0.2, 0.3, 0.0, 0.0], dtype=np.float32)
+    ids = np.array([40, 7, 12, 3, 99, 5, 6])
+    n = 20000
+    probs = mx.broadcast_to(mx.array(row), (n, row.size))
+    id_rows = mx.broadcast_to(mx.array(ids, dtype=mx.int32), (n, row.size)) if with_ids else None
+    positions = mx.arange(n)
+    draws = np.array(coupled_draw(Truncated(probs, id_rows), 3, positions).tolist())
+    tokens = ids if with_ids else np.arange(row.size)
+    counts = np.array([(draws == t).sum() for t in tokens])
+    assert counts.sum() == n and counts[row == 0].sum() == 0
+    expected = row[row > 0] * n
+    assert ((counts[row > 0] - expected) ** 2 / expected).sum() < 18.5  # 3 dof, alpha 0.001
+    again = coupled_draw(
+        Truncated(probs[:50], None if id_rows is None else id_rows[:50]), 3, positions[:50]
+    )
+    assert again.tolist() == draws[:50].tolist()
+    other_seed = coupled_draw(Truncated(probs, id_rows), 4, positions)
+    assert (np.array(other_seed.tolist()) != draws).mean() > 0.3
+
+    # A close q agrees with p at most positions; the rule emits the target's draws.
+    q = mx.array([[0.15, 0.0, 0.35, 0.2, 0.3, 0.0, 0.0]] * 3)
+    p = mx.array(np.stack([row] * 4))
+    drafts = coupled_draw(Truncated(q, None), 3, mx.arange(10, 13))
+    targets = coupled_draw(Truncated(p, None), 3, mx.arange(10, 14))
+    n_acc, token = accept_coupled(drafts, targets)
+    m = int(n_acc.item())
+    assert drafts.tolist()[:m] == targets.tolist()[:m] and token.item() == targets.tolist()[m]
+    assert m == 3 or drafts.tolist()[m] != targets.tolist()[m]
+
+
 def test_top_k_ids_are_the_k_largest() -> None:
     """The two-stage (blocked) top-k selects the k largest logits of every row: on random rows,
     on rows with half the vocabulary at -inf (a draft vocabulary), with many ties (the kept
