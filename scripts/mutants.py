@@ -48,7 +48,11 @@ MUTATIONS = [
         "history = seq.history.rows(None, k + 1) if seq.history else None",
         (
             "tests/test_speculative_penalties.py::"
-            "test_greedy_with_penalties_equals_plain_on_the_demo_model[presence+repetition-code]",
+            "test_greedy_with_penalties_equals_plain_on_the_demo_model[frequency+bias-code]",
+            "tests/test_speculative_penalties.py::"
+            "test_greedy_with_penalties_equals_plain_on_the_demo_model[presence+repetition-prose]",
+            "tests/test_speculative_penalties.py::"
+            "test_greedy_with_penalties_equals_plain_on_test_checkpoints",
             "tests/test_speculative_penalties.py::test_sampled_with_strong_penalties_matches_plain",
         ),
         "the verify pass scores every position with the committed history only",

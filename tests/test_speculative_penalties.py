@@ -88,14 +88,14 @@ def test_greedy_with_penalties_equals_plain_on_the_demo_model(
     assert 0 < accepted < proposed  # multi-row verifies ran, drafts accepted and rejected
 
 
-@pytest.mark.parametrize("variant", ["dense-tied", "dense-untied-sharded", "moe-untied-sharded"])
+@pytest.mark.parametrize("variant", ["dense-tied", "moe-untied-sharded"])
 def test_greedy_with_penalties_equals_plain_on_test_checkpoints(load_engine, variant) -> None:
     """The random checkpoints rarely repeat a token greedily, so penalties alone seldom change
     their text: each prompt also bans plain greedy's first token, which changes it for sure."""
     engine = load_engine(variant, draft_tokens=0)
     counts = np.zeros(2)
     for params in settings(engine, 4.0).values():
-        for text in PROMPTS:
+        for text in PROMPTS[:2]:
             first = tokens(
                 engine, engine.tokenizer.encode(text), SamplingParams(temperature=0.0), 0, 1
             )
