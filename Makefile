@@ -9,7 +9,7 @@ PORT   ?= 8080
 MODEL  ?= models/qwen3.5-demo
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench mutants clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest
+
+# Known bugs applied one at a time to a copy of the tree: each must fail a fast test (not in `test`).
+mutants: install
+	$(PY) scripts/mutants.py
 
 lint: install
 	$(VENV)/bin/ruff check .

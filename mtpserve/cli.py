@@ -139,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 stop_token_ids=engine.eos_token_ids,
                 ignore_eos=args.ignore_eos,
                 draft_tokens=args.draft_tokens,
+                top_logprobs=args.logprobs,
             )
 
             def trace(line: dict[str, Any], choice: int = i) -> None:
@@ -146,11 +147,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     trace_file.write(json.dumps({"choice": choice, **line}) + "\n")
 
             token_ids: list[int] = []
+            logprobs: list[dict[str, Any]] = []
             event = None
             # UTF-8 safe streaming text without the EOS token (the server's detokenizer).
             detokenizer = IncrementalDetokenizer(engine.tokenizer, skip_ids=engine.eos_token_ids)
             for event in engine.generate(request, trace=trace):
                 token_ids += event.token_ids
+                for lp in event.logprobs or []:
+                    top = [[t, v] for t, v in lp.top]
+                    logprobs.append({"token_id": lp.token_id, "logprob": lp.logprob, "top": top})
                 if not args.json:
                     sys.stdout.write(detokenizer.add(event.token_ids))
                     sys.stdout.flush()
@@ -158,13 +163,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(detokenizer.flush())
             assert event is not None and event.stats is not None
             total.add(event.stats)
-            choices.append(
-                {
-                    "token_ids": token_ids,
-                    "text": _visible_text(engine, token_ids),
-                    "finish_reason": event.finish_reason,
-                }
-            )
+            choice = {
+                "token_ids": token_ids,
+                "text": _visible_text(engine, token_ids),
+                "finish_reason": event.finish_reason,
+            }
+            if args.logprobs is not None:
+                choice["logprobs"] = logprobs
+            choices.append(choice)
     except ValueError as exc:  # RequestError, SamplingParamError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -225,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1, help="independent completions")
     gen.add_argument("--trace", default=None, help="write one JSON line per speculative cycle")
     gen.add_argument("--json", action="store_true")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability under the model and the N most likely",
+    )
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -63,6 +63,24 @@ def true_table(sampler: str, machine: str = "measured") -> CostTable:
     )
 
 
+def cycle_seconds(table: CostTable, k: int, committed_before: int) -> float:
+    """What a cycle costs, written here rather than taken from ``CostTable.expected_seconds`` (the
+    code under test): a K-cycle's measured seconds (whose head caught up on one position) plus
+    the head's catch-up over the ``committed_before`` positions instead of one — the measured
+    ``absorb`` counts, then linear up to ``absorb_far`` at ``MAX_CATCH_UP``."""
+    if k == 0:
+        return table.cycle[0]
+    absorb = table.absorb or [table.head_step]
+
+    def catch_up(n: int) -> float:
+        if n <= len(absorb) or not table.absorb_far:
+            return absorb[min(n, len(absorb)) - 1]
+        share = (min(n, MAX_CATCH_UP) - len(absorb)) / (MAX_CATCH_UP - len(absorb))
+        return absorb[-1] + share * (table.absorb_far - absorb[-1])
+
+    return table.cycle[k] + catch_up(committed_before) - catch_up(1)
+
+
 def replay(
     sampler: str,
     policy: int | AutoK,
@@ -97,7 +115,7 @@ def replay(
             k = max(0, min(k, len(accepted) - position - 1))  # as the engine caps at max_tokens
             n_accepted = min(k, accepted[position])
             if k:
-                cost = table.expected_seconds(k, min(pending, MAX_CATCH_UP))
+                cost = cycle_seconds(table, k, min(pending, MAX_CATCH_UP))
                 cost += switch_penalty[1] if previous_k == 0 and position else 0.0
             elif previous_k or not position:
                 cost = max(table.cycle[0], table.trunk[0]) + switch_penalty[0]
@@ -182,6 +200,20 @@ def test_auto_k_pays_for_its_switches(sampler: str) -> None:
     auto_k = AutoK(true_table(sampler), policy=policy(sampler))
     auto, histogram = replay(sampler, auto_k, 0.2, switch_penalty=penalty)
     assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "preset:qwen"])
+def test_exact_timings_leave_the_table_uncalibrated(sampler: str) -> None:
+    """Timings that are exactly what the table says (priced by ``cycle_seconds``, no noise)
+    must leave every calibration factor at 1: the calibration compares each timed cycle with
+    the table's price for the catch-up that cycle ran. Drafting cycles here catch up on 1..5
+    positions (whatever the previous one committed), so a price that forgot the catch-up would
+    read every multi-token commit as a slow machine."""
+    auto_k = AutoK(true_table(sampler), policy=policy(sampler))
+    _, histogram = replay(sampler, auto_k)
+    assert sum(histogram[1:]) > 1000 and auto_k.timed_cycles > 1000
+    assert auto_k.calibration == pytest.approx([1.0, 1.0], abs=1e-9)
+    assert auto_k.tilt == pytest.approx([1.0] * len(auto_k.tilt), abs=1e-9)
 
 
 def test_the_record_is_informative() -> None:

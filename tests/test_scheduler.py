@@ -25,8 +25,10 @@ from sampling.params import SamplingParams
 class CountingEngine:
     """Emits prompt_ids[0]*1000 + i for i < max_tokens, one token per cycle."""
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, gate: threading.Semaphore | None = None) -> None:
         self.delay = delay
+        #: when set, each cycle waits for one permit (the consumer's pace, not the clock's)
+        self.gate = gate
         self.order: list[int] = []
         self.threads: set[int] = set()
         self.active = 0
@@ -45,6 +47,8 @@ class CountingEngine:
         self.max_active = max(self.max_active, self.active)
         try:
             for i in range(request.max_tokens):
+                if self.gate is not None and not self.gate.acquire(timeout=30):
+                    raise TimeoutError("the test never released the next cycle")
                 if cancelled():
                     yield GenerationEvent([], finish_reason="cancelled")
                     return
@@ -80,6 +84,14 @@ def make(engine, **kw) -> Scheduler:
     s.start()
     s.wait_ready(10)
     return s
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll observable state (never a fixed sleep standing in for another thread's progress)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
 
 
 def test_fifo_order_and_single_worker_thread() -> None:
@@ -139,8 +151,8 @@ def test_queue_full_rejects_whole_batch() -> None:
     sched = make(engine, max_queue=3, retry_after=2.0)
 
     async def main() -> None:
-        first = sched.submit([req(1, 20)])  # starts running
-        await asyncio.sleep(0.1)
+        first = sched.submit([req(1, 10_000)])  # runs until cancelled
+        await until(lambda: sched.running is not None)
         sched.submit([req(2), req(3)])  # 2 waiting
         with pytest.raises(QueueFullError) as info:
             sched.submit([req(4), req(5)])  # would be 4 waiting > 3
@@ -155,7 +167,10 @@ def test_queue_full_rejects_whole_batch() -> None:
 
 
 def test_cancel_running_request_stops_within_a_cycle() -> None:
-    engine = CountingEngine(delay=0.01)
+    """The engine runs one cycle per token the consumer has read (a gate), so it cannot run
+    ahead of a slow consumer: the cancel is seen at the very next poll."""
+    gate = threading.Semaphore(1)
+    engine = CountingEngine(gate=gate)
     sched = make(engine)
 
     async def main() -> tuple[list[int], list[int]]:
@@ -165,11 +180,14 @@ def test_cancel_running_request_stops_within_a_cycle() -> None:
             got.extend(event.token_ids)
             if len(got) == 3:
                 long.cancel()
+            gate.release()
+        for _ in range(3):  # the next request's cycles
+            gate.release()
         return got, await collect(nxt)
 
     got, nxt = run(main())
     sched.shutdown()
-    assert 3 <= len(got) <= 5  # one cycle in flight when the flag was set
+    assert got == [1000, 1001, 1002]  # cancelled at the first poll after the flag was set
     assert nxt == [2000, 2001, 2002]
 
 
@@ -228,7 +246,7 @@ def test_shutdown_ends_pending_handles() -> None:
 
     async def main() -> list[int]:
         a, b = sched.submit([req(1, 10_000), req(2)])
-        await asyncio.sleep(0.05)
+        await until(lambda: sched.running is not None)
         await asyncio.to_thread(sched.shutdown)
         await collect(a)
         return await collect(b)

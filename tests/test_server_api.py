@@ -814,7 +814,10 @@ def test_queue_full_gets_429_with_retry_after() -> None:
             running = asyncio.create_task(ac.post("/v1/completions", json=body))
             assert await asyncio.to_thread(_wait_for, lambda: engine.active == 1)
             queued = asyncio.create_task(ac.post("/v1/completions", json=body | {"max_tokens": 2}))
-            await asyncio.sleep(0.2)
+            for _ in range(500):  # poll the queue until the second request waits in it
+                if (await ac.get("/health")).json()["queue_depth"] == 1:
+                    break
+                await asyncio.sleep(0.01)
             rejected = await ac.post("/v1/completions", json=body)
             sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             with pytest.raises(openai.RateLimitError):

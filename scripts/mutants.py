@@ -1,0 +1,212 @@
+"""Apply known-bad mutations to a copy of the repository, one at a time, and report which fast
+test catches each (``make mutants``; not part of ``make test``).
+
+Each mutation is a bug the suite once let through (tests/ must fail on every one). For each:
+copy the working tree (tracked and untracked, not ignored files) into a temporary folder,
+replace one exact snippet, run the tests named for it, and report which failed and how long
+each took (from pytest's JUnit XML). A baseline run on the unmutated copy first shows that
+those tests pass as the code is. Exit status 0 only when the baseline passes and every
+mutation is caught by at least one test that ran in under ``FAST_SECONDS``.
+
+    python scripts/mutants.py              # all mutations
+    python scripts/mutants.py verify-history bonus-from-p_K   # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_SECONDS = 10.0
+TIMEOUT = 900
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+MUTATIONS = [
+    Mutation(
+        "verify-history",
+        "engine/speculative.py",
+        "history = seq.history.rows(drafts, k + 1) if seq.history else None",
+        "history = seq.history.rows(None, k + 1) if seq.history else None",
+        (
+            "tests/test_speculative_penalties.py::"
+            "test_greedy_with_penalties_equals_plain_on_the_demo_model[frequency+bias-code]",
+            "tests/test_speculative_penalties.py::"
+            "test_greedy_with_penalties_equals_plain_on_the_demo_model[presence+repetition-prose]",
+            "tests/test_speculative_penalties.py::"
+            "test_greedy_with_penalties_equals_plain_on_test_checkpoints",
+            "tests/test_speculative_penalties.py::test_sampled_with_strong_penalties_matches_plain",
+        ),
+        "the verify pass scores every position with the committed history only",
+    ),
+    Mutation(
+        "logprobs-reversed",
+        "engine/runtime.py",
+        "logp = result.verify_logits[:n].astype(mx.float32)",
+        "logp = result.verify_logits[:n][::-1].astype(mx.float32)",
+        ("tests/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
+        "an emitted token's logprob is read from another position's row",
+    ),
+    Mutation(
+        "logprobs-unnormalised",
+        "engine/runtime.py",
+        "logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)",
+        "logp = logp",
+        ("tests/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
+        "raw logits reported as logprobs",
+    ),
+    Mutation(
+        "bonus-from-p_K",
+        "sampling/acceptance.py",
+        "candidates = mx.concatenate([residual, p[k:]], axis=0)",
+        "candidates = mx.concatenate([residual, p[k - 1 : k]], axis=0)",
+        ("tests/test_acceptance_exact.py::test_emitted_tuple_is_distributed_as_plain_sampling",),
+        "the bonus token is drawn from the last draft's row instead of p_{K+1}",
+    ),
+    Mutation(
+        "bonus-untruncated",
+        "engine/speculative.py",
+        "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n",
+        "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n"
+        "        untruncated = mx.random.categorical(\n"
+        "            logits[-1].astype(mx.float32) / params.temperature, key=seq.next_key()\n"
+        "        ).astype(mx.int32)\n"
+        "        next_token = mx.where(n_acc == len(draft_ids), untruncated, next_token)\n",
+        (
+            "tests/test_acceptance_exact.py::test_bonus_and_every_draw_respect_top_k_on_a_flat_model",
+        ),
+        "the bonus token is drawn from softmax(logits / T), skipping top-k/top-p/min-p",
+    ),
+    Mutation(
+        "autok-no-catch-up",
+        "engine/autok.py",
+        "return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)",
+        "return self.cycle[k]",
+        ("tests/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),
+        "CostTable.expected_seconds forgets the head's catch-up over what the last cycle kept",
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked + untracked, minus ignored files)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for raw in listed:
+        if not raw:
+            continue
+        rel = Path(os.fsdecode(raw))
+        src = ROOT / rel
+        if not src.is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+
+
+def run_tests(tree: Path, tests: tuple[str, ...]) -> dict[str, tuple[str, float]]:
+    """test id -> (outcome, seconds of the test's call phase: fixtures such as a loaded model
+    are shared by a module's tests and not counted)."""
+    report = tree / "junit.xml"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    cmd += ["-o", "junit_duration_report=call"]  # the test itself, not its module's fixtures
+    try:
+        subprocess.run(
+            [*cmd, *tests], cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        return {t: ("timeout", float(TIMEOUT)) for t in tests}
+    outcomes: dict[str, tuple[str, float]] = {}
+    if not report.exists():
+        return {t: ("error", 0.0) for t in tests}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        test_id = f"{module}::{case.get('name')}"
+        failed = case.find("failure") is not None or case.find("error") is not None
+        skipped = case.find("skipped") is not None
+        outcome = "failed" if failed else "skipped" if skipped else "passed"
+        outcomes[test_id] = (outcome, float(case.get("time", 0.0)))
+    # a test named without its parameters stands for all of them
+    picked = {
+        case: result
+        for case, result in outcomes.items()
+        if any(case == t or case.startswith(t + "[") for t in tests)
+    }
+    missing = [t for t in tests if not any(c == t or c.startswith(t + "[") for c in picked)]
+    return picked | {t: ("not run", 0.0) for t in missing}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutations: {sorted(unknown)}")
+    ok = True
+    rows: list[tuple[str, str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="mtpserve-mutants-") as tmp:
+        if not args.no_baseline:
+            tree = Path(tmp) / "baseline"
+            copy_tree(tree)
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            for test, (outcome, seconds) in run_tests(tree, tests).items():
+                rows.append(("(none)", test, outcome, f"{seconds:.1f}"))
+                ok &= outcome == "passed"
+        for mutation in chosen:
+            tree = Path(tmp) / mutation.name
+            copy_tree(tree)
+            target = tree / mutation.path
+            source = target.read_text()
+            if source.count(mutation.old) != 1:
+                rows.append((mutation.name, mutation.path, "snippet not found once", "-"))
+                ok = False
+                continue
+            target.write_text(source.replace(mutation.old, mutation.new))
+            t0 = time.monotonic()
+            results = run_tests(tree, mutation.tests)
+            caught_fast = False
+            for test, (outcome, seconds) in results.items():
+                caught = outcome == "failed"
+                caught_fast |= caught and seconds < FAST_SECONDS
+                verdict = "CAUGHT" if caught else outcome
+                rows.append((mutation.name, test, verdict, f"{seconds:.1f}"))
+            if not caught_fast:
+                rows.append((mutation.name, "-", "NOT CAUGHT by a test under 10 s", "-"))
+                ok = False
+            print(f"{mutation.name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+            shutil.rmtree(tree)
+    width = max(len(r[1]) for r in rows)
+    print(f"{'mutation':<22} {'test':<{width}} {'result':<10} seconds")
+    for name, test, verdict, seconds in rows:
+        print(f"{name:<22} {test:<{width}} {verdict:<10} {seconds}")
+    print("all mutations caught by a fast test" if ok else "SOME MUTATION WAS NOT CAUGHT")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
