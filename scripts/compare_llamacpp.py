@@ -103,7 +103,12 @@ def convert(
     if not python.exists():
         sh([sys.executable, "-m", "venv", str(venv)])
         requirements = source / "requirements" / "requirements-convert_hf_to_gguf.txt"
-        sh([str(python), "-m", "pip", "install", "--quiet", "-r", str(requirements)])
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        try:
+            sh([*pip, "-r", str(requirements)])
+        except subprocess.CalledProcessError:
+            # the pinned CPU torch lives on download.pytorch.org; take what the index has
+            sh([*pip, "torch", "numpy", "sentencepiece", "transformers==4.57.6", "protobuf<5"])
         sh(
             [
                 str(python),
@@ -121,12 +126,34 @@ def convert(
         path = work / f"{model.name}-{dtype}.gguf"
         if not path.exists():
             script = source / "convert_hf_to_gguf.py"
-            cmd = [str(python), str(script), str(model), "--outtype", dtype, "--outfile", str(path)]
+            args = [str(model), "--outtype", dtype, "--outfile", str(path)]
+            cmd = [str(python), "-c", CONVERT_WITH_QWEN35_PRETOKENIZER, str(script), *args]
             # the vendored gguf-py, matching the converter
             env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
             sh(cmd, work / f"convert-{dtype}.log", env=env)
         out[dtype] = path
     return out
+
+
+#: Runs llama.cpp's converter unchanged, except that a tokenizer whose pre-tokenizer hash it does
+#: not list (the demo model's 8k BPE: Qwen's split regex over a smaller vocabulary) is declared
+#: Qwen3.5's ("qwen35") instead of aborting. Prompts reach llama-server as token ids, so
+#: llama.cpp's own tokenization never decides what either tool is given.
+CONVERT_WITH_QWEN35_PRETOKENIZER = """
+import runpy, sys
+script = sys.argv.pop(1)
+sys.path.insert(0, script.rsplit("/", 1)[0])
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "qwen35"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 class LlamaServer:
