@@ -13,10 +13,11 @@ folder, nothing of llama.cpp is committed):
    has torch, numpy, sentencepiece and transformers) or else in its own venv
    (``--work``/convert-venv) with the converter's pinned requirements, whose CPU torch comes
    from download.pytorch.org.
-4. ``run``: one llama-server per (dtype, threads) — 1 thread and every core — and the mtpserve
-   engine in this process (fp32). For every prompt of ``--prompts`` all settings run once, in
-   turn (interleaved, so the machine's load drifts over all of them alike): plain and MTP at
-   each draft count, greedy and sampled. Greedy token ids are compared between the tools.
+4. ``run``: one llama-server per (dtype, threads, draft count) — 1 thread and every core —
+   and the mtpserve engine in this process (fp32). For every prompt of ``--prompts`` all
+   settings run once, in turn (interleaved, so the machine's load drifts over all of them
+   alike): plain and MTP at each draft count, greedy and sampled. Greedy token ids are
+   compared between the tools.
 
 Writes ``--out``/compare_llamacpp.json and .md (a table: tokens/s, acceptance, the speed-up over
 each tool's own plain decoding, greedy equality). Not part of ``make test``; run with
@@ -157,16 +158,19 @@ runpy.run_path(script, run_name="__main__")
 
 
 class LlamaServer:
-    """One llama-server process: a GGUF at a thread count, MTP drafting enabled (the draft
-    count is set per request; 0 = plain decoding)."""
+    """One llama-server process: a GGUF at a thread count and a draft count (0: plain decoding,
+    no speculation configured; K: MTP drafting up to K tokens, every time — no minimum and no
+    confidence cut, as mtpserve's fixed K)."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, log: Path) -> None:
+    def __init__(self, binary: Path, gguf: Path, threads: int, draft: int, log: Path) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1"]
-        cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", "8", "--no-warmup"]
+        cmd += ["-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1", "--no-warmup"]
+        if draft:
+            cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft)]
+            cmd += ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
@@ -179,17 +183,13 @@ class LlamaServer:
                 time.sleep(0.5)
         raise RuntimeError(f"llama-server did not start; see {log}")
 
-    def complete(self, ids: list[int], max_tokens: int, draft: int, sampler: dict[str, Any]):
+    def complete(self, ids: list[int], max_tokens: int, sampler: dict[str, Any]) -> dict[str, Any]:
         body = {
             "prompt": ids,
             "n_predict": max_tokens,
             "ignore_eos": True,
             "cache_prompt": False,
             "return_tokens": True,
-            "speculative.type": "draft-mtp" if draft else "none",
-            "speculative.n_max": draft,
-            "speculative.n_min": 0,
-            "speculative.p_min": 0.0,  # draft every time, as mtpserve's fixed K does
             **sampler,
         }
         req = urllib.request.Request(
@@ -241,14 +241,15 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
     drafts = [int(k) for k in args.draft_tokens.split(",")]
     threads = sorted({1, os.cpu_count() or 1})
     servers = {
-        (dtype, t): LlamaServer(server, path, t, args.work / f"server-{dtype}-{t}.log")
+        (dtype, t, k): LlamaServer(server, path, t, k, args.work / f"server-{dtype}-{t}-{k}.log")
         for dtype, path in ggufs.items()
         for t in threads
+        for k in drafts
     }
     settings: list[tuple[str, Any, str, Any]] = []  # (tool, config, sampler, draft)
     for name in samplers:
         settings += [("mtpserve", "f32", name, k) for k in [*drafts, "auto"]]
-        settings += [("llama.cpp", cfg, name, k) for cfg in servers for k in drafts]
+        settings += [("llama.cpp", cfg, name, cfg[2]) for cfg in servers]
     rows: dict[str, dict[str, Any]] = {}
     greedy_ids: dict[tuple[str, str], dict[str, list[int]]] = {}
     try:
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
                     label = "mtpserve f32"
                 else:
                     result = servers[cfg].complete(
-                        prompt["ids"], args.max_tokens, k, llama_sampler(params)
+                        prompt["ids"], args.max_tokens, llama_sampler(params)
                     )
                     label = f"llama.cpp {cfg[0]}, {cfg[1]} thread{'s' if cfg[1] > 1 else ''}"
                 key = f"{label} | {name} | {'plain' if k == 0 else f'K={k}'}"
