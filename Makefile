@@ -9,7 +9,7 @@ PORT   ?= 8080
 MODEL  ?= models/qwen3.5-demo
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench mutants clean
+.PHONY: install serve test lint bench mutants compare-llamacpp clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ lint: install
 
 bench: install
 	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results
+
+# mtpserve vs llama.cpp (built here from the llama-cpp-python sdist's vendored sources, in the
+# git-ignored .llamacpp/); not part of `make test`. Results in bench-results/compare_llamacpp.*
+compare-llamacpp: install
+	$(PY) scripts/compare_llamacpp.py --model $(MODEL) --out bench-results
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache

@@ -1,0 +1,104 @@
+"""Per-token cost of the decode loop, and what a cycle dispatches, for old-vs-new comparisons.
+
+For each draft count K it reports the primitives mlx evaluates in one cycle (counted from the
+cycle's graph, by kind), and the wall and process-CPU milliseconds per generated token through
+``Engine.generate`` (greedy, EOS ignored, best of ``--repeats``), with a digest of the greedy
+tokens so that two checkouts can be seen to produce the same text.
+
+On a shared machine, compare two checkouts by running both *at the same time* (each sees the
+same load) and repeating; e.g.::
+
+    git archive OLD | tar -x -C /tmp/old
+    for i in 1 2 3; do
+      PYTHONPATH=/tmp/old python scripts/step_overhead.py --json > old.$i &
+      PYTHONPATH=$PWD python scripts/step_overhead.py --json > new.$i; wait
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import io
+import json
+import re
+import time
+from typing import Any
+
+# engine first: its __init__ preloads the fast BLAS before anything imports mlx
+from engine.api import GenerationRequest
+from engine.runtime import Engine
+from engine.speculative import launch_cycle, start_sequence
+from sampling.params import SamplingOverrides, resolve
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+def primitives(ours: Engine, prompt: list[int], k: int) -> dict[str, int]:
+    """The primitives of one cycle's graph."""
+    import mlx.core as mx
+
+    import engine.speculative as speculative
+
+    params = resolve(SamplingOverrides(temperature=0.0))
+    seq = start_sequence(ours.trunk, ours.loaded.head, prompt, params, use_head=True)
+    mx.eval(seq.trunk_cache.arrays())
+    async_eval = speculative.mx.async_eval
+    speculative.mx.async_eval = lambda *arrays: None  # keep the graph unevaluated
+    try:
+        cycle = launch_cycle(ours.trunk, ours.loaded.head, seq, k)
+    finally:
+        speculative.mx.async_eval = async_eval
+    dot = io.StringIO()
+    mx.export_to_dot(
+        dot, cycle.n_accepted, cycle.next_token, cycle.hidden, *seq.trunk_cache.arrays()
+    )
+    kinds = collections.Counter(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
+    return {"total": sum(kinds.values()), **dict(kinds.most_common(12))}
+
+
+def per_token(
+    ours: Engine, prompt: list[int], k: int | None, tokens: int, repeats: int
+) -> dict[str, Any]:
+    params = resolve(SamplingOverrides(temperature=0.0))
+    wall = cpu = float("inf")
+    digest = ""
+    for _ in range(repeats):
+        request = GenerationRequest(prompt, params, tokens, draft_tokens=k, ignore_eos=True)
+        out: list[int] = []
+        c0 = time.process_time()
+        for event in ours.generate(request):
+            out += event.token_ids
+        cpu = min(cpu, (time.process_time() - c0) / len(out))
+        wall = min(wall, event.stats.generation_seconds / len(out))
+        digest = hashlib.sha1(json.dumps(out).encode()).hexdigest()[:10]
+    return {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="models/qwen3.5-demo")
+    p.add_argument("--draft-tokens", default="0,4")
+    p.add_argument("--tokens", type=int, default=192)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    kinds = args.draft_tokens.split(",")
+    # auto K measures its cost table at load (cached per engine code)
+    default = None if "auto" in kinds else 0
+    ours = Engine.load(args.model, draft_tokens=default, dtype="float32")
+    prompt = list(ours.tokenizer.encode(PROMPT))
+    result: dict[str, Any] = {}
+    for k in kinds:
+        fixed = None if k == "auto" else int(k)
+        row = per_token(ours, prompt, fixed, args.tokens, args.repeats)
+        if fixed is not None:
+            row["primitives"] = primitives(ours, prompt, fixed)
+        result[f"K={k}"] = row
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
