@@ -70,39 +70,6 @@ def delta_rule_chunk(
     return y.transpose(0, 2, 1, 3), VerifyCapture(state, u, k, decay, gamma)
 
 
-def delta_rule_step(
-    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
-) -> tuple[mx.array, StepCapture]:
-    """One gated delta-rule step (T = 1, a plain decode step): ``delta_rule_chunk``'s
-    arguments and result, without the T x T decay and triangular-inverse machinery (about a
-    third of the chunk form's primitives), and the new state computed in the block, so the
-    commit runs nothing."""
-    f32 = mx.float32
-    q, k, v = (t.astype(f32).transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, H, 1, D]
-    g = mx.exp(log_g.astype(f32)).transpose(0, 2, 1)[..., None]  # [B, H, 1, 1]
-    beta = beta.astype(f32).transpose(0, 2, 1)[..., None]
-    decayed = g * state  # g S_0: [B, H, Dv, Dk]
-    u = beta * (v - k @ decayed.swapaxes(-1, -2))  # [B, H, 1, Dv]
-    new_state = decayed + u.swapaxes(-1, -2) * k  # S_1 = g S_0 + u k^T
-    y = q @ new_state.swapaxes(-1, -2)  # S_1 q
-    return y.transpose(0, 2, 1, 3), StepCapture(new_state)
-
-
-@dataclass
-class StepCapture:
-    """What a one-position pass keeps of a GDN layer: the state after its one position."""
-
-    final: mx.array  # [B, H, Dv, Dk]
-
-    def arrays(self) -> list[mx.array]:
-        return [self.final]
-
-    def state_after(self, n: int) -> mx.array:
-        if n != 1:
-            raise ValueError("a one-position pass keeps exactly one position")
-        return self.final
-
-
 @dataclass
 class VerifyCapture:
     """What a verify pass keeps of one GDN layer to produce the state after any position.
@@ -137,7 +104,7 @@ class GDNLayerState:
     recurrent: mx.array | None = None
     # Filled by a capturing forward over T positions; consumed by ``commit``.
     conv_window: mx.array | None = None
-    capture: VerifyCapture | StepCapture | None = None
+    capture: VerifyCapture | None = None
 
     def commit(self, n_keep: int, kernel: int) -> None:
         if self.conv_window is None:
@@ -216,71 +183,13 @@ def new_trunk_cache(trunk: Any) -> TrunkCache:
     return make() if make is not None else TrunkCache(trunk)
 
 
-def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> mx.array | None:
-    """The bias-free float linears ``names`` of ``owner`` as one transposed weight
-    ``[in, sum(out)]`` (None when any is quantized or has a bias): a decode block then runs one
-    product, with no transpose, instead of one product and one transpose per projection.
-
-    Why: a decode step of a small model on a CPU is bound by the number of dispatched mlx
-    primitives (a few microseconds each), not by arithmetic. The modules' own weights are
-    replaced by views of the transposed weight, so the eager path (prefill) keeps working and
-    no weight is held twice.
-    """
-    fused = owner.__dict__.setdefault("_mtpserve_fused", {})
-    if names in fused:
-        return fused[names]
-    layers = [getattr(owner, n) for n in names]
-    weight = None
-    if all(
-        type(lin) is nn.Linear and "bias" not in lin and lin.weight.dtype == layers[0].weight.dtype
-        for lin in layers
-    ):
-        weight = mx.contiguous(mx.concatenate([lin.weight for lin in layers], axis=0).T)
-        mx.eval(weight)
-        start = 0
-        for lin in layers:
-            rows = lin.weight.shape[0]
-            lin.weight = weight[:, start : start + rows].T
-            start += rows
-    fused[names] = weight
-    return weight
-
-
-def project_fused(owner: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array]:
-    """``[getattr(owner, n)(x) for n in names]``, as one product where the weights allow."""
-    weight = fuse_linears(owner, names)
-    if weight is None:
-        return [getattr(owner, n)(x) for n in names]
-    if len(names) == 1:
-        return [x @ weight]
-    sizes = [getattr(owner, n).weight.shape[0] for n in names]
-    splits = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-    return mx.split(x @ weight, splits, axis=-1)
-
-
-def mlp(layer: nn.Module, x: mx.array) -> mx.array:
-    """The layer's MLP; a dense SwiGLU MLP runs its gate and up projections as one product."""
-    m = layer.mlp
-    if not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        return m(x)
-    gate, up = project_fused(m, ("gate_proj", "up_proj"), x)
-    return project_fused(m, ("down_proj",), nn.silu(gate) * up)[0]
-
-
-def gated_deltanet(
-    m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool, fused: bool = False
-) -> mx.array:
-    """mlx-lm's ``GatedDeltaNet`` forward, optionally capturing the state after each position.
-
-    ``fused`` (the compiled decode blocks) runs the four input projections as one product.
-    """
+def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool) -> mx.array:
+    """mlx-lm's ``GatedDeltaNet`` forward, optionally capturing the state after each position."""
     B, T, _ = x.shape
-    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-    if fused:
-        qkv, z, b, a = project_fused(m, names, x)
-    else:
-        qkv, z, b, a = (getattr(m, n)(x) for n in names)
-    z = z.reshape(B, T, m.num_v_heads, m.head_v_dim)
+    qkv = m.in_proj_qkv(x)
+    z = m.in_proj_z(x).reshape(B, T, m.num_v_heads, m.head_v_dim)
+    b = m.in_proj_b(x)
+    a = m.in_proj_a(x)
 
     conv_state = state.conv
     if conv_state is None:
@@ -303,8 +212,7 @@ def gated_deltanet(
         if (repeat := m.num_v_heads // m.num_k_heads) > 1:
             q = mx.repeat(q, repeat, axis=-2)
             k = mx.repeat(k, repeat, axis=-2)
-        rule = delta_rule_step if T == 1 else delta_rule_chunk
-        y, state.capture = rule(q, k, v, log_g, beta, recurrent)
+        y, state.capture = delta_rule_chunk(q, k, v, log_g, beta, recurrent)
         y = y.astype(x.dtype)
         state.conv_window = window
     else:
@@ -313,8 +221,7 @@ def gated_deltanet(
         )
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = m.norm(y, z).reshape(B, T, -1)
-    out = project_fused(m, ("out_proj",), out)[0] if fused else m.out_proj(out)
+    out = m.out_proj(m.norm(y, z).reshape(B, T, -1))
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
         out = mx.distributed.all_sum(out, group=m.sharding_group)
@@ -370,30 +277,14 @@ def compiled(
     return blocks[kind]
 
 
-def _fuse_layer(layer: nn.Module) -> None:
-    """Fuse the layer's projections now: the blocks are traced by mx.compile, which cannot
-    evaluate the fused weights inside the trace."""
-    if getattr(layer, "is_linear", False):
-        fuse_linears(layer.linear_attn, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
-        fuse_linears(layer.linear_attn, ("out_proj",))
-    else:
-        fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-        fuse_linears(layer.self_attn, ("o_proj",))
-    if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        fuse_linears(layer.mlp, ("gate_proj", "up_proj"))
-        fuse_linears(layer.mlp, ("down_proj",))
-
-
 def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
     m = layer.linear_attn
-    _fuse_layer(layer)
 
     def block(x: mx.array, conv: mx.array, recurrent: mx.array) -> tuple[mx.array, ...]:
         state = GDNLayerState(conv, recurrent)
-        h = x + gated_deltanet(m, layer.input_layernorm(x), state, capture=True, fused=True)
-        h = h + mlp(layer, layer.post_attention_layernorm(h))
-        captured = state.capture.arrays()
-        return (h, state.conv_window, *(captured[1:] if x.shape[1] > 1 else captured))
+        h = x + gated_deltanet(m, layer.input_layernorm(x), state, capture=True)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return (h, state.conv_window, *state.capture.arrays()[1:])
 
     return block
 
@@ -406,11 +297,7 @@ def gdn_block_captured(layer: nn.Module, x: mx.array, state: GDNLayerState) -> m
     if recurrent is None:
         recurrent = mx.zeros((1, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
     h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, conv, recurrent)
-    state.conv_window = window
-    if x.shape[1] == 1:
-        state.capture = StepCapture(*captured)
-    else:
-        state.capture = VerifyCapture(recurrent, *captured)
+    state.conv_window, state.capture = window, VerifyCapture(recurrent, *captured)
     return h
 
 
@@ -418,15 +305,13 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
     """mlx-lm's gated attention up to the cache update (q_proj emits [query | gate] per head);
     RoPE takes the offset as an array so the block does not recompile at every position."""
     a = layer.self_attn
-    _fuse_layer(layer)
 
     def block(x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         B, L, _ = x.shape
         normed = layer.input_layernorm(x)
-        queries, keys, values = project_fused(a, ("q_proj", "k_proj", "v_proj"), normed)
-        queries, gate = mx.split(queries.reshape(B, L, a.num_attention_heads, -1), 2, -1)
-        keys = keys.reshape(B, L, a.num_key_value_heads, -1)
-        values = values.reshape(B, L, a.num_key_value_heads, -1)
+        queries, gate = mx.split(a.q_proj(normed).reshape(B, L, a.num_attention_heads, -1), 2, -1)
+        keys = a.k_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
+        values = a.v_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
         queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
         keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
@@ -436,13 +321,12 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
 
 def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     a = layer.self_attn
-    _fuse_layer(layer)
 
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
         B, L, _ = x.shape
         attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = x + project_fused(a, ("o_proj",), attended * mx.sigmoid(gate))[0]
-        return h + mlp(layer, layer.post_attention_layernorm(h))
+        h = x + a.o_proj(attended * mx.sigmoid(gate))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     return block
 

@@ -210,6 +210,16 @@ class FakeEngine:
                 return
 
 
+def metric(http: Any, name: str) -> float:
+    """Sum of all samples of ``name`` in a live server's /metrics (``http``: an httpx client on
+    it; labels are ignored unless part of ``name``)."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 class LiveServer:
     """A real uvicorn server for ``app`` on 127.0.0.1 with a free port, in a daemon thread."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from browser import find_browser, start_chromium
-from fake_engine import FakeEngine, LiveServer
+from fake_engine import FakeEngine, LiveServer, metric
 
 from server.app import create_app
 from server.page import PAGE_DIR
@@ -66,14 +66,6 @@ def stream_chat(http: httpx.Client, model: str, **body: Any) -> list[dict[str, A
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:]))
     return chunks
-
-
-def metric(http: httpx.Client, name: str) -> float:
-    total = 0.0
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # -- the page's files and the extension over plain HTTP ------------------------------------------

@@ -601,32 +601,3 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
             use_kernel=False,
         )
         np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
-
-
-def test_one_position_delta_step_matches_the_recurrence() -> None:
-    """A plain cycle's GDN step (the recurrence for one position, its new state computed in the
-    block) equals mlx-lm's gated delta rule, output and state."""
-    import mlx.nn as nn
-    from mlx_lm.models.gated_delta import gated_delta_update
-
-    from engine.trunk import delta_rule_step
-
-    mx.random.seed(7)
-    heads, dk, dv = 4, 32, 16
-    q = 0.2 * mx.random.normal((1, 1, heads, dk))
-    k = mx.random.normal((1, 1, heads, dk))
-    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((1, 1, heads, dv))
-    a, b = mx.random.normal((1, 1, heads)), mx.random.normal((1, 1, heads))
-    a_log, dt_bias = mx.random.normal((heads,)), mx.random.normal((heads,))
-    start = 0.3 * mx.random.normal((1, heads, dv, dk))
-    log_g = -mx.exp(a_log) * nn.softplus(a + dt_bias)
-
-    y, capture = delta_rule_step(q, k, v, log_g, mx.sigmoid(b), start)
-    y_ref, state_ref = gated_delta_update(
-        q, k, v, a, b, a_log, dt_bias, start, None, use_kernel=False
-    )
-    np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=2e-6)
-    np.testing.assert_allclose(np.array(capture.state_after(1)), np.array(state_ref), atol=2e-6)
-    with pytest.raises(ValueError):
-        capture.state_after(2)

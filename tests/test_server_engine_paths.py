@@ -29,7 +29,7 @@ import numpy as np
 import openai
 import pytest
 from bigram_checkpoint import DEMO_MODEL, script_transitions, write_bigram_checkpoint
-from fake_engine import LiveServer
+from fake_engine import LiveServer, metric
 from test_logprobs import independent_logprobs
 
 from server.app import create_app
@@ -84,14 +84,6 @@ def serve(model_dir: Path, **settings: Any) -> LiveServer:
 def server(scripted_checkpoint: Path):
     with serve(scripted_checkpoint) as srv:
         yield srv
-
-
-def metric(http: httpx.Client, name: str) -> float:
-    total = 0.0
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fake_engine import LiveServer
+from fake_engine import LiveServer, metric
 
 from server.app import create_app
 from server.settings import ServerSettings
@@ -57,15 +57,6 @@ def server(tiny_checkpoint: Path):
         srv.model = app.state.mtp.names[0]
         srv.engine = app.state.mtp.engine
         yield srv
-
-
-def metric(http: httpx.Client, name: str) -> float:
-    """Sum of all samples of ``name`` in /metrics (labels ignored unless part of ``name``)."""
-    total = 0.0
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_models(client: openai.OpenAI, server: LiveServer) -> None:
