@@ -344,7 +344,10 @@ def demo_engine():
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_speculative_sampling_matches_plain_sampling(demo_engine, name: str) -> None:
     prompt = demo_engine.tokenizer.encode("def add(a, b):")
-    n = 700
+    # 400 seeds per K: the chi-square's false-alarm rate is ALPHA at any n. The sharp tests of
+    # the acceptance rule itself are exact and fast (test_acceptance_exact.py); this is their
+    # end-to-end check on the real engine, sized for the suite's time budget.
+    n = 400
     plain = _first_tokens(demo_engine, prompt, SETTINGS[name], 0, n)
     # informative: no position is (nearly) deterministic
     assert all(np.bincount(plain[:, i]).max() < 0.8 * n for i in range(3))
