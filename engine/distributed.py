@@ -471,6 +471,8 @@ class DistributedEngine(Engine):
     """``Engine`` on rank 0 of a group: the trunk is sharded and mirrored on the followers."""
 
     leader: Leader | None = field(default=None, repr=False)
+    #: no batching: the followers mirror one sequence's cache operations at a time
+    batch = None  # type: ignore[assignment]
 
     @classmethod
     def load_model(

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from engine.trunk import attention_block, block
+from engine.trunk import attention_block, attention_block_rows, block
 
 
 class MTPHead(nn.Module):
@@ -44,8 +44,8 @@ class MTPHead(nn.Module):
         trunk: Any,
         token_ids: mx.array,
         hidden: mx.array,
-        cache: KVCache,
-        position: int | None = None,
+        cache: KVCache | list[KVCache],
+        position: int | list[int] | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Run pairs (hidden[:, j], token_ids[:, j]) at the cache's next positions.
 
@@ -57,6 +57,9 @@ class MTPHead(nn.Module):
             position: sequence position t of the first pair (default: the cache's length;
                 larger when the cache skipped positions).
 
+            Several sequences at once (a batched draft step): ``token_ids [B, T]``, ``hidden
+            [B, T, H]``, one cache and one position per row.
+
         Returns:
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
             the last pair. Earlier pairs only fill the cache: of them the layer computes keys
@@ -67,7 +70,10 @@ class MTPHead(nn.Module):
         embedded = trunk.model.embed_tokens(token_ids)
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
         z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
-        z = attention_block(self.layers[0], z, cache, position, last_only=True)
+        if isinstance(cache, list):
+            z = attention_block_rows(self.layers[0], z, cache, position, last_only=True)
+        else:
+            z = attention_block(self.layers[0], z, cache, position, last_only=True)
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)
 
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:

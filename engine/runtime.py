@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,11 @@ from engine.speculative import (
     Sequence,
     commit,
     commit_unread,
+    drive,
     finish_unread,
     launch_cycle,
     new_sequence,
-    prefill,
+    prefill_steps,
     read_cycle,
     start_sequence,
 )
@@ -272,6 +273,15 @@ class Engine:
     ) -> Sequence | None:
         """Restore the longest cached prefix of the prompt, prefill the rest in chunks (a
         snapshot at each block end and at the prompt's end); None if cancelled meanwhile."""
+        return drive(self.start_steps(request, policy, cancelled))
+
+    def start_steps(
+        self,
+        request: GenerationRequest,
+        policy: DraftPolicy,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Generator[None, None, Sequence | None]:
+        """``start_cached`` one prefill chunk per step (``engine.speculative.prefill_steps``)."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
         # a seeded request under auto K draws with coupled noise: the same text whatever K runs
@@ -303,7 +313,7 @@ class Engine:
                 stops.insert(0, marker)
         hook = prefill_hook(cache, self.trunk, head, cancelled)
         for stop in stops:
-            fed = prefill(
+            fed = yield from prefill_steps(
                 self.trunk,
                 head,
                 seq,
@@ -355,15 +365,7 @@ class Engine:
     ) -> Iterator[GenerationEvent]:
         """Decode up to ``request.max_tokens`` more tokens onto ``seq`` (which may continue)."""
         policy = policy or self.policy(request.draft_tokens, request.sampling)
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), cached_tokens=seq.restored)
-        stats.prompt_seconds = prompt_seconds
-        stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS
-        stats.k_histogram = [0] * (MAX_DRAFT_TOKENS + 1)
-        stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
-        stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
-        stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
-        t_gen = time.perf_counter()
-        generated = 0
+        progress = Progress.start(request, policy, seq, trace, prompt_seconds)
         chooser = policy.chooser
         # Plain decoding runs one cycle ahead (engine.speculative's docstring): ``ahead`` is a
         # cycle launched before the previous one was read back, ``undo`` what cancels it.
@@ -376,10 +378,9 @@ class Engine:
         try:
             while True:
                 if cancelled():
-                    stats.generation_seconds = time.perf_counter() - t_gen
-                    yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+                    yield progress.cancelled()
                     return
-                remaining = request.max_tokens - generated
+                remaining = progress.remaining
                 context_len = len(seq.tokens)
                 if ahead is None:
                     if k_next is None:
@@ -402,7 +403,7 @@ class Engine:
                         ahead = launch_cycle(self.trunk, self.loaded.head, seq, 0)
                         k_next = None
                 result = read_cycle(current)
-                n_keep, finish = _apply_stops(result.emitted, stop_ids, remaining)
+                n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 if unread:
                     emitted = finish_unread(seq, result)
@@ -410,12 +411,7 @@ class Engine:
                     emitted = commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
-                # emitted = accepted drafts, then the trunk's token, cut at a stop: the first
-                # min(n_accepted, len(emitted)) tokens are drafts; usage counts exactly those.
-                drafted = [i < result.n_accepted for i in range(len(emitted))]
-                generated += len(emitted)
                 end = time.perf_counter()
-                _record(stats, result, sum(drafted), generated, end - t_commit)
                 if timed is not None:
                     since = None if last_end is None else end - last_end
                     if unread and ahead is None:
@@ -428,36 +424,11 @@ class Engine:
                         since = None
                     timed.observe_seconds(len(result.draft_ids), len(emitted), since)
                     last_end = end
-                if trace is not None:
-                    trace(
-                        {
-                            "context_len": context_len,
-                            "draft": result.draft_ids,
-                            "accepted": result.n_accepted,
-                            "emitted": emitted,
-                        }
-                    )
-                logprobs = (
-                    _logprobs(result, emitted, request.top_logprobs)
-                    if request.top_logprobs is not None
-                    else None
-                )
-                stats.generation_seconds = time.perf_counter() - t_gen
-                if finish is not None:
-                    if policy.fixed is None:
-                        used = [k for k, n in enumerate(stats.k_histogram) if n]
-                        stats.draft_tokens = max(used, default=0)
-                    if undo is not None:  # the look-ahead cycle is not wanted
-                        undo.restore(seq)
-                        ahead = undo = None
-                yield GenerationEvent(
-                    emitted,
-                    logprobs,
-                    finish,
-                    stats,
-                    drafted=drafted,
-                    cycle_draft_tokens=len(result.draft_ids),
-                )
+                event = progress.event(result, emitted, finish, context_len, end - t_commit)
+                if finish is not None and undo is not None:  # the look-ahead is not wanted
+                    undo.restore(seq)
+                    ahead = undo = None
+                yield event
                 if finish is not None:
                     return
         finally:
@@ -465,6 +436,147 @@ class Engine:
             # so the sequence holds exactly what was emitted.
             if undo is not None:
                 undo.restore(seq)
+
+    # -- one row of a batch (engine.batching) ----------------------------------------------------
+    def batch(self, capacity: int) -> Any:
+        """A ``BatchDecoder`` of up to ``capacity`` rows on this engine."""
+        from engine.batching import BatchDecoder
+
+        return BatchDecoder(self, capacity)
+
+    def row_steps(
+        self,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] = lambda: False,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Generator[Any, CycleResult | None, None]:
+        """``generate`` as one row of a batch: the same events, but the row yields to the batch
+        (``engine.batching.BatchDecoder``) instead of running its own cycles — ``None`` after
+        each prefill chunk but the last, a ``CycleNeed`` when it wants a cycle, whose result
+        the batch sends back — so that many rows share each cycle and a newcomer's prefill
+        runs between the running rows' cycles. Every cycle is read back before the next one
+        is launched (no look-ahead: rows are committed after reading)."""
+        self.check(request)
+        policy = self.policy(request.draft_tokens, request.sampling)
+        t0 = time.perf_counter()
+        seq = yield from self.start_steps(request, policy, cancelled)
+        if seq is None:  # cancelled during the prefill
+            stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+            stats.prompt_seconds = time.perf_counter() - t0
+            yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+            return
+        progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
+        chooser = policy.chooser
+        try:
+            while True:
+                if cancelled():
+                    yield progress.cancelled()
+                    return
+                remaining = progress.remaining
+                context_len = len(seq.tokens)
+                k = policy.choose(seq, remaining) if seq.can_draft else 0
+                result = yield CycleNeed(seq, k, remaining - 1, policy.fixed is None, chooser)
+                n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
+                t_commit = time.perf_counter()
+                emitted = commit(seq, result, n_keep)
+                if chooser is not None:
+                    chooser.observe(len(result.draft_ids), result.n_accepted)
+                end = time.perf_counter()
+                yield progress.event(result, emitted, finish, context_len, end - t_commit)
+                if finish is not None:
+                    return
+        finally:
+            self._keep(seq)
+
+
+@dataclass
+class CycleNeed:
+    """A batch row asking for its next cycle: K as its own policy chose it, the most it may
+    draft (``max_k``: never past max_tokens) and, for automatic K, its chooser (the batch
+    decides K for its automatic rows together, engine.batching)."""
+
+    seq: Sequence
+    k: int
+    max_k: int
+    auto: bool
+    chooser: Any = None
+
+
+@dataclass
+class Progress:
+    """One request's output so far: what each cycle adds to its events and stats."""
+
+    request: GenerationRequest
+    policy: DraftPolicy
+    stats: GenerationStats
+    trace: Callable[[dict[str, Any]], None] | None
+    stop_ids: frozenset[int]
+    started: float
+    generated: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        request: GenerationRequest,
+        policy: DraftPolicy,
+        seq: Sequence,
+        trace: Callable[[dict[str, Any]], None] | None,
+        prompt_seconds: float,
+    ) -> Progress:
+        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), cached_tokens=seq.restored)
+        stats.prompt_seconds = prompt_seconds
+        stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS
+        stats.k_histogram = [0] * (MAX_DRAFT_TOKENS + 1)
+        stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
+        stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
+        stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
+        return cls(request, policy, stats, trace, stop_ids, time.perf_counter())
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - self.generated
+
+    def cancelled(self) -> GenerationEvent:
+        self.stats.generation_seconds = time.perf_counter() - self.started
+        return GenerationEvent([], finish_reason="cancelled", stats=self.stats)
+
+    def event(
+        self,
+        result: CycleResult,
+        emitted: list[int],
+        finish: str | None,
+        context_len: int,
+        commit_seconds: float,
+    ) -> GenerationEvent:
+        """The event of a committed cycle: ``emitted`` = accepted drafts, then the trunk's
+        token, cut at a stop; the first min(n_accepted, len(emitted)) tokens are drafts and
+        usage counts exactly those."""
+        drafted = [i < result.n_accepted for i in range(len(emitted))]
+        self.generated += len(emitted)
+        _record(self.stats, result, sum(drafted), self.generated, commit_seconds)
+        if self.trace is not None:
+            self.trace(
+                {
+                    "context_len": context_len,
+                    "draft": result.draft_ids,
+                    "accepted": result.n_accepted,
+                    "emitted": emitted,
+                }
+            )
+        top = self.request.top_logprobs
+        logprobs = _logprobs(result, emitted, top) if top is not None else None
+        self.stats.generation_seconds = time.perf_counter() - self.started
+        if finish is not None and self.policy.fixed is None:
+            used = [k for k, n in enumerate(self.stats.k_histogram) if n]
+            self.stats.draft_tokens = max(used, default=0)
+        return GenerationEvent(
+            emitted,
+            logprobs,
+            finish,
+            self.stats,
+            drafted=drafted,
+            cycle_draft_tokens=len(result.draft_ids),
+        )
 
 
 def chat_prompt_ids(

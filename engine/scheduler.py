@@ -83,13 +83,17 @@ class RequestHandle:
     _loop: asyncio.AbstractEventLoop
     _queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
+    _withdraw: Callable[[RequestHandle], None] | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     finished: bool = False
 
     def cancel(self) -> None:
-        """Ask the engine to stop at its next decode cycle (thread-safe, idempotent)."""
+        """Ask the engine to stop at its next decode cycle (thread-safe, idempotent); a
+        request still queued leaves the queue now."""
         self._cancel.set()
+        if self._withdraw is not None:
+            self._withdraw(self)
 
     @property
     def cancelled(self) -> bool:
@@ -128,6 +132,47 @@ class RequestHandle:
         return item
 
 
+class SerialBatch:
+    """The batch interface (``engine.batching.BatchDecoder``: ``add``, ``step``, ``drop``) over
+    an engine that only has ``generate``: one row at a time, one event per step."""
+
+    capacity = 1
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self.rows: dict[Any, Iterator[GenerationEvent]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.rows
+
+    def add(self, key: Any, request: GenerationRequest, cancelled: Callable[[], bool]) -> None:
+        self.rows[key] = iter(self.engine.generate(request, cancelled=cancelled))
+
+    def drop(self, key: Any) -> None:
+        events = self.rows.pop(key, None)
+        if events is not None and hasattr(events, "close"):
+            try:
+                events.close()
+            except Exception:  # a failing close must not kill the worker
+                logger.exception("closing generation %s failed", key)
+
+    def step(self) -> list[tuple[Any, GenerationEvent | BaseException]]:
+        out: list[tuple[Any, GenerationEvent | BaseException]] = []
+        for key, events in list(self.rows.items()):
+            try:
+                out.append((key, next(events)))
+            except StopIteration:
+                del self.rows[key]
+            except Exception as exc:
+                logger.exception("generation %s failed", key)
+                del self.rows[key]
+                out.append((key, exc))
+        return out
+
+
 class Scheduler:
     """Owns the worker thread and the FIFO of pending requests."""
 
@@ -136,6 +181,7 @@ class Scheduler:
         engine_factory: Callable[[], Any],
         *,
         max_queue: int = 64,
+        max_batch: int = 1,
         retry_after: float = 1.0,
         on_finished: Callable[[RequestHandle, GenerationEvent | None, BaseException | None], None]
         | None = None,
@@ -152,7 +198,11 @@ class Scheduler:
         self.engine: Any = None
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
-        self.running: RequestHandle | None = None
+        self.max_batch = max_batch
+        #: the requests decoding now, by request id (worker thread; read under ``_cond``)
+        self._rows: dict[int, RequestHandle] = {}
+        self._last: dict[int, GenerationEvent] = {}
+        self._grace: dict[int, int] = {}
         self.completed = 0
         self.failed = 0
 
@@ -191,8 +241,8 @@ class Scheduler:
             self._closing = True
             pending = list(self._pending)
             self._pending.clear()
-            if self.running is not None:
-                self.running.cancel()
+            for handle in self._rows.values():
+                handle.cancel()
             self._cond.notify_all()
         for handle in pending:
             handle.cancel()
@@ -208,8 +258,7 @@ class Scheduler:
             self._closing = True
             handles = list(self._pending)
             self._pending.clear()
-            if self.running is not None:
-                handles.insert(0, self.running)
+            handles = list(self._rows.values()) + handles
             self._cond.notify_all()
         for handle in handles:
             handle.cancel()
@@ -220,6 +269,22 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._pending)
 
+    @property
+    def running(self) -> int:
+        """Requests decoding now (rows of the batch)."""
+        return len(self._rows)
+
+    def _withdraw(self, handle: RequestHandle) -> None:
+        """A request cancelled while queued leaves the queue at once (and stops counting
+        against ``max_queue``); its consumer sees the end of its events."""
+        with self._cond:
+            try:
+                self._pending.remove(handle)
+            except ValueError:
+                return  # already running (the engine sees the flag) or finished
+        handle._post(_END)
+        self._finished(handle, None, None)
+
     def submit(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
         """Queue all of ``requests`` atomically (all or none); must run on the event loop."""
         loop = asyncio.get_running_loop()
@@ -229,7 +294,10 @@ class Scheduler:
             if len(self._pending) + len(requests) > self.max_queue:
                 raise QueueFullError(self.retry_after)
             handles = [
-                RequestHandle(request=r, request_id=next(self._ids), _loop=loop) for r in requests
+                RequestHandle(
+                    request=r, request_id=next(self._ids), _loop=loop, _withdraw=self._withdraw
+                )
+                for r in requests
             ]
             self._pending.extend(handles)
             self._cond.notify()
@@ -245,55 +313,72 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
+        # One row at a time through ``generate`` unless batching is asked for and the engine
+        # can batch (``generate`` runs plain cycles one ahead; a batch reads every cycle).
+        make_batch = getattr(self.engine, "batch", None)
+        if make_batch is not None and self.max_batch > 1:
+            batch = make_batch(self.max_batch)
+        else:
+            batch = SerialBatch(self.engine)
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                while not self._pending and not self._rows and not self._closing:
                     self._cond.wait()
                 if self._closing:
+                    for handle in self._rows.values():
+                        batch.drop(handle.request_id)
+                        handle._post(_END)
+                    self._rows.clear()
                     return
-                handle = self._pending.popleft()
-                self.running = handle
-            try:
-                self._serve(handle)
-            finally:
-                with self._cond:
-                    self.running = None
+                # FIFO admission into free rows; a newcomer starts at this very step.
+                while self._pending and len(self._rows) < batch.capacity:
+                    handle = self._pending.popleft()
+                    handle.started_at = time.monotonic()
+                    self._rows[handle.request_id] = handle
+                    batch.add(handle.request_id, handle.request, handle.is_cancelled)
+            self._step(batch)
 
-    def _serve(self, handle: RequestHandle) -> None:
-        """Run one generation to its end, delivering events; never raises."""
-        last: GenerationEvent | None = None
-        error: BaseException | None = None
-        if handle.cancelled:
-            handle._post(_END)
-            self._finished(handle, None, None)
-            return
-        handle.started_at = time.monotonic()
-        events: Iterator[GenerationEvent] | None = None
+    def _step(self, batch: Any) -> None:
+        """One step of the batch; deliver its events, finish the rows that ended."""
         try:
-            events = self.engine.generate(handle.request, cancelled=handle.is_cancelled)
-            grace = 1
-            for event in events:
-                last = event
-                if not handle._post(event) or event.finish_reason is not None:
-                    break
-                if handle.cancelled:
-                    # The engine polls ``cancelled()`` at the start of its next cycle and ends
-                    # with "cancelled" (keeping its caches consistent and its stats complete),
-                    # so it gets one more step; closing the iterator is the backstop for an
-                    # engine that does not poll.
-                    grace -= 1
-                    if grace < 0:
-                        break
-        except Exception as exc:
-            logger.exception("generation %d failed", handle.request_id)
-            error = exc
-        finally:
-            if events is not None and hasattr(events, "close"):
-                try:
-                    events.close()
-                except Exception:  # a failing close must not kill the worker
-                    logger.exception("closing generation %d failed", handle.request_id)
+            events = batch.step()
+        except Exception as exc:  # the batch itself failed: every row it held fails
+            logger.exception("a batched cycle failed")
+            events = [(key, exc) for key in list(self._rows)]
+            for key in list(self._rows):
+                batch.drop(key)
+        for key, item in events:
+            handle = self._rows.get(key)
+            if handle is None:
+                continue
+            if isinstance(item, BaseException):
+                self._end(batch, handle, error=item)
+                continue
+            self._last[key] = item
+            delivered = handle._post(item)  # False: nobody reads any more
+            if not delivered or item.finish_reason is not None:
+                self._end(batch, handle)
+        for key, handle in list(self._rows.items()):
+            if key not in batch:
+                self._end(batch, handle)
+            elif handle.cancelled:
+                # The engine polls ``cancelled()`` before each cycle and ends the row with
+                # "cancelled" (its caches consistent, its stats complete), so it gets one more
+                # step; dropping the row is the backstop for an engine that does not poll.
+                self._grace[key] = self._grace.get(key, 1) - 1
+                if self._grace[key] < 0:
+                    self._end(batch, handle)
+
+    def _end(self, batch: Any, handle: RequestHandle, error: BaseException | None = None) -> None:
+        key = handle.request_id
+        with self._cond:
+            self._rows.pop(key, None)
+        self._grace.pop(key, None)
+        last = self._last.pop(key, None)
+        if key in batch:
+            batch.drop(key)
         if error is not None:
+            logger.error("generation %d failed: %s", key, error)
             self.failed += 1
             handle._post(_Failure(error))
         else:

@@ -36,16 +36,16 @@ out unwanted (a stop) is undone with ``CacheSnapshot``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
 from engine.mtp import MTPHead, project_to_vocab
-from engine.trunk import TrunkCache, new_trunk_cache, trunk_hidden
+from engine.trunk import TrunkCache, new_trunk_cache, trunk_hidden, trunk_hidden_rows
 from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
@@ -68,6 +68,8 @@ PREFILL_CHUNK = 128
 #: MAX_PROBE_INTERVAL (plain cycles between probes) plus one cycle's commit, so that auto K's
 #: probes never skip
 MAX_CATCH_UP = 136
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -213,21 +215,45 @@ def prefill(
     after each chunk (the sequence is then at a consistent point); when it returns False the
     prefill stops there and this returns False (cancellation).
     """
+    return drive(prefill_steps(trunk, head, seq, body, chunk_tokens, after_chunk))
+
+
+def prefill_steps(
+    trunk: Any,
+    head: MTPHead | None,
+    seq: Sequence,
+    body: list[int],
+    chunk_tokens: int = PREFILL_CHUNK,
+    after_chunk: Callable[[Sequence], bool] | None = None,
+) -> Generator[None, None, bool]:
+    """``prefill`` one chunk per step: yields after each chunk, so that a batch can run its
+    other rows' cycles between a newcomer's chunks; returns what ``prefill`` returns."""
     done = seq.trunk_cache.length
-    with all_cores():
-        start = 0
-        while start < len(body):
-            end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
+    start = 0
+    while start < len(body):
+        end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
+        with all_cores():
             chunk = mx.array(body[start:end])[None]
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
             if seq.head_cache is not None:
                 seq.head_pending.append(hidden)
                 _absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
-            start = end
-            if after_chunk is not None and not after_chunk(seq):
-                return False
+        start = end
+        if after_chunk is not None and not after_chunk(seq):
+            return False
+        if start < len(body):
+            yield
     return True
+
+
+def drive(steps: Generator[Any, None, T]) -> T:
+    """Run a step generator to its end and return its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
@@ -270,92 +296,165 @@ def launch_cycle(
     trunk: Any, head: MTPHead | None, seq: Sequence, k: int, profile: bool = False
 ) -> LaunchedCycle:
     """Build a cycle's graph (draft, verify, accept) and start evaluating it."""
-    params = seq.params
-    if not seq.can_draft:
+    return launch_cycles(trunk, head, [seq], k, profile)[0]
+
+
+def launch_cycles(
+    trunk: Any, head: MTPHead | None, seqs: list[Sequence], k: int, profile: bool = False
+) -> list[LaunchedCycle]:
+    """One cycle of B sequences at once (a batch of one is the single-request cycle).
+
+    Every row drafts the same ``k`` (0 when any row cannot draft): each draft depth runs the
+    head once for all rows, the verify is one trunk pass over every row's K+1 positions
+    (``engine.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
+    per row, with each row's own sampler, PRNG key and penalty history. Rows accept different
+    lengths: each row's caches are committed on their own (``commit``).
+    """
+    rows = len(seqs)
+    if not all(seq.can_draft for seq in seqs):
         k = 0
-    if k > 0 and seq.unread_token is not None:
+    if k > 0 and any(seq.unread_token is not None for seq in seqs):
         raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
     t0 = time.perf_counter()
 
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
     #    last emitted token); later steps feed the head's own output and its draft token.
-    draft_ids: list[mx.array] = []
-    draft_rows: list[Truncated] = []
-    coupled = seq.coupled_seed is not None
-    position = seq.next_position
+    drafts: list[_RowDrafts] = [_RowDrafts(seq) for seq in seqs]
     if k > 0:
-        out, logits = _absorb_pending(trunk, head, seq, keep_last=False)
-        state, step_logits = out[:, -1:], logits[0, -1:]
+        firsts = [_absorb_pending(trunk, head, seq, keep_last=False) for seq in seqs]
+        state = _stack([out[:, -1:] for out, _ in firsts])
+        step_logits = [logits[0, -1:] for _, logits in firsts]
         for i in range(k):
-            # Penalties see the drafts so far, exactly as plain decoding would have.
-            history = seq.history.row_after(draft_ids) if seq.history else None
-            if params.greedy:
-                d = greedy_tokens(step_logits, params, history)
-            elif coupled:
-                q = truncate(step_logits, params, history)
-                d = coupled_draw(q, seq.coupled_seed, mx.array([position + i]))
-                draft_rows.append(q)
-            else:
-                q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
-                draft_rows.append(q)
-            draft_ids.append(d)
-            if not profile:
-                mx.async_eval(d)  # start this step while the next one is built
-            if seq.draft_confidence is not None and i + 1 < k:
-                # Confidence cut (llama.cpp's p-min): stop drafting once the head's top
-                # probability falls below the threshold. Costs one host sync per draft step.
-                top = (
-                    q.probs if not params.greedy else mx.softmax(step_logits.astype(mx.float32), -1)
-                )
-                if top.max().item() < seq.draft_confidence:
-                    break
+            for row, logits in zip(drafts, step_logits, strict=True):
+                row.draw(logits, i)
+                if not profile:
+                    mx.async_eval(row.ids[-1])  # start this step while the next one is built
+            if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
+                break
             if i + 1 < k:
-                state, step_logits = head(trunk, d[None], state, seq.head_cache, seq.head_position)
-                step_logits = step_logits[0]
-    drafts = mx.concatenate(draft_ids) if draft_ids else mx.zeros((0,), dtype=mx.int32)
-    q_all = Truncated.concatenate(draft_rows) if draft_rows else None
+                tokens = _stack([row.ids[-1][None] for row in drafts])
+                if rows == 1:
+                    seq = seqs[0]
+                    state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
+                else:
+                    caches = [seq.head_cache for seq in seqs]
+                    positions = [seq.head_position for seq in seqs]
+                    state, logits = head(trunk, tokens, state, caches, positions)
+                step_logits = [logits[b] for b in range(rows)]
+    for row in drafts:
+        row.finish()
     if profile:
-        mx.eval(drafts, q_all.probs) if q_all is not None else mx.eval(drafts)
+        mx.eval(*(row.drafts for row in drafts), *(row.q.probs for row in drafts if row.q))
     t1 = time.perf_counter()
 
     # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
-    last = seq.unread_token
-    if last is None:
-        last = mx.array([seq.tokens[-1]], dtype=mx.int32)
-    verify_in = mx.concatenate([last, drafts])[None]
-    hidden = trunk_hidden(trunk, verify_in, seq.trunk_cache, capture=True)
-    logits = project_to_vocab(trunk, hidden)[0]
-    # Rows for the drafts made, not the K asked for: a confidence cut may have drafted fewer.
-    history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None
+    verify_in = _stack([mx.concatenate([row.last, row.drafts])[None] for row in drafts])
+    if rows == 1:
+        hidden = trunk_hidden(trunk, verify_in, seqs[0].trunk_cache, capture=True)
+    else:
+        hidden = trunk_hidden_rows(trunk, verify_in, [seq.trunk_cache for seq in seqs])
+    logits = project_to_vocab(trunk, hidden)
     if profile:
-        mx.eval(logits, seq.trunk_cache.arrays())
+        mx.eval(logits, *(a for seq in seqs for a in seq.trunk_cache.arrays()))
     t_verified = time.perf_counter()
 
-    # 3. Accept (on device); read_cycle syncs once.
-    if params.greedy:
-        n_acc, next_token = accept_greedy(drafts, greedy_tokens(logits, params, history))
-    elif coupled:
-        rows = mx.arange(position, position + len(draft_ids) + 1)
-        targets = coupled_draw(truncate(logits, params, history), seq.coupled_seed, rows)
-        n_acc, next_token = accept_coupled(drafts, targets)
-    elif not draft_ids:  # plain decoding: a draw from p_1, truncation and draw in one call
-        n_acc = mx.array(0, dtype=mx.int32)
-        next_token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]
-    else:
+    # 3. Accept, per row (on device); read_cycles syncs once for every row.
+    launched = []
+    for b, row in enumerate(drafts):
+        n_acc, next_token = row.accept(logits[b])
+        row_hidden = hidden if rows == 1 else hidden[b : b + 1]
+        mx.async_eval(n_acc, next_token, row.drafts, row_hidden, row.seq.trunk_cache.arrays())
+        launched.append(
+            LaunchedCycle(
+                k=len(row.ids),
+                drafts=row.drafts,
+                n_accepted=n_acc,
+                next_token=next_token,
+                logits=logits[b],
+                hidden=row_hidden,
+                draft_seconds=t1 - t0,
+                verify_seconds=t_verified - t1,
+                launched_at=t_verified,
+            )
+        )
+    return launched
+
+
+def _stack(parts: list[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+class _RowDrafts:
+    """One row's side of a cycle: its draws from the head, then its acceptance."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.ids: list[mx.array] = []
+        self.rows: list[Truncated] = []
+        self.position = seq.next_position
+        last = seq.unread_token
+        self.last = last if last is not None else mx.array([seq.tokens[-1]], dtype=mx.int32)
+
+        self.drafts = mx.zeros((0,), dtype=mx.int32)
+        self.q: Truncated | None = None
+
+    def finish(self) -> None:
+        """Join the draws: the drafts ``[K]`` and the distributions they came from."""
+        if self.ids:
+            self.drafts = mx.concatenate(self.ids)
+        if self.rows:
+            self.q = Truncated.concatenate(self.rows)
+
+    def draw(self, step_logits: mx.array, i: int) -> None:
+        """Draft token ``i`` from the head's logits ``[1, V]``."""
+        seq, params = self.seq, self.seq.params
+        # Penalties see the drafts so far, exactly as plain decoding would have.
+        history = seq.history.row_after(self.ids) if seq.history else None
+        if params.greedy:
+            d = greedy_tokens(step_logits, params, history)
+        elif seq.coupled_seed is not None:
+            q = truncate(step_logits, params, history)
+            d = coupled_draw(q, seq.coupled_seed, mx.array([self.position + i]))
+            self.rows.append(q)
+        else:
+            q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
+            self.rows.append(q)
+        self.ids.append(d)
+
+    def confident_stop(self, step_logits: mx.array, i: int, k: int) -> bool:
+        """Confidence cut (llama.cpp's p-min): stop drafting once the head's top probability
+        falls below the threshold. Costs one host sync per draft step (one row only)."""
+        threshold = self.seq.draft_confidence
+        if threshold is None or i + 1 >= k:
+            return False
+        if self.seq.params.greedy:
+            top = mx.softmax(step_logits.astype(mx.float32), -1)
+        else:
+            top = self.rows[-1].probs
+        return top.max().item() < threshold
+
+    def accept(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The accepted count and the next token from the verify logits ``[K+1, V]``."""
+        seq, params, drafts = self.seq, self.seq.params, self.drafts
+        # Rows for the drafts made, not the K asked for: a confidence cut may have drafted fewer.
+        history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None
+        if params.greedy:
+            return accept_greedy(drafts, greedy_tokens(logits, params, history))
+        if seq.coupled_seed is not None:
+            positions = mx.arange(self.position, self.position + len(self.ids) + 1)
+            targets = coupled_draw(truncate(logits, params, history), seq.coupled_seed, positions)
+            return accept_coupled(drafts, targets)
+        if not self.ids:  # plain decoding: a draw from p_1, truncation and draw in one call
+            token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]
+            return mx.array(0, dtype=mx.int32), token
         p_all = truncate(logits, params, history)
-        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())
-    mx.async_eval(n_acc, next_token, drafts, hidden, seq.trunk_cache.arrays())
-    return LaunchedCycle(
-        k=len(draft_ids),
-        drafts=drafts,
-        n_accepted=n_acc,
-        next_token=next_token,
-        logits=logits,
-        hidden=hidden,
-        draft_seconds=t1 - t0,
-        verify_seconds=t_verified - t1,
-        launched_at=t_verified,
-    )
+        return accept_drafts(drafts, self.q, p_all, seq.next_key())
+
+
+def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:
+    """``read_cycle`` for every row of a batched cycle, with one device->host sync."""
+    mx.eval(*(a for c in launched for a in (c.n_accepted, c.next_token, c.drafts)))
+    return [read_cycle(c) for c in launched]
 
 
 def read_cycle(launched: LaunchedCycle) -> CycleResult:

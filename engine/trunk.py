@@ -236,14 +236,9 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     the next forward. Without it (prefill: long, varying T) layers run eagerly through mlx-lm.
     """
     token_ids = cache.announce(token_ids, capture)
-    x = trunk.model.embed_tokens(token_ids)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
-        for layer, c in zip(trunk.layers, cache.layers, strict=True):
-            if layer.is_linear:
-                x = gdn_block_captured(layer, x, c)
-            else:
-                x = attention_block(layer, x, c)
-        return compiled(trunk.model.norm, "norm", lambda n: n)(x)
+        return trunk_hidden_rows(trunk, token_ids, [cache])
+    x = trunk.model.embed_tokens(token_ids)
     mask = "causal" if token_ids.shape[1] > 1 else None
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
         normed = layer.input_layernorm(x)
@@ -253,6 +248,27 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
             x = x + layer.self_attn(normed, mask=mask, cache=c)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return trunk.model.norm(x)
+
+
+def trunk_hidden_rows(trunk: Any, token_ids: mx.array, caches: list[TrunkCache]) -> mx.array:
+    """The decode cycle's capturing forward of B sequences at once: ``token_ids [B, T]`` (T =
+    K+1 <= ``MAX_COMPILED_T``), row b continuing ``caches[b]``; returns ``[B, T, H]``.
+
+    Every product (projections, MLP or experts, the vocabulary) runs once over all B x T
+    positions: on a decode step, bound by reading the weights and by per-op dispatch, B rows
+    cost little more than one. What depends on a row's history stays per row: each attention
+    layer attends over the row's own KV cache (their lengths differ), and each GDN layer's conv
+    and recurrent states are stacked for the block and its per-position captures handed back
+    as row views, so every row commits its own accepted length (``TrunkCache.commit``).
+    """
+    x = trunk.model.embed_tokens(token_ids)
+    for index, layer in enumerate(trunk.layers):
+        layer_caches = [c.layers[index] for c in caches]
+        if layer.is_linear:
+            x = gdn_block_captured(layer, x, layer_caches)
+        else:
+            x = attention_block_rows(layer, x, layer_caches, [c.offset for c in layer_caches])
+    return compiled(trunk.model.norm, "norm", lambda n: n)(x)
 
 
 # -- compiled blocks for the decode cycle ---------------------------------------------------------
@@ -289,15 +305,31 @@ def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
     return block
 
 
-def gdn_block_captured(layer: nn.Module, x: mx.array, state: GDNLayerState) -> mx.array:
+def gdn_block_captured(
+    layer: nn.Module, x: mx.array, states: GDNLayerState | list[GDNLayerState]
+) -> mx.array:
+    """A GDN decoder layer over ``x [B, T, H]`` capturing the state after each position; row b
+    continues ``states[b]`` (one state: B = 1)."""
+    rows = states if isinstance(states, list) else [states]
     m = layer.linear_attn
-    conv, recurrent = state.conv, state.recurrent
-    if conv is None:
-        conv = mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
-    if recurrent is None:
-        recurrent = mx.zeros((1, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, conv, recurrent)
-    state.conv_window, state.capture = window, VerifyCapture(recurrent, *captured)
+    convs, recurrents = [], []
+    for state in rows:
+        conv, recurrent = state.conv, state.recurrent
+        if conv is None:
+            conv = mx.zeros((1, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
+        if recurrent is None:
+            recurrent = mx.zeros((1, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+        convs.append(conv)
+        recurrents.append(recurrent)
+    if len(rows) == 1:
+        h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, convs[0], recurrents[0])
+        rows[0].conv_window, rows[0].capture = window, VerifyCapture(recurrents[0], *captured)
+        return h
+    stacked = (mx.concatenate(convs), mx.concatenate(recurrents))
+    h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, *stacked)
+    for b, state in enumerate(rows):
+        state.conv_window = window[b : b + 1]
+        state.capture = VerifyCapture(recurrents[b], *(c[b : b + 1] for c in captured))
     return h
 
 
@@ -356,16 +388,35 @@ def attention_block(
     earlier outputs are never used. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
     """
     position = cache.offset if position is None else position
+    return attention_block_rows(layer, x, [cache], [position], last_only)
+
+
+def attention_block_rows(
+    layer: nn.Module,
+    x: mx.array,
+    caches: list[KVCache],
+    positions: list[int],
+    last_only: bool = False,
+) -> mx.array:
+    """``attention_block`` for B rows at once: ``x [B, T, H]``, row b continuing ``caches[b]``
+    at sequence position ``positions[b]``. Projections, RoPE (one offset per row) and the MLP
+    run over every row together; each row attends over its own cache."""
     length = x.shape[1]
-    queries, keys, values, gate = block(layer, "attn_in", _attention_in, length)(
-        x, mx.array(position)
-    )
-    keys, values = cache.update_and_fetch(keys, values)
+    offset = mx.array(positions[0]) if len(positions) == 1 else mx.array(positions)
+    queries, keys, values, gate = block(layer, "attn_in", _attention_in, length)(x, offset)
     if last_only and length > 1:
         # the last query sees every cached key: no mask
-        x, queries, gate, length = x[:, -1:], queries[:, :, -1:], gate[:, -1:], 1
-    mask = "causal" if length > 1 else None
-    attended = mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=layer.self_attn.scale, mask=mask
-    )
-    return block(layer, "attn_out", _attention_out, length)(x, attended, gate)
+        x, queries, gate = x[:, -1:], queries[:, :, -1:], gate[:, -1:]
+    mask = "causal" if queries.shape[2] > 1 else None
+    scale = layer.self_attn.scale
+    attended = []
+    for b, cache in enumerate(caches):
+        row = slice(b, b + 1) if len(caches) > 1 else slice(None)
+        row_keys, row_values = cache.update_and_fetch(keys[row], values[row])
+        attended.append(
+            mx.fast.scaled_dot_product_attention(
+                queries[row], row_keys, row_values, scale=scale, mask=mask
+            )
+        )
+    out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
+    return block(layer, "attn_out", _attention_out, x.shape[1])(x, out, gate)

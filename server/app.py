@@ -105,7 +105,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         on_finished=on_finished,
     )
     metrics.bind_scheduler(
-        lambda: scheduler.queue_depth, lambda: 1 if scheduler.running is not None else 0
+        lambda: scheduler.queue_depth, lambda: scheduler.running
     )
     state = ServerState(
         settings=settings,
@@ -162,7 +162,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
                 "status": "ok",
                 "model": st.names[0],
                 "queue_depth": st.scheduler.queue_depth,
-                "running": st.scheduler.running is not None,
+                "running": st.scheduler.running,
             }
         )
 

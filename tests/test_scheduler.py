@@ -152,7 +152,7 @@ def test_queue_full_rejects_whole_batch() -> None:
 
     async def main() -> None:
         first = sched.submit([req(1, 10_000)])  # runs until cancelled
-        await until(lambda: sched.running is not None)
+        await until(lambda: sched.running > 0)
         sched.submit([req(2), req(3)])  # 2 waiting
         with pytest.raises(QueueFullError) as info:
             sched.submit([req(4), req(5)])  # would be 4 waiting > 3
@@ -246,7 +246,7 @@ def test_shutdown_ends_pending_handles() -> None:
 
     async def main() -> list[int]:
         a, b = sched.submit([req(1, 10_000), req(2)])
-        await until(lambda: sched.running is not None)
+        await until(lambda: sched.running > 0)
         await asyncio.to_thread(sched.shutdown)
         await collect(a)
         return await collect(b)

@@ -1,0 +1,208 @@
+"""Continuous batching: many requests decoding together, speculation on for every row.
+
+``BatchDecoder`` holds up to ``capacity`` rows. Each row is ``Engine.row_steps`` — the
+request's own loop (prefill, K choice, stops, stats, events) that yields to the batch whenever
+it needs the model: ``None`` after a prefill chunk, a ``CycleNeed`` for a cycle. One ``step``
+of the batch advances every row once:
+
+1. the rows that asked for a cycle run it together — one ``launch_cycles`` per distinct K:
+   each draft depth runs the head once for all its rows, the verify is one trunk pass over
+   every row's K+1 positions, acceptance and commit are per row — and read back with one sync;
+2. every row gets its result back and runs until it asks again, emitting its events; a
+   newcomer runs one prefill chunk per step, so a long prompt never stops the others for
+   more than a chunk; a row that finishes, is cancelled or fails leaves at once.
+
+Rows are independent: a row's draws use its own PRNG key (or its coupled seed), its own
+penalty history and its own caches, and its commit keeps its own accepted length, so what a
+row emits does not depend on the other rows (tests/test_batching.py checks it against the
+same request alone).
+
+K for the batch: rows with a fixed K keep it; rows under automatic K share one K chosen by
+``BatchK`` from their own acceptance estimates and the measured cost of a batched cycle at
+this many rows (the verify grows with rows x (K+1), so K=0 can win when many rows run). A
+row near its max_tokens drafts no further than it may emit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api import GenerationEvent, GenerationRequest
+from engine.autok import MAX_AUTO_K, expected_tokens
+from engine.memory import release_between_requests
+from engine.runtime import CycleNeed, Engine
+from engine.speculative import CycleResult, launch_cycles, read_cycles
+
+log = logging.getLogger("mtpserve.batching")
+
+#: a (rows, K) cell's cost is an exponential mean of its batched cycles' seconds
+COST_MEMORY = 0.1
+#: cycles each K runs at a new batch size before the batch picks by cost
+EXPLORE_CYCLES = 2
+#: every this many cycles at a batch size, the least recently timed K runs once
+RETIME_EVERY = 64
+
+
+@dataclass
+class BatchK:
+    """Automatic K for a batch: argmax over K of (expected tokens of the automatic rows) /
+    (measured seconds of a K-cycle at this many rows).
+
+    Costs are measured, not modelled: each batched cycle's wall time (launch to read back)
+    goes to its (rows, K) cell; a batch size seen for the first time runs each K a couple of
+    times (real cycles, their tokens kept) before choosing, and the least recently timed K
+    is re-run now and then so a cell's price follows the machine.
+    """
+
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)
+    timed: dict[tuple[int, int], int] = field(default_factory=dict)
+    cycles: dict[int, int] = field(default_factory=dict)
+
+    def choose(self, rows: int, estimates: list[list[float]]) -> int:
+        n = self.cycles.get(rows, 0)
+        for k in range(MAX_AUTO_K + 1):
+            if self.timed.get((rows, k), 0) < EXPLORE_CYCLES:
+                return k
+        if n % RETIME_EVERY == RETIME_EVERY - 1:
+            return min(range(MAX_AUTO_K + 1), key=lambda k: self.timed[(rows, k)])
+
+        def rate(k: int) -> float:
+            tokens = sum(expected_tokens(a, k) for a in estimates)
+            return tokens / self.costs[(rows, k)]
+
+        return max(range(MAX_AUTO_K + 1), key=rate)
+
+    def observe(self, rows: int, k: int, seconds: float) -> None:
+        cell = (rows, k)
+        old = self.costs.get(cell)
+        self.costs[cell] = seconds if old is None else old + COST_MEMORY * (seconds - old)
+        self.cycles[rows] = self.cycles.get(rows, 0) + 1
+        self.timed[cell] = self.cycles[rows]
+
+
+@dataclass
+class _Row:
+    steps: Any  # Engine.row_steps generator
+    need: CycleNeed | None = None
+    result: CycleResult | None = None
+    #: its cycle failed: the row ends with this error
+    error: BaseException | None = None
+
+
+class BatchDecoder:
+    """Rows decoding together on one engine (module docstring). Not thread-safe: the engine's
+    worker thread owns it."""
+
+    def __init__(self, engine: Engine, capacity: int) -> None:
+        self.engine = engine
+        self.capacity = capacity
+        self.rows: dict[Hashable, _Row] = {}
+        self.batch_k = BatchK()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.rows
+
+    def add(
+        self,
+        key: Hashable,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] = lambda: False,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """A new row; it starts (its first prefill chunk) at the next ``step``."""
+        if len(self.rows) >= self.capacity:
+            raise RuntimeError("the batch is full")
+        self.rows[key] = _Row(self.engine.row_steps(request, cancelled, trace))
+
+    def drop(self, key: Hashable) -> None:
+        """Remove a row now (its consumer went away); its caches stay consistent."""
+        row = self.rows.pop(key, None)
+        if row is not None:
+            row.steps.close()
+            self._release_if_idle()
+
+    def step(self) -> list[tuple[Hashable, GenerationEvent | BaseException]]:
+        """Run the cycles the rows asked for, then advance every row until it asks again.
+        Returns the events (or a row's error) in order; rows that ended have left."""
+        self._run_cycles()
+        out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
+        for key, row in list(self.rows.items()):
+            ended = self._advance(key, row, out)
+            if ended:
+                del self.rows[key]
+        self._release_if_idle()
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _advance(
+        self, key: Hashable, row: _Row, out: list[tuple[Hashable, GenerationEvent | Any]]
+    ) -> bool:
+        """Resume one row until it yields to the batch; True when it has ended."""
+        if row.error is not None:
+            out.append((key, row.error))
+            row.steps.close()
+            return True
+        send, row.result, row.need = row.result, None, None
+        try:
+            while True:
+                item = row.steps.send(send)
+                send = None
+                if isinstance(item, GenerationEvent):
+                    out.append((key, item))
+                    if item.finish_reason is not None:
+                        row.steps.close()
+                        return True
+                elif isinstance(item, CycleNeed):
+                    row.need = item
+                    return False
+                else:  # a prefill chunk ran
+                    return False
+        except StopIteration:
+            return True
+        except Exception as exc:  # this row only: the others go on
+            log.exception("a batch row failed")
+            out.append((key, exc))
+            return True
+
+    def _run_cycles(self) -> None:
+        waiting = [(key, row) for key, row in self.rows.items() if row.need is not None]
+        if not waiting:
+            return
+        autos = [row for _, row in waiting if row.need.auto]
+        batch_k = None
+        if len(autos) > 1:
+            estimates = [row.need.chooser.estimates() for row in autos]
+            batch_k = self.batch_k.choose(len(autos), estimates)
+        groups: dict[int, list[_Row]] = {}
+        for _, row in waiting:
+            need = row.need
+            k = need.k if batch_k is None or not need.auto else min(batch_k, need.max_k)
+            if not need.seq.can_draft:
+                k = 0
+            groups.setdefault(k, []).append(row)
+        engine = self.engine
+        for k, rows in groups.items():
+            t0 = time.perf_counter()
+            try:
+                seqs = [row.need.seq for row in rows]
+                results = read_cycles(launch_cycles(engine.trunk, engine.loaded.head, seqs, k))
+            except Exception as exc:  # these rows' caches are mid-cycle: they end here
+                log.exception("a batched cycle of %d rows failed", len(rows))
+                for row in rows:
+                    row.error = exc
+                continue
+            if len(rows) > 1:
+                self.batch_k.observe(len(rows), k, time.perf_counter() - t0)
+            for row, result in zip(rows, results, strict=True):
+                row.result = result
+
+    def _release_if_idle(self) -> None:
+        if not self.rows:
+            release_between_requests()

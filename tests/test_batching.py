@@ -1,0 +1,164 @@
+"""Continuous batching is exact: every row of a batch emits what the same request emits alone.
+
+Rows mix prompts, lengths, fixed K (0..4) and automatic K, greedy and seeded sampling, and
+join and leave at different cycles; a row's stop, cancellation or departure never changes
+another row's output. Dense and MoE test checkpoints and the demo model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import batching as batching_module
+from engine.api import GenerationRequest
+from engine.batching import BatchDecoder, BatchK
+from engine.runtime import Engine
+from sampling.params import SamplingParams
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "class Point:\n    def __init__(self, x, y):",
+    "import os\nimport sys\n\ndef main():",
+    "for i in range(10):",
+    "Once upon a time",
+    "x = [1, 2, 3]\nprint(",
+    "def fib(n):\n    if n < 2:\n        return n\n    return",
+]
+#: per row: draft tokens (None: automatic) and max_tokens
+ROWS = [(0, 40), (1, 17), (2, 33), (3, 25), (4, 48), (None, 30), (None, 12), (None, 41)]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def sampled(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=seed)
+
+
+def requests(engine: Engine, sampling: list[SamplingParams]) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt_ids=engine.tokenizer.encode(prompt),
+            sampling=params,
+            max_tokens=max_tokens,
+            draft_tokens=k,
+            ignore_eos=True,
+        )
+        for prompt, (k, max_tokens), params in zip(PROMPTS, ROWS, sampling, strict=True)
+    ]
+
+
+def alone(engine: Engine, request: GenerationRequest) -> list[int]:
+    return [t for event in engine.generate(request) for t in event.token_ids]
+
+
+def batched(
+    engine: Engine,
+    reqs: list[GenerationRequest],
+    capacity: int = 8,
+    join_at: dict[int, int] | None = None,
+    cancel_after: dict[int, int] | None = None,
+) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """Run ``reqs`` as rows of one batch; ``join_at[i]``: row i joins at that step;
+    ``cancel_after[i]``: row i is cancelled after that many of its events."""
+    batch = BatchDecoder(engine, capacity)
+    join_at = join_at or {}
+    cancel_after = cancel_after or {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    events: dict[int, int] = dict.fromkeys(range(len(reqs)), 0)
+    finish: dict[int, str] = {}
+    waiting = list(range(len(reqs)))
+    step = 0
+    while waiting or len(batch):
+        for i in [i for i in waiting if join_at.get(i, 0) <= step]:
+            if len(batch) == capacity:
+                break
+            waiting.remove(i)
+            batch.add(i, reqs[i], cancelled=lambda i=i: events[i] >= cancel_after.get(i, 1 << 30))
+        for key, item in batch.step():
+            assert not isinstance(item, BaseException), item
+            tokens[key] += item.token_ids
+            events[key] += 1
+            if item.finish_reason is not None:
+                finish[key] = item.finish_reason
+        step += 1
+        assert step < 2000
+    return tokens, finish
+
+
+@pytest.fixture(autouse=True)
+def widest_cycle(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows per batched cycle, so each test can show its rows really shared cycles."""
+    widths: list[int] = []
+    launch = batching_module.launch_cycles
+
+    def counted(trunk, head, seqs, k, profile=False):
+        widths.append(len(seqs))
+        return launch(trunk, head, seqs, k, profile)
+
+    monkeypatch.setattr(batching_module, "launch_cycles", counted)
+    return widths
+
+
+@pytest.fixture(scope="module", params=["dense-tied", "moe-tied", "demo"])
+def engine(request, load_engine) -> Engine:
+    if request.param == "demo":
+        return Engine.load(str(DEMO))
+    return load_engine(request.param)
+
+
+def test_greedy_rows_equal_each_request_alone(engine: Engine, widest_cycle: list[int]) -> None:
+    reqs = requests(engine, [GREEDY] * len(ROWS))
+    expected = [alone(engine, r) for r in reqs]
+    widest_cycle.clear()
+    got, finish = batched(engine, reqs, join_at={5: 3, 6: 7, 7: 7})
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]})"
+        assert finish[i] == "length"
+    assert max(widest_cycle) >= 3  # the automatic rows (and whoever shares their K) together
+
+
+def test_seeded_sampled_rows_equal_each_request_alone(
+    engine: Engine, widest_cycle: list[int]
+) -> None:
+    """Each row draws with its own key (fixed K) or coupled seed (automatic K), so a seeded
+    row's text is the text of the same request alone, whatever else runs beside it."""
+    reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
+    reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]  # greedy and sampled rows mix
+    expected = [alone(engine, r) for r in reqs]
+    widest_cycle.clear()
+    got, _ = batched(engine, reqs, capacity=5)
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]})"
+    assert max(widest_cycle) >= 2
+
+
+def test_a_cancelled_row_leaves_and_changes_no_other_row(engine: Engine) -> None:
+    reqs = requests(engine, [GREEDY] * len(ROWS))[:4]
+    expected = [alone(engine, r) for r in reqs]
+    got, finish = batched(engine, reqs, cancel_after={1: 2, 3: 0})
+    assert finish[1] == finish[3] == "cancelled"
+    assert got[1] == expected[1][: len(got[1])] and len(got[1]) < len(expected[1])
+    assert got[3] == []
+    for i in (0, 2):
+        assert got[i] == expected[i]
+
+
+def test_batch_k_explores_then_picks_the_cheapest_rate() -> None:
+    choice = BatchK()
+    seen = []
+    for _ in range(10):
+        k = choice.choose(4, [[0.9] * 4] * 4)
+        seen.append(k)
+        # K=0 cycles cost 1, drafting cycles cost 1 + 0.05 K: drafting at 0.9 pays
+        choice.observe(4, k, 1.0 + 0.05 * k)
+    assert sorted(set(seen)) == [0, 1, 2, 3, 4]
+    assert choice.choose(4, [[0.9] * 4] * 4) == 4
+    # at acceptance 0.1 a drafting cycle costing 3x a plain one never pays
+    for k in range(5):
+        choice.observe(4, k, 1.0 if k == 0 else 3.0)
+        choice.observe(4, k, 1.0 if k == 0 else 3.0)
+    choice.costs = {cell: (1.0 if cell[1] == 0 else 3.0) for cell in choice.costs}
+    assert choice.choose(4, [[0.1] * 4] * 4) == 0
