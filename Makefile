@@ -9,7 +9,7 @@ PORT   ?= 8080
 MODEL  ?= models/qwen3.5-demo
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test lint bench mutants compare-llamacpp clean
+.PHONY: install serve test lint bench bench-batch soak mutants compare-llamacpp clean
 
 install: $(STAMP)
 
@@ -35,6 +35,14 @@ lint: install
 
 bench: install
 	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results
+
+# continuous batching against one request at a time, concurrency 1, 2, 4, 8 (bench-results/bench_batch.*)
+bench-batch: install
+	$(VENV)/bin/mtpserve bench-batch --model $(MODEL) --out bench-results
+
+# 500 requests side by side with disconnects mixed in; the server's resident memory over time
+soak: install
+	$(PY) scripts/soak.py --model $(MODEL) --out bench-results/soak.json
 
 # mtpserve vs llama.cpp (built here from the llama-cpp-python sdist's vendored sources, in the
 # git-ignored .llamacpp/); not part of `make test`. Results in bench-results/compare_llamacpp.*

@@ -203,6 +203,8 @@ class Scheduler:
         self._rows: dict[int, RequestHandle] = {}
         self._last: dict[int, GenerationEvent] = {}
         self._grace: dict[int, int] = {}
+        #: most requests that decoded together so far
+        self.peak_running = 0
         self.completed = 0
         self.failed = 0
 
@@ -335,6 +337,7 @@ class Scheduler:
                     handle = self._pending.popleft()
                     handle.started_at = time.monotonic()
                     self._rows[handle.request_id] = handle
+                    self.peak_running = max(self.peak_running, len(self._rows))
                     batch.add(handle.request_id, handle.request, handle.is_cancelled)
             self._step(batch)
 

@@ -245,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=run_serve)
 
     # Importing `engine` preloaded the fast BLAS above, before these modules import mlx.
-    from engine import bench, bench_chat, convert
+    from engine import bench, bench_batch, bench_chat, convert
 
     bench.register(sub)
+    bench_batch.register(sub)
     bench_chat.register(sub)
     convert.register(sub)
     return parser

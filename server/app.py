@@ -101,6 +101,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     scheduler = Scheduler(
         factory,
         max_queue=settings.max_queue,
+        max_batch=settings.max_batch,
         retry_after=settings.retry_after_seconds,
         on_finished=on_finished,
     )

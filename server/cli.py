@@ -55,6 +55,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests allowed to wait for the engine before 429",
     )
     parser.add_argument(
+        "--max-batch",
+        dest="max_batch",
+        type=int,
+        help="requests decoding together, speculation on for each (default 8; 1: one at a time)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        dest="default_max_tokens",
+        type=int,
+        help="max_tokens of a request that sends none (default 4096)",
+    )
+    parser.add_argument(
         "--served-model-name",
         dest="served_model_names",
         action="append",
@@ -103,6 +115,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "api_key",
             "preset",
             "max_queue",
+            "max_batch",
+            "default_max_tokens",
             "served_model_names",
             "log_level",
             "chat_template_kwargs",

@@ -51,16 +51,21 @@ class ServerSettings(BaseSettings):
     preset: str | None = None
     #: Explicit sampler overrides (applied after the preset).
     sampling: dict[str, Any] = Field(default_factory=dict)
-    #: Requests waiting for the engine (beyond the one running) before 429.
+    #: Requests waiting for the engine (beyond those decoding) before 429.
     max_queue: int = Field(64, ge=1)
+    #: Requests decoding together (continuous batching, speculation on for every row); 1
+    #: decodes one request at a time.
+    max_batch: int = Field(8, ge=1, le=64)
     retry_after_seconds: int = Field(1, ge=1)
     #: Largest n (choices per request), and largest prompt batch of /v1/completions.
     max_n: int = Field(8, ge=1)
     max_stop_sequences: int = Field(16, ge=0)
     max_top_logprobs: int = Field(20, ge=0)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    #: Default max_tokens when a request gives none (None: the rest of the context).
-    default_max_tokens: int | None = Field(None, ge=1)
+    #: Default max_tokens when a request gives none (capped by the rest of the context), so
+    #: that one request that never stops cannot hold a batch row for good; None: the rest of
+    #: the context.
+    default_max_tokens: int | None = Field(4096, ge=1)
     log_level: str = "info"
     #: Chat-template arguments every chat request gets unless it sends its own value (e.g.
     #: ``{"enable_thinking": false}`` for a thinking model used without thinking).

@@ -162,3 +162,32 @@ def test_batch_k_explores_then_picks_the_cheapest_rate() -> None:
         choice.observe(4, k, 1.0 if k == 0 else 3.0)
     choice.costs = {cell: (1.0 if cell[1] == 0 else 3.0) for cell in choice.costs}
     assert choice.choose(4, [[0.1] * 4] * 4) == 0
+
+
+def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) -> None:
+    """A short request that arrives while a long generation runs gets its first token after
+    its own prefill chunks plus two steps, and the long row emits at every step meanwhile
+    (a long prompt never freezes the streams that run)."""
+    long_request = requests(engine, [GREEDY] * len(ROWS))[4]
+    long_request = GenerationRequest(
+        long_request.prompt_ids, GREEDY, max_tokens=1000, ignore_eos=True, draft_tokens=None
+    )
+    prompt = engine.tokenizer.encode(" ".join(PROMPTS) * 3)
+    chunks = -(-(len(prompt) - 1) // engine.prefill_chunk)
+    assert chunks >= 2
+    short = GenerationRequest(prompt, GREEDY, max_tokens=4, ignore_eos=True, draft_tokens=2)
+    batch = BatchDecoder(engine, 2)
+    batch.add("long", long_request)
+    for _ in range(3):
+        batch.step()
+    batch.add("short", short)
+    steps, short_tokens = 0, []
+    while not short_tokens:
+        steps += 1
+        events = batch.step()
+        assert any(key == "long" and item.token_ids for key, item in events)
+        short_tokens = [t for key, item in events if key == "short" for t in item.token_ids]
+    assert steps <= chunks + 2
+    batch.drop("long")
+    while len(batch):
+        batch.step()

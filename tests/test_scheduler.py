@@ -268,3 +268,27 @@ def test_scheduler_does_not_import_mlx() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_request_cancelled_in_the_queue_leaves_it_at_once() -> None:
+    """Cancelling a queued request frees its place in ``max_queue`` right away: a new request
+    fits where it did not, the cancelled one ends without ever reaching the engine."""
+    engine = CountingEngine(delay=0.02)
+    sched = make(engine, max_queue=2)
+
+    async def main() -> None:
+        first = sched.submit([req(1, 10_000)])  # runs until cancelled
+        await until(lambda: sched.running > 0)
+        waiting = sched.submit([req(2), req(3)])
+        with pytest.raises(QueueFullError):
+            sched.submit([req(4)])
+        waiting[0].cancel()
+        assert sched.queue_depth == 1
+        assert await collect(waiting[0]) == []
+        later = sched.submit([req(5)])  # fits now
+        first[0].cancel()
+        assert await collect(later[0]) == [5000, 5001, 5002]
+
+    run(main())
+    sched.shutdown()
+    assert 2 not in engine.order and 4 not in engine.order

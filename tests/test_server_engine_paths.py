@@ -32,6 +32,7 @@ from bigram_checkpoint import DEMO_MODEL, script_transitions, write_bigram_check
 from fake_engine import LiveServer, metric
 from test_logprobs import independent_logprobs
 
+from engine.api import GenerationEvent
 from server.app import create_app
 from server.settings import ServerSettings
 
@@ -145,23 +146,32 @@ def test_stop_string_on_chat(client: openai.OpenAI) -> None:
 
 
 def test_engine_error_mid_stream(server: LiveServer, http: httpx.Client) -> None:
+    """A row of the batch (``Engine.row_steps``, which the server's batch drives) fails after
+    two events."""
     engine = server.engine
-    real_generate = engine.generate
+    real_steps = engine.row_steps
 
     def failing(request, *args, **kwargs):
-        for i, event in enumerate(real_generate(request, *args, **kwargs)):
-            if i == 2:
-                raise RuntimeError("injected failure after two cycles")
-            yield event
+        steps = real_steps(request, *args, **kwargs)
+        item, events = next(steps), 0
+        while True:
+            if isinstance(item, GenerationEvent):
+                events += 1
+                if events == 3:
+                    raise RuntimeError("injected failure after two cycles")
+            try:
+                item = steps.send((yield item))
+            except StopIteration:
+                return
 
-    engine.generate = failing
+    engine.row_steps = failing
     try:
         body = {"model": "m", "messages": ask(), "stream": True, "temperature": 0} | NO_THINK
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             raw = r.read().decode()
     finally:
-        engine.generate = real_generate
+        engine.row_steps = real_steps
     frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
     text = "".join(
         c["delta"].get("content") or ""
@@ -313,10 +323,11 @@ def test_request_fields_reach_the_sampler(
     assert len(set(outputs)) == len(outputs)
 
 
-# ---- a server with an API key, a queue of one and a small body limit ---------------------------
+# ---- a server with an API key, one row, a queue of one and a small body limit ----------------
 @pytest.fixture(scope="module")
 def guarded_server(scripted_checkpoint: Path):
-    with serve(scripted_checkpoint, api_key="sekrit", max_queue=1, max_body_bytes=4096) as srv:
+    settings = {"max_queue": 1, "max_batch": 1, "max_body_bytes": 4096}
+    with serve(scripted_checkpoint, api_key="sekrit", **settings) as srv:
         yield srv
 
 

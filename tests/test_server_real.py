@@ -207,10 +207,12 @@ def test_eight_concurrent_greedy_streams_equal_sequential(server: LiveServer) ->
                 return list(await asyncio.gather(*(one(ac, p) for p in prompts)))
             return [await one(ac, p) for p in prompts]
 
+    scheduler = server.app.state.mtp.scheduler
     sequential = asyncio.run(run(False))
     concurrent = asyncio.run(run(True))
     assert concurrent == sequential
     assert len(set(sequential)) > 1
+    assert scheduler.peak_running >= 4  # they shared the batch's cycles
 
 
 def test_mid_stream_disconnect_cancels(server: LiveServer, http: httpx.Client) -> None:

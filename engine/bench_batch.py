@@ -1,0 +1,200 @@
+"""``mtpserve bench-batch``: many requests at once — continuous batching against one at a time.
+
+For each concurrency c (default 1, 2, 4, 8) the same c greedy requests (the first c bench
+prompts, EOS ignored, ``--max-tokens`` each) run, in one sitting and in a rotating order:
+
+* one at a time through ``Engine.generate`` at the best fixed K of the single-request rows
+  (what a server without batching gives: the c-th request waits for the c-1 before it);
+* together as rows of one ``BatchDecoder`` at K = 0, each fixed K, and automatic K.
+
+Reported per configuration: aggregate tokens/s (all tokens over the wall time of the whole
+group), per-stream tokens/s (a row's tokens over its own time from joining to finishing),
+time to first token p50/p95 (from the group's start), and the ratios the issue asks for:
+batched over one at a time, and automatic K over the better of batched K=0 and the best
+batched fixed K. The greedy outputs of every batched row are checked equal to the same
+request alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.api import GenerationRequest
+from engine.runtime import Engine
+from sampling.params import SamplingParams
+
+
+def _requests(engine: Engine, prompts: list[dict[str, Any]], c: int, k: int | None, n: int):
+    return [
+        GenerationRequest(
+            prompt_ids=p["ids"],
+            sampling=SamplingParams(temperature=0.0),
+            max_tokens=n,
+            ignore_eos=True,
+            draft_tokens=k,
+        )
+        for p in prompts[:c]
+    ]
+
+
+def run_serial(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    first: list[float] = []
+    streams: list[float] = []
+    outputs: list[list[int]] = []
+    for request in reqs:
+        start, tokens, seen = time.perf_counter(), [], False
+        for event in engine.generate(request):
+            if not seen and event.token_ids:
+                first.append(time.perf_counter() - t0)
+                seen = True
+            tokens += event.token_ids
+        streams.append(len(tokens) / (time.perf_counter() - start))
+        outputs.append(tokens)
+    return _summary(time.perf_counter() - t0, outputs, first, streams)
+
+
+def run_batched(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, Any]:
+    batch = engine.batch(len(reqs))
+    t0 = time.perf_counter()
+    for i, request in enumerate(reqs):
+        batch.add(i, request)
+    outputs: list[list[int]] = [[] for _ in reqs]
+    first: list[float | None] = [None] * len(reqs)
+    done: list[float] = [0.0] * len(reqs)
+    while len(batch):
+        for key, item in batch.step():
+            if isinstance(item, BaseException):
+                raise item
+            if first[key] is None and item.token_ids:
+                first[key] = time.perf_counter() - t0
+            outputs[key] += item.token_ids
+            if item.finish_reason is not None:
+                done[key] = time.perf_counter() - t0
+    streams = [len(out) / t for out, t in zip(outputs, done, strict=True)]
+    return _summary(time.perf_counter() - t0, outputs, [f or 0.0 for f in first], streams)
+
+
+def _summary(
+    wall: float, outputs: list[list[int]], first: list[float], streams: list[float]
+) -> dict[str, Any]:
+    tokens = sum(len(o) for o in outputs)
+    ordered = sorted(first)
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "aggregate_tps": tokens / wall,
+        "stream_tps": statistics.mean(streams),
+        "ttft_p50_ms": 1000 * ordered[len(ordered) // 2],
+        "ttft_p95_ms": 1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+        "outputs": outputs,
+    }
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from engine.bench import DEFAULT_PROMPTS, load_prompts
+
+    engine = Engine.load(args.model)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    fixed = [int(k) for k in args.draft_tokens.split(",")]
+    prompts = load_prompts(
+        Path(args.prompts or DEFAULT_PROMPTS), engine.tokenizer, max(concurrency)
+    )
+    configs: list[tuple[str, int | None]] = [("serial", k) for k in fixed if k > 0]
+    configs += [("batched", k) for k in [0, *fixed]] + [("batched", None)]
+    # warm-up: compile every shape once
+    for c in concurrency:
+        for _, k in configs:
+            run_batched(engine, _requests(engine, prompts, c, k, 8))
+    results: dict[str, Any] = {"concurrency": {}, "max_tokens": args.max_tokens}
+    alone = {
+        i: [t for e in engine.generate(r) for t in e.token_ids]
+        for i, r in enumerate(_requests(engine, prompts, max(concurrency), 0, args.max_tokens))
+    }
+    for c in concurrency:
+        rows: dict[str, Any] = {}
+        for repeat in range(args.repeats):
+            for j in range(len(configs)):
+                mode, k = configs[(j + repeat + c) % len(configs)]
+                reqs = _requests(engine, prompts, c, k, args.max_tokens)
+                run = run_serial if mode == "serial" else run_batched
+                got = run(engine, reqs)
+                outputs = got.pop("outputs")
+                if any(out != alone[i] for i, out in enumerate(outputs)):
+                    raise SystemExit(f"{mode} K={k} at {c} rows differs from the request alone")
+                name = f"{mode} K={'auto' if k is None else k}"
+                rows.setdefault(name, []).append(got)
+        merged = {
+            name: {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
+            for name, runs in rows.items()
+        }
+        batched_fixed = {
+            n: r for n, r in merged.items() if n.startswith("batched K=") and "auto" not in n
+        }
+        best_batched = max(batched_fixed.values(), key=lambda r: r["aggregate_tps"])
+        best_serial = max(
+            (r for n, r in merged.items() if n.startswith("serial")),
+            key=lambda r: r["aggregate_tps"],
+        )
+        auto = merged["batched K=auto"]
+        merged["ratios"] = {
+            "batched_best_over_serial_best": best_batched["aggregate_tps"]
+            / best_serial["aggregate_tps"],
+            "auto_over_best_batched": auto["aggregate_tps"] / best_batched["aggregate_tps"],
+            "auto_over_serial_best": auto["aggregate_tps"] / best_serial["aggregate_tps"],
+        }
+        results["concurrency"][c] = merged
+        print(f"{c} rows: " + json.dumps(merged["ratios"]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_batch.json").write_text(json.dumps(results, indent=2))
+    table = _table(results)
+    (out / "bench_batch.md").write_text(table)
+    print(table)
+    return 0
+
+
+def _table(results: dict[str, Any]) -> str:
+    lines = [
+        "| rows | configuration | aggregate tok/s | per-stream tok/s | TTFT p50 ms | TTFT p95 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c, merged in results["concurrency"].items():
+        for name, r in merged.items():
+            if name == "ratios":
+                continue
+            lines.append(
+                f"| {c} | {name} | {r['aggregate_tps']:.1f} | {r['stream_tps']:.1f} | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |"
+            )
+    lines += [
+        "",
+        "| rows | batched best / one at a time best | auto / best batched |",
+        "|---|---|---|",
+    ]
+    for c, merged in results["concurrency"].items():
+        ratio = merged["ratios"]
+        lines.append(
+            f"| {c} | {ratio['batched_best_over_serial_best']:.2f}x | "
+            f"{ratio['auto_over_best_batched']:.3f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def register(sub: Any) -> None:
+    from mtpserve.cli import default_model
+
+    p = sub.add_parser("bench-batch", help="continuous batching against one request at a time")
+    p.add_argument("--model", default=default_model())
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--draft-tokens", default="2,3,4", help="fixed K to run beside 0 and auto")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompts", default=None)
+    p.add_argument("--out", default="bench-results")
+    p.set_defaults(func=cmd_bench_batch)

@@ -1,0 +1,164 @@
+"""Soak the server: many requests side by side, disconnects mixed in, resident memory over time.
+
+    python scripts/soak.py [--requests 500] [--concurrency 8] [--model models/qwen3.5-demo]
+
+Starts ``mtpserve serve`` on a free port (the demo model by default), sends ``--requests`` chat
+requests from ``--concurrency`` clients (streaming and not, greedy and sampled, automatic and
+fixed K, varied lengths), and every ``--disconnect-every``-th streaming client hangs up after
+its first chunks. Samples the server's resident memory (VmRSS) after each batch of requests and
+prints a JSON report: RSS over time, the change after warm-up (the first fifth of the
+requests), outcomes by kind, and the server's /metrics totals. Not a test: a make target
+(``make soak``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France? Answer briefly.",
+    "List three prime numbers.",
+    "Explain what a hash map is in one paragraph.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one(client: httpx.AsyncClient, i: int, args: argparse.Namespace) -> str:
+    rng = random.Random(i)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS) + f" ({i})"}],
+        "max_tokens": rng.choice([8, 24, 48, 96]),
+        "temperature": rng.choice([0.0, 0.7]),
+        "draft_tokens": rng.choice([None, None, 0, 2, 4]),
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    stream = i % 2 == 0
+    hang_up = stream and i % args.disconnect_every == 0
+    try:
+        if not stream:
+            r = await client.post("/v1/chat/completions", json=body)
+            return "ok" if r.status_code == 200 else f"http {r.status_code}"
+        async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+            chunks = 0
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: {")
+                if hang_up and chunks >= 2:
+                    return "disconnected"
+            return "ok" if r.status_code == 200 else f"http {r.status_code}"
+    except httpx.HTTPError as exc:
+        return f"error {type(exc).__name__}"
+
+
+async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
+    outcomes: dict[str, int] = {}
+    samples: list[tuple[int, float, int]] = []
+    t0 = time.monotonic()
+    queue = list(range(args.requests))
+    done = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def worker() -> None:
+            nonlocal done
+            while queue:
+                i = queue.pop(0)
+                outcome = await one(client, i, args)
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                done += 1
+                if done % args.sample_every == 0:
+                    samples.append((done, time.monotonic() - t0, rss_kib(pid)))
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        metrics = (await client.get("/metrics")).text
+    totals = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith(("mtpserve_generations_total", "mtpserve_generation_tokens_total"))
+    }
+    warm = [s for s in samples if s[0] > args.requests // 5]
+    first, peak, last = warm[0][2], max(s[2] for s in warm), warm[-1][2]
+    return {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "seconds": time.monotonic() - t0,
+        "outcomes": outcomes,
+        "rss_mib": [(n, round(t, 1), round(kib / 1024, 1)) for n, t, kib in samples],
+        "rss_after_warmup_mib": round(first / 1024, 1),
+        "rss_peak_after_warmup_mib": round(peak / 1024, 1),
+        "rss_last_mib": round(last / 1024, 1),
+        "rss_growth_after_warmup": round(last / first - 1, 4),
+        "rss_peak_over_warmup": round(peak / first - 1, 4),
+        "metrics": totals,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "qwen3.5-demo"))
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--disconnect-every", type=int, default=6)
+    parser.add_argument("--sample-every", type=int, default=25)
+    parser.add_argument("--out", default=None, help="also write the report here")
+    args = parser.parse_args()
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mtpserve.cli", "serve", "--model", args.model, "--port",
+         str(port), "--served-model-name", "m", "--log-level", "warning"],
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        report = asyncio.run(soak(url, server.pid, args))
+    finally:
+        server.terminate()
+        server.wait(30)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
