@@ -105,9 +105,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         retry_after=settings.retry_after_seconds,
         on_finished=on_finished,
     )
-    metrics.bind_scheduler(
-        lambda: scheduler.queue_depth, lambda: scheduler.running
-    )
+    metrics.bind_scheduler(lambda: scheduler.queue_depth, lambda: scheduler.running)
     state = ServerState(
         settings=settings,
         scheduler=scheduler,
