@@ -46,6 +46,7 @@ class MTPHead(nn.Module):
         hidden: mx.array,
         cache: KVCache | list[KVCache],
         position: int | list[int] | None = None,
+        lengths: list[int] | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Run pairs (hidden[:, j], token_ids[:, j]) at the cache's next positions.
 
@@ -58,7 +59,8 @@ class MTPHead(nn.Module):
                 larger when the cache skipped positions).
 
             Several sequences at once (a batched draft step): ``token_ids [B, T]``, ``hidden
-            [B, T, H]``, one cache and one position per row.
+            [B, T, H]``, one cache and one position per row; ``lengths``: each row's real
+            pairs, right-aligned (the columns before them are padding that no cache keeps).
 
         Returns:
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
@@ -71,7 +73,9 @@ class MTPHead(nn.Module):
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
         z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
         if isinstance(cache, list):
-            z = attention_block_rows(self.layers[0], z, cache, position, last_only=True)
+            z = attention_block_rows(
+                self.layers[0], z, cache, position, last_only=True, lengths=lengths
+            )
         else:
             z = attention_block(self.layers[0], z, cache, position, last_only=True)
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)

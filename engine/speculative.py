@@ -263,6 +263,48 @@ def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -
     With ``keep_last`` the final pending state stays pending (prefill: its pair is the next
     cycle's first draft step).
     """
+    pairs = _pending_pairs(seq, keep_last)
+    if pairs is None:
+        return None
+    tokens, hidden, start = pairs
+    return head(trunk, tokens, hidden, seq.head_cache, start)
+
+
+def _absorb_pending_rows(
+    trunk: Any, head: MTPHead, seqs: list[Sequence]
+) -> tuple[mx.array, mx.array]:
+    """``_absorb_pending`` (a drafting cycle's first head step) for B rows in one head call.
+
+    Rows have different numbers of pending pairs (what their last cycles committed): each row's
+    pairs are right-aligned in a ``[B, N]`` input, so every row's last pair sits in the last
+    column (the only output a draft needs), and only a row's own pairs enter its cache.
+    Returns ``out [B, 1, H]`` and ``logits [B, 1, V]``."""
+    pairs = [_pending_pairs(seq, keep_last=False) for seq in seqs]
+    width = max(tokens.shape[1] for tokens, _, _ in pairs)
+    token_rows, hidden_rows, positions, lengths = [], [], [], []
+    for tokens, hidden, start in pairs:
+        pad = width - tokens.shape[1]
+        if pad:
+            tokens = mx.concatenate([mx.zeros((1, pad), dtype=tokens.dtype), tokens], axis=1)
+            hidden = mx.concatenate([mx.zeros((1, pad, hidden.shape[2]), hidden.dtype), hidden], 1)
+        token_rows.append(tokens)
+        hidden_rows.append(hidden)
+        positions.append(start - pad)
+        lengths.append(width - pad)
+    caches = [seq.head_cache for seq in seqs]
+    return head(
+        trunk,
+        mx.concatenate(token_rows),
+        mx.concatenate(hidden_rows),
+        caches,
+        positions,
+        lengths,
+    )
+
+
+def _pending_pairs(seq: Sequence, keep_last: bool) -> tuple[mx.array, mx.array, int] | None:
+    """The pending pairs a head step runs now: tokens ``[1, n]``, trunk states ``[1, n, H]``
+    and the position of the first; what stays pending is left in ``seq.head_pending``."""
     hidden = mx.concatenate(seq.head_pending, axis=1) if seq.head_pending else None
     if hidden is None:
         return None
@@ -275,9 +317,8 @@ def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -
         seq.head_skipped += skip
     start = seq.head_position
     tokens = mx.array(seq.tokens[start + 1 : start + 1 + n])[None]
-    result = head(trunk, tokens, hidden[:, :n], seq.head_cache, start)
     seq.head_pending = [hidden[:, n:]] if keep_last else []
-    return result
+    return tokens, hidden[:, :n], start
 
 
 def run_cycle(
@@ -321,9 +362,11 @@ def launch_cycles(
     #    last emitted token); later steps feed the head's own output and its draft token.
     drafts: list[_RowDrafts] = [_RowDrafts(seq) for seq in seqs]
     if k > 0:
-        firsts = [_absorb_pending(trunk, head, seq, keep_last=False) for seq in seqs]
-        state = _stack([out[:, -1:] for out, _ in firsts])
-        step_logits = [logits[0, -1:] for _, logits in firsts]
+        if rows == 1:
+            state, logits = _absorb_pending(trunk, head, seqs[0], keep_last=False)
+        else:
+            state, logits = _absorb_pending_rows(trunk, head, seqs)
+        step_logits = [logits[b, -1:] for b in range(rows)]
         for i in range(k):
             for row, logits in zip(drafts, step_logits, strict=True):
                 row.draw(logits, i)

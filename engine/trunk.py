@@ -96,23 +96,120 @@ class VerifyCapture:
         )
 
 
-@dataclass
 class GDNLayerState:
-    """Conv window and recurrent state of one Gated-DeltaNet layer, plus verify captures."""
+    """Conv window and recurrent state of one Gated-DeltaNet layer, plus verify captures.
 
-    conv: mx.array | None = None
-    recurrent: mx.array | None = None
-    # Filled by a capturing forward over T positions; consumed by ``commit``.
-    conv_window: mx.array | None = None
-    capture: VerifyCapture | None = None
+    After a batched verify the row's commit may be deferred (``BatchCommit``): ``conv`` and
+    ``recurrent`` then form on first read, for every row of the batch at once when all have
+    committed."""
+
+    def __init__(self, conv: mx.array | None = None, recurrent: mx.array | None = None) -> None:
+        self._conv, self._recurrent = conv, recurrent
+        # Filled by a capturing forward over T positions; consumed by ``commit``.
+        self.conv_window: mx.array | None = None
+        self.capture: VerifyCapture | None = None
+        #: a batched verify's captures this row committed to but has not formed yet
+        self.batch: BatchCommit | None = None
+        self.row = 0
+
+    @property
+    def conv(self) -> mx.array | None:
+        if self.batch is not None:
+            self.batch.settle(self.row)
+        return self._conv
+
+    @conv.setter
+    def conv(self, value: mx.array | None) -> None:
+        self.settled(value, self.recurrent)
+
+    @property
+    def recurrent(self) -> mx.array | None:
+        if self.batch is not None:
+            self.batch.settle(self.row)
+        return self._recurrent
+
+    @recurrent.setter
+    def recurrent(self, value: mx.array | None) -> None:
+        self.settled(self.conv, value)
+
+    def settled(self, conv: mx.array | None, recurrent: mx.array | None) -> None:
+        """Set both states (no commit pending any more)."""
+        self._conv, self._recurrent, self.batch = conv, recurrent, None
 
     def commit(self, n_keep: int, kernel: int) -> None:
+        if self.batch is not None and self.capture is None:
+            self.batch.keep(self.row, n_keep)
+            return
         if self.conv_window is None:
             return
-        self.conv = self.conv_window[:, n_keep : n_keep + kernel - 1]
-        self.recurrent = self.capture.state_after(n_keep)
+        self.settled(
+            self.conv_window[:, n_keep : n_keep + kernel - 1], self.capture.state_after(n_keep)
+        )
         self.conv_window = None
         self.capture = None
+
+
+class BatchCommit:
+    """One GDN layer's captures from a batched verify of B rows, committed for all rows at once.
+
+    Each row's ``commit`` records how many positions it keeps; when every row has, the states
+    at the kept lengths are formed for all rows with one set of ops (a per-row gather along
+    the captured positions) instead of one set per row, and the next batched forward over the
+    same rows in the same order takes the stacked states as they are (``stacked``). A row read
+    before the others have committed (one that finishes while the others go on) forms its own
+    state from its rows of the captures, exactly as a single sequence does."""
+
+    def __init__(
+        self, states: list[GDNLayerState], window: mx.array, capture: VerifyCapture, kernel: int
+    ) -> None:
+        self.states, self.window, self.capture, self.kernel = states, window, capture, kernel
+        self.keeps: list[int | None] = [None] * len(states)
+        self.conv: mx.array | None = None
+        self.recurrent: mx.array | None = None
+        for row, state in enumerate(states):
+            state.batch, state.row = self, row
+            state.conv_window = state.capture = None
+
+    def keep(self, row: int, n_keep: int) -> None:
+        self.keeps[row] = n_keep
+        if all(k is not None for k in self.keeps):
+            self._form_all()
+
+    def settle(self, row: int) -> None:
+        """Form row ``row``'s states now (all rows' if all have committed)."""
+        n_keep = self.keeps[row]
+        if n_keep is None:
+            raise RuntimeError("a GDN state read between a verify and its commit")
+        if self.recurrent is None:
+            cap = self.capture
+            one = VerifyCapture(*(a[row : row + 1] for a in cap.arrays()))
+            window = self.window[row : row + 1]
+            self.states[row].settled(
+                window[:, n_keep : n_keep + self.kernel - 1], one.state_after(n_keep)
+            )
+
+    def stacked(self, states: list[GDNLayerState]) -> tuple[mx.array, mx.array] | None:
+        """The stacked states if ``states`` are exactly this batch's rows, in order, formed
+        together and untouched since."""
+        if self.recurrent is None or len(states) != len(self.states):
+            return None
+        if any(a is not b or a.batch is not self for a, b in zip(states, self.states, strict=True)):
+            return None
+        return self.conv, self.recurrent
+
+    def _form_all(self) -> None:
+        cap, rows = self.capture, len(self.states)
+        last = mx.array(self.keeps) - 1  # [B]: each row's last kept position
+        heads, positions = cap.decay.shape[1], cap.decay.shape[2]
+        pick = mx.broadcast_to(last[:, None, None, None], (rows, heads, 1, positions))
+        w = mx.take_along_axis(cap.decay, pick, axis=2).swapaxes(-1, -2)  # [B, H, T, 1]
+        gamma = mx.take_along_axis(cap.gamma, pick[..., :1], axis=2)  # [B, H, 1, 1]
+        self.recurrent = gamma * cap.start + (cap.u * w).swapaxes(-1, -2) @ cap.k
+        window_rows = (last + 1)[:, None] + mx.arange(self.kernel - 1)[None]  # [B, kernel-1]
+        self.conv = mx.take_along_axis(self.window, window_rows[..., None], axis=1)
+        for row, state in enumerate(self.states):
+            state._conv = self.conv[row : row + 1]
+            state._recurrent = self.recurrent[row : row + 1]
 
 
 class TrunkCache:
@@ -171,6 +268,8 @@ class TrunkCache:
             if isinstance(c, KVCache):
                 if c.keys is not None:
                     out += [c.keys, c.values]
+            elif c.batch is not None and c.batch.recurrent is None:  # a batched verify's
+                out += [c.batch.window, *c.batch.capture.arrays()]
             else:
                 out += [a for a in (c.conv_window, c.conv, c.recurrent) if a is not None]
                 out += c.capture.arrays() if c.capture is not None else []
@@ -312,6 +411,12 @@ def gdn_block_captured(
     continues ``states[b]`` (one state: B = 1)."""
     rows = states if isinstance(states, list) else [states]
     m = layer.linear_attn
+    if len(rows) > 1 and rows[0].batch is not None:
+        stacked = rows[0].batch.stacked(rows)
+        if stacked is not None:  # the same rows as the last batched cycle: no re-stacking
+            h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, *stacked)
+            BatchCommit(rows, window, VerifyCapture(stacked[1], *captured), m.conv_kernel_size)
+            return h
     convs, recurrents = [], []
     for state in rows:
         conv, recurrent = state.conv, state.recurrent
@@ -327,9 +432,7 @@ def gdn_block_captured(
         return h
     stacked = (mx.concatenate(convs), mx.concatenate(recurrents))
     h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, *stacked)
-    for b, state in enumerate(rows):
-        state.conv_window = window[b : b + 1]
-        state.capture = VerifyCapture(recurrents[b], *(c[b : b + 1] for c in captured))
+    BatchCommit(rows, window, VerifyCapture(stacked[1], *captured), m.conv_kernel_size)
     return h
 
 
@@ -397,10 +500,13 @@ def attention_block_rows(
     caches: list[KVCache],
     positions: list[int],
     last_only: bool = False,
+    lengths: list[int] | None = None,
 ) -> mx.array:
     """``attention_block`` for B rows at once: ``x [B, T, H]``, row b continuing ``caches[b]``
     at sequence position ``positions[b]``. Projections, RoPE (one offset per row) and the MLP
-    run over every row together; each row attends over its own cache."""
+    run over every row together; each row attends over its own cache. ``lengths`` (with
+    ``last_only``): row b's real positions are its last ``lengths[b]`` columns, the earlier
+    ones padding that never enters its cache."""
     length = x.shape[1]
     offset = mx.array(positions[0]) if len(positions) == 1 else mx.array(positions)
     queries, keys, values, gate = block(layer, "attn_in", _attention_in, length)(x, offset)
@@ -411,8 +517,13 @@ def attention_block_rows(
     scale = layer.self_attn.scale
     attended = []
     for b, cache in enumerate(caches):
-        row = slice(b, b + 1) if len(caches) > 1 else slice(None)
-        row_keys, row_values = cache.update_and_fetch(keys[row], values[row])
+        if len(caches) == 1 and lengths is None:
+            row, new_keys, new_values = slice(None), keys, values
+        else:
+            row = slice(b, b + 1)
+            real = slice(length - lengths[b], None) if lengths is not None else slice(None)
+            new_keys, new_values = keys[row, :, real], values[row, :, real]
+        row_keys, row_values = cache.update_and_fetch(new_keys, new_values)
         attended.append(
             mx.fast.scaled_dot_product_attention(
                 queries[row], row_keys, row_values, scale=scale, mask=mask
