@@ -8,6 +8,7 @@ this module imports mlx, so the server can import it freely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from sampling.params import SamplingParams
@@ -18,6 +19,13 @@ FinishReason = Literal["stop", "length", "cancelled"]
 AUTO_DRAFT = None
 #: Largest K a request or a command-line flag may ask for (the verify pass's compiled shapes).
 MAX_DRAFT_TOKENS = 8
+#: The embedded demo model, served when no ``--model`` is given.
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+#: What ``--draft-vocab`` means, for every command that takes it.
+DRAFT_VOCAB_HELP = (
+    "draft over the N most frequent tokens (0: full vocabulary; default: the checkpoint's "
+    "draft_vocab.json default, else full)"
+)
 
 
 def parse_draft_tokens(value: str | int | None) -> int | None:

@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import loader
 from engine.api import (
     MAX_DRAFT_TOKENS,
     ContextLengthExceeded,
@@ -27,8 +26,13 @@ from engine.api import (
     RequestError,
     TokenLogprob,
 )
-from engine.memory import release_between_requests
-from engine.speculative import (
+from engine.cycle.prefix_cache import (
+    DEFAULT_DISK_BUDGET_BYTES,
+    PrefixCache,
+    model_fingerprint,
+    prefill_hook,
+)
+from engine.cycle.speculative import (
     PREFILL_CHUNK,
     CacheSnapshot,
     CycleResult,
@@ -44,6 +48,10 @@ from engine.speculative import (
     read_cycle,
     start_sequence,
 )
+from engine.model import loader
+from engine.model.memory import release_between_requests
+from engine.scheduling.autok import DraftPolicy, EngineAutoK
+from engine.scheduling.batching import BatchDecoder, CycleNeed
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -58,19 +66,6 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 @dataclass
-class DraftPolicy:
-    """Which K to run each cycle. Fixed K, or automatic (see engine.autok)."""
-
-    fixed: int | None
-    chooser: Any = None  # engine.autok.AutoK when automatic
-
-    def choose(self, seq: Sequence, remaining: int) -> int:
-        k = self.fixed if self.fixed is not None else self.chooser.choose(seq)
-        # Never draft past max_tokens: at most `remaining` tokens can be emitted.
-        return max(0, min(k, remaining - 1))
-
-
-@dataclass
 class Engine:
     loaded: loader.LoadedModel
     tokenizer: Any
@@ -81,12 +76,12 @@ class Engine:
     autok: Any = None
     #: sync after each cycle stage so the stats split time per stage (benchmarks only)
     profile: bool = False
-    #: draft-confidence cut (see engine.speculative); off unless the bench shows it pays
+    #: draft-confidence cut (see engine.cycle.speculative); off unless the bench shows it pays
     draft_confidence: float | None = None
     #: tokens the head drafts over (see set_draft_vocab) and the bytes that subset costs
     draft_vocab_size: int = 0
     draft_vocab_bytes: int = 0
-    #: the conversation cache (engine.prefix_cache.PrefixCache); None: every prompt is prefilled
+    #: the conversation cache (``PrefixCache``); None: every prompt is prefilled
     prefix_cache: Any = None
     #: prefill chunk (= the cache's block): chunks end at its multiples, cached or not
     prefill_chunk: int = PREFILL_CHUNK
@@ -120,8 +115,6 @@ class Engine:
         if loaded.head is not None:
             engine.set_draft_vocab(draft_vocab)
         if draft_tokens is None and loaded.head is not None:
-            from engine.autok import EngineAutoK
-
             engine.autok = EngineAutoK(engine)
             # Measure greedy costs now (start-up, not the first request); sampled on first use.
             engine.autok.for_request(resolve(SamplingOverrides(temperature=0.0)))
@@ -165,9 +158,7 @@ class Engine:
         disk_budget_bytes: int | None = None,
         block_tokens: int = PREFILL_CHUNK,
     ) -> None:
-        """Reuse cached prompt prefixes (engine.prefix_cache); ``budget_bytes`` 0 turns it off."""
-        from engine.prefix_cache import DEFAULT_DISK_BUDGET_BYTES, PrefixCache, model_fingerprint
-
+        """Reuse cached prompt prefixes (``PrefixCache``); ``budget_bytes`` 0 turns it off."""
         self.prefill_chunk = block_tokens
         if budget_bytes <= 0:
             self.prefix_cache = None
@@ -207,8 +198,6 @@ class Engine:
             draft_tokens = self.default_draft_tokens
         if draft_tokens is None:
             if self.autok is None:
-                from engine.autok import EngineAutoK
-
                 self.autok = EngineAutoK(self)
             params = params or SamplingParams(temperature=0.0)
             return DraftPolicy(fixed=None, chooser=self.autok.for_request(params))
@@ -281,7 +270,7 @@ class Engine:
         policy: DraftPolicy,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> Generator[None, None, Sequence | None]:
-        """``start_cached`` one prefill chunk per step (``engine.speculative.prefill_steps``)."""
+        """``start_cached`` one prefill chunk per step (``prefill_steps``)."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
         # a seeded request under auto K draws with coupled noise: the same text whatever K runs
@@ -299,8 +288,6 @@ class Engine:
                     seq.head_cache = restored.head_cache
                     seq.head_pending = [restored.head_pending]
                 seq.restored = restored.position
-        from engine.prefix_cache import prefill_hook
-
         # Also a snapshot where the prompt's last message begins (its last turn marker): a
         # template that re-renders the previous reply (Qwen's drops its <think> block) still
         # matches the next prompt up to there.
@@ -367,7 +354,7 @@ class Engine:
         policy = policy or self.policy(request.draft_tokens, request.sampling)
         progress = Progress.start(request, policy, seq, trace, prompt_seconds)
         chooser = policy.chooser
-        # Plain decoding runs one cycle ahead (engine.speculative's docstring): ``ahead`` is a
+        # Plain decoding runs one cycle ahead (engine.cycle.speculative's docstring): ``ahead`` is a
         # cycle launched before the previous one was read back, ``undo`` what cancels it.
         ahead: LaunchedCycle | None = None
         undo: CacheSnapshot | None = None
@@ -437,11 +424,9 @@ class Engine:
             if undo is not None:
                 undo.restore(seq)
 
-    # -- one row of a batch (engine.batching) ----------------------------------------------------
+    # -- one row of a batch (engine.scheduling.batching) ---------------------------------------
     def batch(self, capacity: int) -> Any:
         """A ``BatchDecoder`` of up to ``capacity`` rows on this engine."""
-        from engine.batching import BatchDecoder
-
         return BatchDecoder(self, capacity)
 
     def row_steps(
@@ -451,8 +436,8 @@ class Engine:
         trace: Callable[[dict[str, Any]], None] | None = None,
     ) -> Generator[Any, CycleResult | None, None]:
         """``generate`` as one row of a batch: the same events, but the row yields to the batch
-        (``engine.batching.BatchDecoder``) instead of running its own cycles — ``None`` after
-        each prefill chunk but the last, a ``CycleNeed`` when it wants a cycle, whose result
+        (``BatchDecoder``) instead of running its own cycles — ``None`` after each prefill
+        chunk but the last, a ``CycleNeed`` when it wants a cycle, whose result
         the batch sends back — so that many rows share each cycle and a newcomer's prefill
         runs between the running rows' cycles. Every cycle is read back before the next one
         is launched (no look-ahead: rows are committed after reading)."""
@@ -487,19 +472,6 @@ class Engine:
                     return
         finally:
             self._keep(seq)
-
-
-@dataclass
-class CycleNeed:
-    """A batch row asking for its next cycle: K as its own policy chose it, the most it may
-    draft (``max_k``: never past max_tokens) and, for automatic K, its chooser (the batch
-    decides K for its automatic rows together, engine.batching)."""
-
-    seq: Sequence
-    k: int
-    max_k: int
-    auto: bool
-    chooser: Any = None
 
 
 @dataclass

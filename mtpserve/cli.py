@@ -12,15 +12,13 @@ import json
 import logging
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP
 from engine.blas import use_fast_blas
-from server.cli import DRAFT_VOCAB_HELP, add_serve_arguments, run_serve
+from server.cli import add_serve_arguments, run_serve
 
 use_fast_blas()  # before anything imports mlx
-
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
 
 
 def default_model() -> str:
@@ -93,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
-    from engine.memory import InsufficientMemory
+    from engine.model.memory import InsufficientMemory
 
     try:
         engine = engine_class().load(
@@ -245,11 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=run_serve)
 
     # Importing `engine` preloaded the fast BLAS above, before these modules import mlx.
-    from engine import bench, bench_batch, bench_chat, convert
+    from engine.bench import batch, chat, speed
+    from engine.model import convert
 
-    bench.register(sub)
-    bench_batch.register(sub)
-    bench_chat.register(sub)
+    speed.register(sub)
+    batch.register(sub)
+    chat.register(sub)
     convert.register(sub)
     return parser
 

@@ -3,8 +3,8 @@
     .venv/bin/python scripts/bench_quantized.py --model models/qwen3.5-demo --out docs/QUANTIZED.md
 
 For every trunk in (bf16, 8-bit, 4-bit) and head in (16, 8, 4 bits) the model is converted with
-``mtpserve convert`` (engine.convert) into a scratch folder, loaded in a fresh process (so peak
-memory is that configuration's alone) and run greedily, EOS ignored, over the first ``--limit``
+``mtpserve convert`` (engine.model.convert) into a scratch folder, loaded in a fresh process (so
+peak memory is that configuration's alone) and run greedily, EOS ignored, over the first ``--limit``
 bench prompts at K=0 and every K in ``--draft-tokens``, configurations interleaved prompt by
 prompt. The bf16 trunk with the 16-bit head is the original model (a bf16 copy of it); the
 acceptance ratio of every row is against that row's acceptance at the same K (K=1: a_1).
@@ -39,7 +39,8 @@ def worker(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from engine.bench import Row, load_prompts, run_ours
+    from engine.bench.prompts import load_prompts
+    from engine.bench.speed import Row, run_ours
     from engine.runtime import Engine
     from sampling.params import SamplingOverrides, resolve
 
@@ -202,7 +203,7 @@ def main() -> int:
         worker(args)
         return 0
 
-    from engine.convert import convert
+    from engine.model.convert import convert
 
     ks = [int(k) for k in args.draft_tokens.split(",")]
     work = Path(args.work or tempfile.mkdtemp(prefix="mtpserve-quant-"))

@@ -232,7 +232,8 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
     sys.path.insert(0, str(ROOT))
     import engine  # noqa: F401  (fast BLAS before mlx)
     from engine.api import GenerationRequest
-    from engine.bench import load_prompts, parse_samplers
+    from engine.bench.prompts import load_prompts
+    from engine.bench.speed import parse_samplers
     from engine.runtime import Engine
 
     ours = Engine.load(args.model, dtype="float32")

@@ -2,14 +2,14 @@
 
     python scripts/cost_table.py runs/shapes/qwen3.5-0.8B [--dtype bfloat16]
 
-Times (lowest of a few runs after a warm-up, ``engine.autok.estimate_costs``): the plain decode
-step (a one-token trunk forward with the vocabulary projection), the head's draft step over the
-full vocabulary and over a draft vocabulary of ``--draft-vocab`` tokens, the trunk's verify
-forward over K+1 tokens against one, and prefill throughput of a ``--prefill-tokens`` prompt
-for each ``--chunks`` size (every core, as prefill runs). ``--threads`` also times (wall clock)
-the plain step with BLIS on every core instead of one (decoding runs on one). ``--clock cpu``
-(the default) times with the process's CPU time: on a machine shared with other jobs wall time
-is mostly waiting for a core.
+Times (lowest of a few runs after a warm-up, ``engine.scheduling.autok.estimate_costs``): the
+plain decode step (a one-token trunk forward with the vocabulary projection), the head's draft
+step over the full vocabulary and over a draft vocabulary of ``--draft-vocab`` tokens, the
+trunk's verify forward over K+1 tokens against one, and prefill throughput of a ``--prefill-
+tokens`` prompt for each ``--chunks`` size (every core, as prefill runs). ``--threads`` also
+times (wall clock) the plain step with BLIS on every core instead of one (decoding runs on one).
+``--clock cpu`` (the default) times with the process's CPU time: on a machine shared with other
+jobs wall time is mostly waiting for a core.
 
 From the table: the cost model's speed-up of each K over plain decoding at the per-position
 acceptance vLLM publishes for Qwen3.5's MTP heads (0.92, 0.84, 0.65, 0.54), and the head step's
@@ -57,12 +57,12 @@ def main() -> int:
     blas.use_fast_blas()
     import mlx.core as mx
 
-    from engine import speculative
     from engine.api import GenerationRequest
-    from engine.autok import MAX_AUTO_K, estimate_costs, expected_tokens
-    from engine.mtp import project_to_vocab
+    from engine.cycle import speculative
+    from engine.model.mtp import project_to_vocab
+    from engine.model.trunk import trunk_hidden
     from engine.runtime import DraftPolicy, Engine
-    from engine.trunk import trunk_hidden
+    from engine.scheduling.autok import MAX_AUTO_K, estimate_costs, expected_tokens
     from sampling.params import SamplingParams
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -34,7 +34,7 @@ use_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from engine.tokenizer_build import build_tokenizer  # noqa: E402
+from engine.model.tokenizer_build import build_tokenizer  # noqa: E402
 
 VOCAB = 248320
 #: per model: hidden, layers, attention heads / KV heads, GDN value / key heads, MLP width,

@@ -43,7 +43,7 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "verify-history",
-        "engine/speculative.py",
+        "engine/cycle/speculative.py",
         "history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None",
         "history = seq.history.rows(None, len(draft_ids) + 1) if seq.history else None",
         (
@@ -83,7 +83,7 @@ MUTATIONS = [
     ),
     Mutation(
         "bonus-untruncated",
-        "engine/speculative.py",
+        "engine/cycle/speculative.py",
         "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n",
         "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n"
         "        untruncated = mx.random.categorical(\n"
@@ -97,7 +97,7 @@ MUTATIONS = [
     ),
     Mutation(
         "autok-no-catch-up",
-        "engine/autok.py",
+        "engine/scheduling/autok.py",
         "return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)",
         "return self.cycle[k]",
         ("tests/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),

@@ -23,11 +23,12 @@ import statistics
 import time
 from pathlib import Path
 
-import engine.speculative as speculative  # (the engine package binds the fast BLAS first)
+import engine.cycle.speculative as speculative  # (the engine package binds the fast BLAS first)
 from engine.api import GenerationRequest
-from engine.autok import PatternChooser
-from engine.bench import load_prompts, parse_samplers
+from engine.bench.prompts import load_prompts
+from engine.bench.speed import parse_samplers
 from engine.runtime import DraftPolicy, Engine
+from engine.scheduling.autok import PatternChooser
 
 ROOT = Path(__file__).resolve().parent.parent
 

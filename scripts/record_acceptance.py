@@ -1,7 +1,7 @@
 """Record how many of K drafts the model accepts at every position of the bench prompts.
 
-Auto K's policy (engine/autok.py) is judged by how close it comes to the best fixed K. On a
-noisy 2-core machine a bench run measures that to +-5%, too coarse to tune a policy by; a
+Auto K's policy (engine/scheduling/autok.py) is judged by how close it comes to the best fixed
+K. On a noisy 2-core machine a bench run measures that to +-5%, too coarse to tune a policy by; a
 replay on recorded acceptance is exact. This records, per prompt and sampler, the accepted
 count of a K-draft cycle run at *every* emitted position (each cycle keeps one token, so the
 text is what plain decoding writes, and the head's cache is fed exactly as in steady drafting).
@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from engine.api import GenerationRequest  # (the engine package binds the fast BLAS first)
-from engine.bench import load_prompts, parse_samplers, with_seed
+from engine.bench.prompts import load_prompts
+from engine.bench.speed import parse_samplers, with_seed
+from engine.cycle.speculative import commit, run_cycle
 from engine.runtime import DraftPolicy, Engine
-from engine.speculative import commit, run_cycle
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ from typing import Any
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
 from engine.api import GenerationRequest
+from engine.cycle.speculative import launch_cycle, start_sequence
 from engine.runtime import Engine
-from engine.speculative import launch_cycle, start_sequence
 from sampling.params import SamplingOverrides, resolve
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -39,7 +39,7 @@ def primitives(ours: Engine, prompt: list[int], k: int) -> dict[str, int]:
     """The primitives of one cycle's graph."""
     import mlx.core as mx
 
-    import engine.speculative as speculative
+    import engine.cycle.speculative as speculative
 
     params = resolve(SamplingOverrides(temperature=0.0))
     seq = start_sequence(ours.trunk, ours.loaded.head, prompt, params, use_head=True)

@@ -101,7 +101,7 @@ class HeadTuneConfig:
     """Second stage: the MTP head alone, trunk frozen, distilled from the trunk over unrolled
     draft depths (``finetune-head``)."""
 
-    depths: int = 4  # mtpserve drafts up to 4 tokens (engine/autok.py MAX_AUTO_K)
+    depths: int = 4  # mtpserve drafts up to 4 tokens (engine/scheduling/autok.py MAX_AUTO_K)
     steps: int = 600
     batch_size: int = 4
     seq_len: int = 512
@@ -390,7 +390,7 @@ def write_bench_prompts(heldout_funcs, heldout_topics, heldout_modules, seed: in
 def prepare(args) -> None:
     import numpy as np
 
-    from engine.tokenizer_build import build_tokenizer
+    from engine.model.tokenizer_build import build_tokenizer
 
     stdlib = Path(args.stdlib)
     RUN_DIR.mkdir(parents=True, exist_ok=True)

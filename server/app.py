@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import GenerationEvent
-from engine.scheduler import RequestHandle, Scheduler
+from engine.scheduling.scheduler import RequestHandle, Scheduler
 from server.api import (
     anthropic_messages,
     openai_chat,

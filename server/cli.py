@@ -14,14 +14,10 @@ import logging
 import sys
 from typing import Any
 
-from engine.api import parse_draft_tokens
+from engine.api import DRAFT_VOCAB_HELP, parse_draft_tokens
 from server.settings import ServerSettings, load_settings
 
 #: shared by `serve`, `generate` and `bench`
-DRAFT_VOCAB_HELP = (
-    "draft over the N most frequent tokens (0: full vocabulary; default: the checkpoint's "
-    "draft_vocab.json default, else full)"
-)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.model:
         # The embedded demo model (models/qwen3.5-demo) is the default, as for `generate`.
-        from mtpserve.cli import DEMO_MODEL
+        from engine.api import DEMO_MODEL
 
         if not DEMO_MODEL.is_dir():
             print("mtpserve serve: --model is required (no demo model here)", file=sys.stderr)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import TokenText
-from engine.scheduler import Scheduler
+from engine.scheduling.scheduler import Scheduler
 from sampling.params import SamplingOverrides
 from server.errors import APIError
 from server.metrics import ServerMetrics

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from engine.tokenizer_build import build_tokenizer
+from engine.model.tokenizer_build import build_tokenizer
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

@@ -21,11 +21,11 @@ from checkpoints import VARIANTS, Variant, write_checkpoint  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep measured-cost caches of throwaway checkpoints out of the user's home."""
-    import engine.autok
+    import engine.scheduling.autok
 
     path = tmp_path_factory.mktemp("cost-cache")
     os.environ["MTPSERVE_CACHE"] = str(path)
-    engine.autok.CACHE_DIR = path
+    engine.scheduling.autok.CACHE_DIR = path
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def tokenizer_dir() -> Path:
     """A tiny Qwen-style tokenizer folder, built once per test process."""
     import tempfile
 
-    from engine.tokenizer_build import build_tokenizer
+    from engine.model.tokenizer_build import build_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix="mtpserve-tok-"))
     build_tokenizer(CORPUS, 400, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.autok import (
+from engine.scheduling.autok import (
     DEEPER_PROBE_EVERY,
     EXPLORE_CYCLES,
     MAX_AUTO_K,
@@ -67,7 +67,7 @@ def test_unobserved_positions_borrow_from_the_previous_one() -> None:
 def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
     """A K-cycle's head first catches up on what the previous cycle committed (1..K+1
     positions); the expected cost weighs each catch-up by how often that many are committed."""
-    from engine.autok import committed_distribution
+    from engine.scheduling.autok import committed_distribution
 
     costs = CostTable(
         cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 0.75, 1.0]
@@ -233,7 +233,7 @@ def test_a_drafting_ks_own_price_is_learned_and_a_machine_slowdown_is_not_taken_
 def test_probe_backoff_carries_over_to_the_next_request_of_the_kind() -> None:
     """Probes that keep failing back off to MAX_PROBE_INTERVAL; the kind's next request starts
     there instead of probing every PROBE_EVERY plain cycles again."""
-    from engine.autok import MAX_PROBE_INTERVAL
+    from engine.scheduling.autok import MAX_PROBE_INTERVAL
 
     costs = CostTable(cycle=[1.0, 1.9, 2.8, 3.7, 4.6], trunk=[1.0] * 5, head_step=0.9)
     kind = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES)
@@ -287,10 +287,11 @@ def test_calibrated_rates_are_the_scaled_tables_rates() -> None:
 
 
 def test_the_head_catches_up_on_the_longest_plain_stretch_between_probes() -> None:
-    """engine.speculative cannot import engine.autok (the other way round), so MAX_CATCH_UP is
-    a literal: it must cover MAX_PROBE_INTERVAL plain cycles plus auto K's longest commit."""
-    from engine.autok import MAX_PROBE_INTERVAL
-    from engine.speculative import MAX_CATCH_UP
+    """engine.cycle.speculative cannot import engine.scheduling.autok (the other way round), so
+    MAX_CATCH_UP is a literal: it must cover MAX_PROBE_INTERVAL plain cycles plus auto K's
+    longest commit."""
+    from engine.cycle.speculative import MAX_CATCH_UP
+    from engine.scheduling.autok import MAX_PROBE_INTERVAL
 
     assert MAX_CATCH_UP >= MAX_PROBE_INTERVAL + MAX_AUTO_K + 1
 
@@ -303,7 +304,7 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
     from which the next start reads them instead of timing anything."""
     from checkpoints import VARIANTS
 
-    import engine.autok as autok
+    import engine.scheduling.autok as autok
     from engine.api import GenerationRequest
     from engine.runtime import Engine
     from sampling.params import SamplingParams
@@ -342,7 +343,7 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
 def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch) -> None:
     """Where one forward takes seconds (bf16 on a CPU, a large model) start-up times only it:
     a verify is priced as one forward, a head step by the bytes it reads."""
-    import engine.autok as autok
+    import engine.scheduling.autok as autok
 
     engine = load_engine("dense-tied", draft_tokens=0)
     monkeypatch.setattr(autok, "SLOW_FORWARD", 0.0)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.autok import POLICIES, AutoK, CostTable, KindPolicy
-from engine.speculative import MAX_CATCH_UP
+from engine.cycle.speculative import MAX_CATCH_UP
+from engine.scheduling.autok import POLICIES, AutoK, CostTable, KindPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
@@ -240,9 +240,9 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
     when a probe caught up on the latest 9 plain positions only, the 4-layer model ran 1,755
     plain cycles over the 24 prompts where the replay ran 1,917."""
     from engine.api import GenerationRequest
-    from engine.autok import EngineAutoK
-    from engine.bench import load_prompts
+    from engine.bench.prompts import load_prompts
     from engine.runtime import Engine
+    from engine.scheduling.autok import EngineAutoK
     from sampling.params import SamplingParams
 
     monkeypatch.setattr(AutoK, "calibrate", lambda self, *args: None)

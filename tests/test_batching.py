@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import batching as batching_module
 from engine.api import GenerationRequest
-from engine.batching import BatchDecoder, BatchK
 from engine.runtime import Engine
+from engine.scheduling import batching as batching_module
+from engine.scheduling.batching import BatchDecoder, BatchK
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"

@@ -85,8 +85,8 @@ def _env() -> dict[str, str]:
 
 def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None:
     from engine.api import GenerationStats
-    from engine.autok import CostTable
-    from engine.bench import Row, _gap_note
+    from engine.bench.speed import Row, _gap_note
+    from engine.scheduling.autok import CostTable
 
     costs = CostTable(
         cycle=[0.003, 0.006, 0.008],
@@ -108,8 +108,8 @@ def test_prediction_uses_conditional_per_position_acceptance() -> None:
     """Stats count P(draft i accepted) unconditionally (8 of 10 cycles accepted draft 1, 4 of
     10 draft 2); the cost model multiplies conditional rates: 0.8, then 4 of those 8."""
     from engine.api import GenerationStats
-    from engine.autok import expected_tokens
-    from engine.bench import conditional_acceptance
+    from engine.bench.speed import conditional_acceptance
+    from engine.scheduling.autok import expected_tokens
 
     stats = GenerationStats(accepted_per_position=[8, 4], proposed_per_position=[10, 10])
     rates = conditional_acceptance(stats)
@@ -122,7 +122,7 @@ def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
     for 3 tokens, 12 ms for 3.4) that is 36.8 tokens in 124 ms, against the best fixed K's
     (K=3's) 300 tok/s. A K auto used without a fixed row leaves nothing to price with."""
     from engine.api import GenerationStats
-    from engine.bench import Row, price_auto_choices
+    from engine.bench.speed import Row, price_auto_choices
 
     def row(config: str, cycles: int, seconds: float, tokens: int, hist: dict[int, int]) -> Row:
         histogram = [hist.get(k, 0) for k in range(9)]

@@ -17,9 +17,9 @@ import mlx.nn as nn
 import pytest
 from checkpoints import VARIANTS, Variant
 
-from engine import convert as conv
-from engine import loader
 from engine.api import GenerationRequest
+from engine.model import convert as conv
+from engine.model import loader
 from engine.runtime import Engine
 from sampling.params import SamplingParams
 

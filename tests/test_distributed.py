@@ -68,7 +68,7 @@ def seed_auto_costs(model_dir: Path, vocab: int) -> None:
     (minutes through loopback collectives on this machine). The table only decides which K
     runs; greedy output must equal plain decoding whichever it picks. Costs that grow slowly
     with K make auto draft."""
-    import engine.autok as autok
+    import engine.scheduling.autok as autok
 
     stamp = autok._group_stamp
     autok._group_stamp = lambda: "ranks=2"

@@ -247,8 +247,8 @@ def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> Non
     """Auto K follows the machine's timings, so a seeded request's K differ from run to run: its
     draws are coupled to (seed, position) and its text is the same whatever K each cycle
     drafts. Three runs, the auto K costs skewed between them so that K really differs."""
-    from engine.autok import PatternChooser
     from engine.runtime import DraftPolicy
+    from engine.scheduling.autok import PatternChooser
 
     engine = load_engine("dense-untied-sharded")
     prompt = engine.tokenizer.encode(PROMPTS[1])
@@ -276,7 +276,7 @@ def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
     are still good."""
-    from engine.speculative import MAX_CATCH_UP, commit, run_cycle, start_sequence
+    from engine.cycle.speculative import MAX_CATCH_UP, commit, run_cycle, start_sequence
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode(PROMPTS[2])
@@ -301,8 +301,8 @@ def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine)
     cycle (``RequestAutoK.observe_seconds`` drops class switches), the last one before drafting
     ~0.4 step after its predecessor (the loop passes None for it). Timed, the last ones made
     plain decoding look cheaper the shorter its stretches were."""
-    from engine.autok import PatternChooser
     from engine.runtime import DraftPolicy
+    from engine.scheduling.autok import PatternChooser
 
     pattern = PatternChooser([2, 2, 0, 0, 0, 0, 0])
     prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
@@ -348,7 +348,7 @@ def test_checkpoint_without_head_serves_plain_decoding(make_checkpoint, caplog) 
 
 
 def test_sharded_head_is_read_from_its_shard_only(make_checkpoint) -> None:
-    from engine import loader
+    from engine.model import loader
 
     model_dir = make_checkpoint(VARIANTS["dense-untied-sharded"])
     files = loader._files_holding_mtp(model_dir)
@@ -379,7 +379,7 @@ def test_converted_layout_gives_the_same_drafts(tmp_path: Path, make_checkpoint)
     raw HF checkpoint: the +1 norm shift is applied exactly once on both paths."""
     from safetensors.numpy import load_file, save_file
 
-    from engine.loader import ZERO_CENTRED_NORMS
+    from engine.model.loader import ZERO_CENTRED_NORMS
 
     raw_dir = make_checkpoint(VARIANTS["dense-tied"])
     conv_dir = tmp_path / "converted"
@@ -410,7 +410,7 @@ def test_converted_layout_gives_the_same_drafts(tmp_path: Path, make_checkpoint)
 
 def _converted_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """What mlx-lm's conversion does to raw HF tensors: conv1d moved, zero-centred norms +1."""
-    from engine.loader import ZERO_CENTRED_NORMS
+    from engine.model.loader import ZERO_CENTRED_NORMS
 
     out = {}
     for name, value in weights.items():
@@ -545,7 +545,7 @@ def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
 def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> None:
     """Tokens appended after a generation (the next turn) are prefilled into trunk and head
     caches exactly: continuing equals a fresh run on the whole text."""
-    from engine.speculative import extend_sequence
+    from engine.cycle.speculative import extend_sequence
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     first, turn = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[1])
@@ -571,7 +571,7 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
     import mlx.nn as nn
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    from engine.trunk import delta_rule_chunk
+    from engine.model.trunk import delta_rule_chunk
 
     mx.random.seed(length)
     heads, dk, dv = 4, 32, 16

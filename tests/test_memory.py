@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from checkpoints import Variant
 
-from engine.memory import measure
+from engine.bench.memory import measure
 
 BIG = Variant("big", hidden=512, layers=8, intermediate=2560, heads=8, kv_heads=2, head_dim=32)
 MiB = 2**20
@@ -56,7 +56,7 @@ def test_memory_limit_chooses_fp32_then_the_stored_dtype_then_refuses(
     import mlx.core as mx
     import pytest
 
-    from engine import loader, memory
+    from engine.model import loader, memory
 
     model_dir = make_checkpoint(Variant("tiny-bf16", dtype="bfloat16"))
     size = memory.checkpoint_size(loader._weight_files(model_dir))

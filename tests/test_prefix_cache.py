@@ -1,4 +1,4 @@
-"""The conversation cache (engine/prefix_cache.py) against cold runs.
+"""The conversation cache (engine/cycle/prefix_cache.py) against cold runs.
 
 * Through real uvicorn servers and the openai SDK: a 10-turn chat on a server with the cache
   returns on every turn exactly what a server without it returns — greedy and seeded sampling,
@@ -364,8 +364,8 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
 ) -> None:
     """Order of events, no timing: the long prompt is cancelled while its first chunk runs;
     the next queued request's first forward comes right after that chunk."""
-    import engine.speculative as speculative
-    from engine.scheduler import Scheduler
+    import engine.cycle.speculative as speculative
+    from engine.scheduling.scheduler import Scheduler
 
     calls: list[tuple[str, int]] = []
     handles: list[Any] = []

@@ -1,5 +1,5 @@
-"""The single-worker scheduler (engine/scheduler.py): order, backpressure, cancellation, and that
-one failing request never takes the worker down."""
+"""The single-worker scheduler (engine/scheduling/scheduler.py): order, backpressure,
+cancellation, and that one failing request never takes the worker down."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.api import GenerationEvent, GenerationRequest, GenerationStats
-from engine.scheduler import (
+from engine.scheduling.scheduler import (
     GenerationFailedError,
     QueueFullError,
     Scheduler,
@@ -256,13 +256,13 @@ def test_shutdown_ends_pending_handles() -> None:
 
 
 def test_scheduler_does_not_import_mlx() -> None:
-    import engine.scheduler  # noqa: F401
+    import engine.scheduling.scheduler  # noqa: F401
 
-    assert "engine.scheduler" in sys.modules
+    assert "engine.scheduling.scheduler" in sys.modules
     # importing the scheduler (and the server) alone must not pull mlx in
     import subprocess
 
-    code = "import engine.scheduler, server.app, sys; print('mlx' in sys.modules)"
+    code = "import engine.scheduling.scheduler, server.app, sys; print('mlx' in sys.modules)"
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root

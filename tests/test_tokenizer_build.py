@@ -1,4 +1,4 @@
-"""What engine.tokenizer_build saves is what transformers and mlx-lm load.
+"""What engine.model.tokenizer_build saves is what transformers and mlx-lm load.
 
 Checked in two folders: the tokenizer alone, and the tokenizer next to a config.json whose
 model_type is qwen3_5 (where transformers 5.x substitutes its own Qwen3_5Tokenizer class and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer_build import (
+from engine.model.tokenizer_build import (
     ALL_ADDED_TOKENS,
     MARKUP_TOKENS,
     MIN_VOCAB_SIZE,

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 
 from engine.api import EngineUnavailable, GenerationRequest
-from engine.scheduler import (
+from engine.scheduling.scheduler import (
     GenerationFailedError,
     QueueFullError,
     RequestHandle,

@@ -485,7 +485,7 @@ def attention_block(
 
     ``position`` is the sequence position of the first new token (RoPE); it defaults to the
     cache's length and differs only for a head cache that skipped positions (see
-    ``engine.speculative``). With ``last_only`` every position's keys and values enter the
+    ``engine.cycle.speculative``). With ``last_only`` every position's keys and values enter the
     cache but only the last position's output is computed and returned (``[B, 1, H]``): the
     rest of the layer (attention output, o_proj, MLP) is per position, and a one-layer head's
     earlier outputs are never used. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.

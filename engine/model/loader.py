@@ -33,8 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
-from engine import memory
-from engine.mtp import MTPHead
+from engine.model import memory
+from engine.model.mtp import MTPHead
 
 log = logging.getLogger("mtpserve.loader")
 
@@ -255,7 +255,7 @@ def load(
     ranks: int = 1,
 ) -> LoadedModel:
     """Load the trunk and attach the head. ``dtype`` auto keeps the stored dtype on GPUs and
-    uses fp32 on CPUs where it fits (``engine.memory.plan``; ``memory_limit`` bytes stands for
+    uses fp32 on CPUs where it fits (``engine.model.memory.plan``; ``memory_limit`` bytes stands for
     the memory available). Refuses with ``InsufficientMemory`` before reading any weight when
     nothing fits. The model is loaded lazily and ``prepare`` (e.g. shard: engine.distributed)
     runs before any weight is read, so only what is left after it is read from disk; each

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.api import GenerationRequest
+from engine.api import DEMO_MODEL, GenerationRequest
 from engine.runtime import Engine
 from sampling.params import SamplingParams
 
@@ -97,7 +97,7 @@ def _summary(
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from engine.bench import DEFAULT_PROMPTS, load_prompts
+    from engine.bench.prompts import DEFAULT_PROMPTS, load_prompts
 
     engine = Engine.load(args.model)
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -187,10 +187,9 @@ def _table(results: dict[str, Any]) -> str:
 
 
 def register(sub: Any) -> None:
-    from mtpserve.cli import default_model
 
     p = sub.add_parser("bench-batch", help="continuous batching against one request at a time")
-    p.add_argument("--model", default=default_model())
+    p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--concurrency", default="1,2,4,8")
     p.add_argument("--draft-tokens", default="2,3,4", help="fixed K to run beside 0 and auto")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -133,8 +133,8 @@ class RequestHandle:
 
 
 class SerialBatch:
-    """The batch interface (``engine.batching.BatchDecoder``: ``add``, ``step``, ``drop``) over
-    an engine that only has ``generate``: one row at a time, one event per step."""
+    """The batch interface (``engine.scheduling.batching.BatchDecoder``: ``add``, ``step``,
+    ``drop``) over an engine that only has ``generate``: one row at a time, one event per step."""
 
     capacity = 1
 

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import GenerationEvent, GenerationRequest
-from engine.autok import MAX_AUTO_K, expected_tokens
-from engine.memory import release_between_requests
-from engine.runtime import CycleNeed, Engine
-from engine.speculative import CycleResult, launch_cycles, read_cycles
+from engine.cycle.speculative import CycleResult, Sequence, launch_cycles, read_cycles
+from engine.model.memory import release_between_requests
+from engine.scheduling.autok import MAX_AUTO_K, expected_tokens
 
 log = logging.getLogger("mtpserve.batching")
 
@@ -85,6 +84,19 @@ class BatchK:
 
 
 @dataclass
+class CycleNeed:
+    """A batch row asking for its next cycle: K as its own policy chose it, the most it may
+    draft (``max_k``: never past max_tokens) and, for automatic K, its chooser (the batch
+    decides K for its automatic rows together, engine.scheduling.batching)."""
+
+    seq: Sequence
+    k: int
+    max_k: int
+    auto: bool
+    chooser: Any = None
+
+
+@dataclass
 class _Row:
     steps: Any  # Engine.row_steps generator
     need: CycleNeed | None = None
@@ -97,7 +109,8 @@ class BatchDecoder:
     """Rows decoding together on one engine (module docstring). Not thread-safe: the engine's
     worker thread owns it."""
 
-    def __init__(self, engine: Engine, capacity: int) -> None:
+    def __init__(self, engine: Any, capacity: int) -> None:
+        """``engine``: an ``engine.runtime.Engine`` (its ``row_steps``, trunk and head)."""
         self.engine = engine
         self.capacity = capacity
         self.rows: dict[Hashable, _Row] = {}

@@ -1,7 +1,7 @@
 """The conversation cache: restore the longest cached prefix of a prompt, prefill only the rest.
 
 Keys are token ids. The state after a prefix of P tokens (the trunk cache holding exactly those
-P positions, as the ``Sequence`` invariant has it after prefill: engine.speculative) is:
+P positions, as the ``Sequence`` invariant has it after prefill: engine.cycle.speculative) is:
 
 * attention KV of every trunk attention layer for positions 0..P-1 — trimmable, so it is kept
   **by block** of ``block_tokens`` positions in a trie keyed by each block's token ids: a prefix
@@ -47,8 +47,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engine.speculative import PREFILL_CHUNK, _absorb_pending
-from engine.trunk import GDNLayerState
+from engine.cycle.speculative import PREFILL_CHUNK, _absorb_pending
+from engine.model.trunk import GDNLayerState
 
 log = logging.getLogger("mtpserve.prefix_cache")
 

@@ -1,5 +1,4 @@
-"""Memory: what a checkpoint needs in the dtype it will run in, what the machine has, and peak
-memory measurements.
+"""Memory: what a checkpoint needs in the dtype it will run in, and what the machine has.
 
 Planning (``plan``), before any weight is read: the bytes of every tensor come from the
 safetensors headers; floating tensors are counted in the dtype chosen, packed quantized ones
@@ -9,10 +8,7 @@ when not even that fits, loading is refused with the figures. GPUs keep the stor
 The memory available is MemAvailable (and a cgroup limit) on Linux, the recommended working set
 on Metal, or ``MTPSERVE_MEMORY_LIMIT`` (bytes, or with a K/M/G suffix) when set.
 
-Measuring (``measure``): ``python -m engine.memory MODEL 0|1`` prints one JSON object: mlx's
-peak-memory counter after loading, and during 64 greedy tokens (K=2 with the head, K=0 without),
-plus the trunk's and the head's weight bytes. A fresh process per measurement keeps the peaks
-from mixing.
+Peak memory is measured by ``engine.bench.memory``.
 """
 
 from __future__ import annotations
@@ -21,13 +17,10 @@ import json
 import logging
 import os
 import struct
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("mtpserve.memory")
 
 GiB = 2**30
@@ -196,57 +189,3 @@ def release_between_requests() -> None:
 
     if mx.default_device() == mx.gpu and mx.metal.is_available():
         mx.clear_cache()
-
-
-def measure(model: str | Path, with_head: bool) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "engine.memory", str(model), "1" if with_head else "0"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _probe(model: str, with_head: bool) -> dict[str, Any]:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from transformers import AutoTokenizer
-
-    from engine import loader
-    from engine.api import GenerationRequest
-    from engine.runtime import Engine
-    from sampling.params import SamplingParams
-
-    mx.reset_peak_memory()
-    loaded = loader.load(model, with_head=with_head)
-    load_peak = mx.get_peak_memory()
-    params = tree_flatten(loaded.trunk.parameters())
-    dtype = str(loaded.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
-    trunk_bytes = sum(a.nbytes for n, a in params if not n.startswith("mtp."))
-    head_bytes = sum(a.nbytes for n, a in params if n.startswith("mtp."))
-    k = 2 if with_head else 0
-    tokenizer = AutoTokenizer.from_pretrained(str(loaded.model_dir))
-    engine = Engine(loaded, tokenizer, "m", default_draft_tokens=k)
-    request = GenerationRequest(
-        list(range(3, 200)), SamplingParams(temperature=0.0), 64, draft_tokens=k, ignore_eos=True
-    )
-    mx.reset_peak_memory()
-    event = None
-    for event in engine.generate(request):
-        pass
-    assert event is not None and event.stats is not None
-    return {
-        "load_peak": load_peak,
-        "generate_peak": mx.get_peak_memory(),
-        "trunk_bytes": trunk_bytes,
-        "head_bytes": head_bytes,
-        "proposed": event.stats.proposed,
-        "dtype": dtype,
-    }
-
-
-if __name__ == "__main__":  # `python -m` imports the engine package first: the fast BLAS is loaded
-    print(json.dumps(_probe(sys.argv[1], sys.argv[2] == "1")))

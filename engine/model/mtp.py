@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from engine.trunk import attention_block, attention_block_rows, block
+from engine.model.trunk import attention_block, attention_block_rows, block
 
 
 class MTPHead(nn.Module):

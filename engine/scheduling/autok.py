@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.blas import blas_in_use
-from engine.speculative import MAX_CATCH_UP
+from engine.cycle.speculative import MAX_CATCH_UP
 
 log = logging.getLogger("mtpserve.autok")
 
@@ -149,7 +149,7 @@ CACHE_DIR = Path(os.environ.get("MTPSERVE_CACHE", Path.home() / ".cache" / "mtps
 class CostTable:
     """Measured seconds: ``cycle[K]`` for a K-cycle whose head catches up on one committed
     position (K = 1..max), ``cycle[0]`` for a plain cycle as the decode loop runs them (one
-    launched ahead of the other, see engine.speculative); ``absorb[n-1]`` for the head's
+    launched ahead of the other, see engine.cycle.speculative); ``absorb[n-1]`` for the head's
     catch-up over n positions at once; ``trunk[T-1]`` for a T-token verify forward (with the
     vocabulary projection);
     ``head_step`` for one draft step; ``absorb_far`` for a catch-up over ``MAX_CATCH_UP``
@@ -284,17 +284,14 @@ def machine_key(model_dir: Path) -> str:
 
 def _group_stamp() -> str:
     """Ranks sharing the trunk: a sharded cycle pays collectives, so its costs differ."""
-    from engine.distributed import world
-
-    group = world()
-    return f"ranks={group.size() if group is not None else 1}"
+    return f"ranks={mx.distributed.init().size()}"
 
 
 def _code_stamp() -> str:
     """A hash of the code a cycle runs: costs measured before an engine change are stale."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("engine/*.py"), *root.glob("sampling/*.py")]):
+    for path in sorted([*root.glob("engine/**/*.py"), *root.glob("sampling/**/*.py")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -307,10 +304,9 @@ def measure_costs(
     ~150 tokens, the context lengths of a typical request (on one ever-growing sequence, K=4
     cycles at 1,600 tokens measured 15% dearer than in a bench run)."""
     from engine.api import GenerationRequest
-    from engine.mtp import project_to_vocab
-    from engine.runtime import DraftPolicy
-    from engine.speculative import _absorb_pending
-    from engine.trunk import trunk_hidden
+    from engine.cycle.speculative import _absorb_pending
+    from engine.model.mtp import project_to_vocab
+    from engine.model.trunk import trunk_hidden
     from sampling.params import SamplingParams
 
     rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
@@ -442,9 +438,8 @@ def estimate_costs(
     the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
     timed cycles on (``CALIBRATION_STALE`` weighs the first timings fully)."""
     from engine.api import GenerationRequest
-    from engine.mtp import project_to_vocab
-    from engine.runtime import DraftPolicy
-    from engine.trunk import trunk_hidden
+    from engine.model.mtp import project_to_vocab
+    from engine.model.trunk import trunk_hidden
     from sampling.params import SamplingParams
 
     trunk, head = engine.trunk, engine.loaded.head
@@ -788,6 +783,19 @@ def representative_sampler(engine: Any, params: Any) -> Any:
         logit_bias={},
         seed=0,
     )
+
+
+@dataclass
+class DraftPolicy:
+    """Which K to run each cycle: fixed, or automatic (``chooser``: a ``RequestAutoK``)."""
+
+    fixed: int | None
+    chooser: Any = None
+
+    def choose(self, seq: Any, remaining: int) -> int:
+        k = self.fixed if self.fixed is not None else self.chooser.choose(seq)
+        # Never draft past max_tokens: at most `remaining` tokens can be emitted.
+        return max(0, min(k, remaining - 1))
 
 
 @dataclass

@@ -51,7 +51,7 @@ TOKENIZER_CLASS = "Qwen2Tokenizer"
 PAD_TOKEN = "<|endoftext|>"
 
 #: The repository's chat template (Qwen3.5-style ChatML).
-CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configs" / "chat_template.jinja"
+CHAT_TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "configs" / "chat_template.jinja"
 
 #: 256 byte symbols + the added tokens: the smallest vocabulary that can be built.
 MIN_VOCAB_SIZE = 256 + len(ALL_ADDED_TOKENS)

@@ -44,8 +44,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
-from engine.mtp import MTPHead, project_to_vocab
-from engine.trunk import TrunkCache, new_trunk_cache, trunk_hidden, trunk_hidden_rows
+from engine.model.mtp import MTPHead, project_to_vocab
+from engine.model.trunk import TrunkCache, new_trunk_cache, trunk_hidden, trunk_hidden_rows
 from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
@@ -64,9 +64,9 @@ from sampling.params import SamplingParams
 #: chunks of 256 ~5 (the Gated-DeltaNet layers' per-chunk work grows faster than the chunk);
 #: on the demo model 128 to 512 are within 6% (docs/BENCHMARKS.md).
 PREFILL_CHUNK = 128
-#: most pending positions a drafting cycle's first head step catches up on: engine.autok's
-#: MAX_PROBE_INTERVAL (plain cycles between probes) plus one cycle's commit, so that auto K's
-#: probes never skip
+#: most pending positions a drafting cycle's first head step catches up on:
+#: engine.scheduling.autok's MAX_PROBE_INTERVAL (plain cycles between probes) plus one
+#: cycle's commit, so that auto K's probes never skip
 MAX_CATCH_UP = 136
 
 T = TypeVar("T")
@@ -347,7 +347,7 @@ def launch_cycles(
 
     Every row drafts the same ``k`` (0 when any row cannot draft): each draft depth runs the
     head once for all rows, the verify is one trunk pass over every row's K+1 positions
-    (``engine.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
+    (``engine.model.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
     per row, with each row's own sampler, PRNG key and penalty history. Rows accept different
     lengths: each row's caches are committed on their own (``commit``).
     """

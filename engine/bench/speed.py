@@ -10,9 +10,9 @@ Speed-ups are ratios against K=0 *of the same run*.
 
 A second, profiled pass per (sampler, K) syncs after each cycle stage to split cycle time into
 draft / verify / accept / rollback (commit) / overhead; the timed pass never does. The cost
-model (engine.autok: measured cycle costs x measured per-position acceptance) predicts each
-K's speed-up; the table prints prediction and measurement side by side and names the stage
-that accounts for a gap.
+model (engine.scheduling.autok: measured cycle costs x measured per-position acceptance)
+predicts each K's speed-up; the table prints prediction and measurement side by side and names
+the stage that accounts for a gap.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine.api import GenerationStats, parse_draft_tokens
-from engine.autok import decoding_kind, measure_costs, representative_sampler
+from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP, GenerationStats, parse_draft_tokens
+from engine.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from engine.blas import blas_in_use
-
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "configs" / "bench_prompts.jsonl"
+from engine.scheduling.autok import decoding_kind, measure_costs, representative_sampler
 
 
 @dataclass
@@ -67,22 +66,6 @@ class Row:
             gap_note=self.gap_note,
         )
         return out
-
-
-def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str, Any]]:
-    from engine.runtime import chat_prompt_ids
-
-    prompts = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        if item.get("chat"):
-            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": item["prompt"]}])
-        else:
-            ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
-        prompts.append({**item, "ids": list(ids)})
-    return prompts[:limit] if limit else prompts
 
 
 def parse_samplers(text: str, engine: Any) -> dict[str, Any]:
@@ -223,7 +206,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         row.peak_memory_bytes = max(row.peak_memory_bytes, mx.get_peak_memory())
                         bar.update()
 
-    # What auto K's in-run calibration made of the start-up table (engine.autok.AutoK.calibrate)
+    # What auto K's in-run calibration made of the start-up table (AutoK.calibrate)
     calibration = {}
     for name, params in samplers.items() if engine.has_head else ():
         kind = engine.autok.kinds[decoding_kind(params)]
@@ -308,7 +291,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # Peak memory with and without the head, each in a fresh process (peaks must not mix).
     memory = None
     if engine.has_head and not args.mtp_weights:
-        from engine.memory import measure
+        from engine.bench.memory import measure
 
         model_dir = engine.loaded.model_dir
         memory = {"trunk_only": measure(model_dir, False), "with_head": measure(model_dir, True)}
@@ -396,7 +379,7 @@ def _gap_note(
     K-cycle to a plain step (times the run's acceptance), so compare each side with the run,
     then the profiled split with the table's parts: draft = the head's expected catch-up plus
     K-1 draft steps, verify = a (K+1)-token trunk forward."""
-    from engine.autok import committed_distribution
+    from engine.scheduling.autok import committed_distribution
 
     def versus(name: str, run: float, table: float) -> str:
         return f"{name} {run * 1e3:.1f} ms in run vs {table * 1e3:.1f} ms measured"
@@ -508,10 +491,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine import distributed
+    from engine.bench import sharding
+    from engine.distributed import world
 
-    if args.sharding or distributed.world() is not None:
-        return distributed.cmd_bench(args)
+    if args.sharding or world() is not None:
+        return sharding.cmd_bench(args)
     t = time.perf_counter()
     result = bench(args)
     result["wall_seconds"] = time.perf_counter() - t
@@ -543,11 +527,9 @@ def _draft_token_list(value: str) -> str:
 
 
 def register(sub: Any) -> None:
-    from mtpserve.cli import default_model
-    from server.cli import DRAFT_VOCAB_HELP
 
     p = sub.add_parser("bench", help="speed-up, acceptance and memory vs plain decoding and mlx-lm")
-    p.add_argument("--model", default=default_model())
+    p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--mtp-weights", default=None)
     p.add_argument("--draft-vocab", type=int, default=None, help=DRAFT_VOCAB_HELP)
     p.add_argument("--draft-tokens", default="0,1,2,3,4,auto", type=_draft_token_list)

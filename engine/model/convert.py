@@ -18,7 +18,7 @@ Sidecar format: tensors named ``mtp.<MTPHead parameter path>`` (already mapped b
 ``loader.sanitize_head``: MoE experts stacked into ``switch_mlp``), norms already shifted (+1,
 metadata ``mtpserve.norms_shifted = "true"``), 16-bit parts (``fc``, norms, MoE routers) in
 bfloat16, the decoder layer's linears quantized (affine, ``mtpserve.quantization`` =
-``{"group_size", "bits"}``) unless ``--head-bits 16``. Loading goes through ``engine.loader``,
+``{"group_size", "bits"}``) unless ``--head-bits 16``. Loading goes through ``engine.model.loader``,
 which reads that metadata.
 """
 
@@ -38,8 +38,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine import loader
-from engine.mtp import MTPHead
+from engine.model import loader
+from engine.model.mtp import MTPHead
 
 log = logging.getLogger("mtpserve.convert")
 

@@ -1,5 +1,5 @@
 """``mtpserve bench-chat``: time to first token per turn of a long chat, with and without the
-conversation cache (engine/prefix_cache.py), in the same run, then after a restart that
+conversation cache (engine/cycle/prefix_cache.py), in the same run, then after a restart that
 resumes from the cache's disk tier.
 
 The chat: the first user message pastes a long source file, later turns ask short follow-ups
@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.api import GenerationRequest
+from engine.api import DEMO_MODEL, GenerationRequest
 from engine.runtime import Engine, chat_prompt_ids
 from sampling.params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: deterministic text from this checkout for the chat's messages
 SOURCES = [ROOT / "engine" / "speculative.py", ROOT / "engine" / "trunk.py"]
 
@@ -208,10 +208,9 @@ def cmd_bench_chat(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from mtpserve.cli import default_model
 
     p = sub.add_parser("bench-chat", help="TTFT per turn of a long chat, with/without the cache")
-    p.add_argument("--model", default=default_model())
+    p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--draft-tokens", type=int, default=3)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--first-chars", type=int, default=7200, help="the first message's paste")

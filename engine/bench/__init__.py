@@ -1,0 +1,1 @@
+"""Benchmarks: ``mtpserve bench``, ``bench-chat``, ``bench-batch`` and the memory probe."""
