@@ -452,6 +452,8 @@ class Engine:
             return
         progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
         chooser = policy.chooser
+        timed = chooser if not self.profile else None
+        last_end: float | None = None
         try:
             while True:
                 if cancelled():
@@ -467,6 +469,13 @@ class Engine:
                 if chooser is not None:
                     chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
+                if timed is not None:
+                    # Auto K's single-sequence table calibrates on cycles a row ran alone;
+                    # batched cycles are priced by the batch (BatchK).
+                    alone = result.rows == 1 and last_end is not None
+                    since = end - last_end if alone else None
+                    timed.observe_seconds(len(result.draft_ids), len(emitted), since)
+                    last_end = end if result.rows == 1 else None
                 yield progress.event(result, emitted, finish, context_len, end - t_commit)
                 if finish is not None:
                     return

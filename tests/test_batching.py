@@ -196,3 +196,35 @@ def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) ->
     batch.drop("long")
     while len(batch):
         batch.step()
+
+
+def test_rows_restore_from_and_save_to_the_conversation_cache() -> None:
+    """Batch rows go through the conversation cache as single requests do: a second turn run
+    as a row restores what the first turn's row saved, and emits what a cold run emits."""
+    cached = Engine.load(str(DEMO))
+    cached.enable_prefix_cache(64 << 20, block_tokens=32)
+    cold = Engine.load(str(DEMO))
+    first = [
+        GenerationRequest(
+            cold.tokenizer.encode(p * 4), GREEDY, max_tokens=24, ignore_eos=True, draft_tokens=None
+        )
+        for p in PROMPTS[:3]
+    ]
+    replies, _ = batched(cached, first)
+    second = [
+        replace(r, prompt_ids=r.prompt_ids + replies[i] + cold.tokenizer.encode(" and then?"))
+        for i, r in enumerate(first)
+    ]
+    batch = BatchDecoder(cached, 3)
+    for i, request in enumerate(second):
+        batch.add(i, request)
+    got: dict[int, list[int]] = {i: [] for i in range(3)}
+    reused: dict[int, int] = {}
+    while len(batch):
+        for key, event in batch.step():
+            got[key] += event.token_ids
+            if event.finish_reason is not None:
+                reused[key] = event.stats.cached_tokens
+    for i, request in enumerate(second):
+        assert got[i] == alone(cold, request)
+        assert reused[i] >= 32  # at least one cached block of the first turn

@@ -106,6 +106,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         Path(args.prompts or DEFAULT_PROMPTS), engine.tokenizer, max(concurrency)
     )
     configs: list[tuple[str, int | None]] = [("serial", k) for k in fixed if k > 0]
+    configs += [("serial", None)]
     configs += [("batched", k) for k in [0, *fixed]] + [("batched", None)]
     # warm-up: compile every shape once
     for c in concurrency:
@@ -150,13 +151,75 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         }
         results["concurrency"][c] = merged
         print(f"{c} rows: " + json.dumps(merged["ratios"]), flush=True)
+    results["newcomer"] = newcomer(engine, prompts, args.newcomer_tokens)
+    print("newcomer: " + json.dumps(results["newcomer"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_batch.json").write_text(json.dumps(results, indent=2))
+    _plot(results, out / "bench_batch.png")
     table = _table(results)
     (out / "bench_batch.md").write_text(table)
     print(table)
     return 0
+
+
+def newcomer(engine: Engine, prompts: list[dict[str, Any]], long_tokens: int) -> dict[str, Any]:
+    """A short request arriving while a long generation runs: its time to first token, against
+    its own prefill alone and the running row's cycle time (issue: at most its prefill plus two
+    cycles)."""
+    long_request = _requests(engine, prompts, 1, None, long_tokens)[0]
+    short = _requests(engine, prompts[1:], 1, None, 8)[0]
+    t0 = time.perf_counter()
+    for event in engine.generate(short):
+        if event.token_ids:
+            break
+    alone_ttft = time.perf_counter() - t0
+    batch = engine.batch(2)
+    batch.add("long", long_request)
+    cycles: list[float] = []
+    for _ in range(8):  # the long row decoding
+        t = time.perf_counter()
+        batch.step()
+        cycles.append(time.perf_counter() - t)
+    batch.add("short", short)
+    t0, steps, first = time.perf_counter(), 0, None
+    while first is None:
+        steps += 1
+        for key, item in batch.step():
+            if key == "short" and item.token_ids:
+                first = time.perf_counter() - t0
+    while "short" in batch:
+        batch.step()
+    batch.drop("long")
+    cycle = statistics.median(cycles)
+    return {
+        "ttft_ms": 1e3 * first,
+        "steps_to_first_token": steps,
+        "alone_ttft_ms": 1e3 * alone_ttft,
+        "running_cycle_ms": 1e3 * cycle,
+        "over_alone_in_cycles": (first - alone_ttft) / cycle,
+    }
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(results["concurrency"])
+    names = [n for n in results["concurrency"][rows[0]] if n != "ratios"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted(names):
+        ys = [results["concurrency"][c][name]["aggregate_tps"] for c in rows]
+        ax.plot(rows, ys, marker="o", linestyle="-" if "batched" in name else "--", label=name)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_xticks(rows)
+    ax.set_title("Continuous batching vs one request at a time (greedy)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _table(results: dict[str, Any]) -> str:
@@ -183,6 +246,15 @@ def _table(results: dict[str, Any]) -> str:
             f"| {c} | {ratio['batched_best_over_serial_best']:.2f}x | "
             f"{ratio['auto_over_best_batched']:.3f}x |"
         )
+    new = results.get("newcomer")
+    if new:
+        lines += [
+            "",
+            f"A newcomer beside a running generation: first token after {new['ttft_ms']:.0f} ms "
+            f"({new['steps_to_first_token']} batch steps); alone {new['alone_ttft_ms']:.0f} ms; "
+            f"the running row's cycle {new['running_cycle_ms']:.1f} ms, so "
+            f"{new['over_alone_in_cycles']:.2f} cycles more than alone.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +266,9 @@ def register(sub: Any) -> None:
     p.add_argument("--draft-tokens", default="2,3,4", help="fixed K to run beside 0 and auto")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--newcomer-tokens", type=int, default=1000, help="the long generation a newcomer joins"
+    )
     p.add_argument("--prompts", default=None)
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=cmd_bench_batch)

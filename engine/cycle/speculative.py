@@ -155,6 +155,8 @@ class CycleResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accept_seconds: float = 0.0
+    #: sequences that shared the cycle (a batch's rows)
+    rows: int = 1
 
 
 def start_sequence(

@@ -214,6 +214,7 @@ class BatchDecoder:
             if len(rows) > 1:
                 self.batch_k.observe(len(rows), k, time.perf_counter() - t0)
             for row, result in zip(rows, results, strict=True):
+                result.rows = len(rows)
                 row.result = result
 
     def _release_if_idle(self) -> None:
