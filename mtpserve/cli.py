@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
         return 2
-    from engine.model.memory import InsufficientMemory
+    from engine.model.memory import InsufficientMemory, UnsupportedDtype
 
     try:
         engine = engine_class().load(
@@ -101,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             draft_vocab=args.draft_vocab,
         )
-    except InsufficientMemory as exc:
+    except (InsufficientMemory, UnsupportedDtype) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.chat:

@@ -185,6 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # `mtpserve` configured logging before this (WARNING without -v), which basicConfig leaves
+    # alone: the level is set here, so start-up says what it loads and measures
+    logging.getLogger().setLevel(settings.log_level.upper())
     app = create_app(engine_factory(settings), settings)
     uvicorn.run(
         app,

@@ -77,3 +77,39 @@ def test_memory_limit_chooses_fp32_then_the_stored_dtype_then_refuses(
     assert explicit.head.fc.weight.dtype == mx.float32
     with pytest.raises(memory.InsufficientMemory, match="in float32"):
         loader.load(str(model_dir), dtype="float32", memory_limit=size.bytes_in("float32") - 1)
+
+
+def test_an_unquantized_moe_runs_on_a_cpu_only_in_fp32(make_checkpoint) -> None:
+    """mlx's CPU gather_mm multiplies expert weights only in float32: a bf16 MoE checkpoint loads
+    in fp32 whenever fp32 fits at all (headroom or not), a bf16 request is refused at start
+    instead of failing on the first forward, and below fp32's size loading is refused."""
+    import mlx.core as mx
+    import pytest
+
+    from engine.model import loader, memory
+    from engine.api import GenerationRequest
+    from engine.runtime import Engine
+    from sampling.params import SamplingParams
+
+    assert memory.is_expert_weight("model.language_model.layers.0.mlp.experts.gate_up_proj")
+    assert memory.is_expert_weight("model.layers.0.mlp.switch_mlp.up_proj.weight")
+    assert not memory.is_expert_weight("model.layers.0.mlp.switch_mlp.up_proj.scales")
+    assert not memory.is_expert_weight("model.layers.0.mlp.shared_expert.up_proj.weight")
+
+    model_dir = make_checkpoint(Variant("moe-bf16", moe=True, dtype="bfloat16", seed=2))
+    size = memory.checkpoint_size(loader._weight_files(model_dir))
+    assert size.floating_experts and size.stored_dtype == "bfloat16"
+    fp32 = size.bytes_in("float32")
+    assert memory.plan(size, "auto", on_cpu=True, available=fp32).dtype == "float32"
+    assert memory.plan(size, "auto", on_cpu=False, available=fp32).dtype == "bfloat16"
+    with pytest.raises(memory.InsufficientMemory, match="only in float32"):
+        memory.plan(size, "auto", on_cpu=True, available=fp32 - 1)
+    with pytest.raises(memory.UnsupportedDtype, match="--dtype bfloat16"):
+        memory.plan(size, "bfloat16", on_cpu=True, available=10 * fp32)
+
+    engine = Engine.load(str(model_dir), draft_tokens=1, memory_limit=fp32)
+    assert engine.trunk.model.embed_tokens.weight.dtype == mx.float32
+    request = GenerationRequest(
+        list(range(3, 20)), SamplingParams(temperature=0.0), 4, ignore_eos=True
+    )
+    assert sum(len(e.token_ids) for e in engine.generate(request)) == 4

@@ -171,3 +171,27 @@ def test_repository_config_loads() -> None:
 def test_model_names() -> None:
     s = ServerSettings(model="/x/models/demo", served_model_names=["a"])
     assert s.model_names("demo") == ["demo", "a", "/x/models/demo"]
+
+
+def test_serve_logs_start_up_at_its_log_level(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mtpserve serve` (whose top-level CLI configures logging at WARNING first) logs the
+    loader's and auto K's INFO lines at the default --log-level info."""
+    import logging
+
+    import uvicorn
+
+    from mtpserve.cli import main
+
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:]
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr("server.app.create_app", lambda factory, settings: None)
+    try:
+        root.handlers.clear()  # as in a fresh process: the top-level basicConfig takes effect
+        assert main(["serve", "--model", str(tiny_checkpoint), "--port", "1"]) == 0
+        assert logging.getLogger("mtpserve.loader").isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]

@@ -5,6 +5,9 @@ safetensors headers; floating tensors are counted in the dtype chosen, packed qu
 as stored. On CPUs fp32 is chosen only when it fits with ``HEADROOM`` (bf16 matmuls are ~8x
 slower than fp32 there, REFERENCE §10); else the stored dtype is kept and the server says so;
 when not even that fits, loading is refused with the figures. GPUs keep the stored dtype.
+A mixture of experts with unquantized expert weights runs on a CPU only in fp32 (mlx's CPU
+``gather_mm`` supports nothing else; quantized experts use ``gather_qmm``, which does): there
+fp32 is chosen whenever it fits at all, and a narrower dtype is refused with the reason.
 The memory available is MemAvailable (and a cgroup limit) on Linux, the recommended working set
 on Metal, or ``MTPSERVE_MEMORY_LIMIT`` (bytes, or with a K/M/G suffix) when set.
 
@@ -37,6 +40,16 @@ class InsufficientMemory(MemoryError):
     """The checkpoint does not fit in the memory available, in any dtype the engine may use."""
 
 
+class UnsupportedDtype(ValueError):
+    """The checkpoint cannot run in the dtype asked for on this device."""
+
+
+#: mlx's CPU backend multiplies unquantized expert weights (``gather_mm``) only in float32
+CPU_EXPERTS = (
+    "a mixture of experts' unquantized expert weights run only in float32 on mlx's CPU backend"
+)
+
+
 @dataclass(frozen=True)
 class CheckpointSize:
     #: floating-point elements (cast with the dtype chosen), their stored dtype's name
@@ -44,6 +57,8 @@ class CheckpointSize:
     stored_dtype: str
     #: bytes of everything else (packed quantized weights), kept as stored
     other_bytes: int
+    #: unquantized stacked expert weights (a mixture of experts not quantized)
+    floating_experts: bool = False
 
     def bytes_in(self, dtype: str | None) -> int:
         """Resident bytes with floating tensors in ``dtype`` (None: as stored)."""
@@ -57,7 +72,10 @@ class CheckpointSize:
         if ranks <= 1:
             return self
         return CheckpointSize(
-            -(-self.float_elements // ranks), self.stored_dtype, -(-self.other_bytes // ranks)
+            -(-self.float_elements // ranks),
+            self.stored_dtype,
+            -(-self.other_bytes // ranks),
+            self.floating_experts,
         )
 
 
@@ -80,21 +98,31 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def is_expert_weight(name: str) -> bool:
+    """An expert's weight matrix: HF's ``mlp.experts.*`` or mlx-lm's ``switch_mlp.*``, not a
+    quantized one's scales or biases."""
+    return (".experts." in name or ".switch_mlp." in name) and not name.endswith(
+        (".scales", ".biases")
+    )
+
+
 def checkpoint_size(files: list[Path]) -> CheckpointSize:
     elements: dict[str, int] = {}
     other = 0
+    floating_experts = False
     for f in files:
-        for info in safetensors_header(f).values():
+        for name, info in safetensors_header(f).items():
             n = 1
             for d in info["shape"]:
                 n *= d
             if info["dtype"] in DTYPE_NAMES:
                 elements[info["dtype"]] = elements.get(info["dtype"], 0) + n
+                floating_experts = floating_experts or is_expert_weight(name)
             else:
                 begin, end = info["data_offsets"]
                 other += end - begin
     stored = max(elements, key=elements.__getitem__) if elements else "F32"
-    return CheckpointSize(sum(elements.values()), DTYPE_NAMES[stored], other)
+    return CheckpointSize(sum(elements.values()), DTYPE_NAMES[stored], other, floating_experts)
 
 
 def parse_bytes(text: str) -> int:
@@ -132,17 +160,32 @@ def plan(
     size: CheckpointSize, requested: str, on_cpu: bool, available: int | None = None
 ) -> MemoryPlan:
     """The dtype to load in (``requested``: auto, float32, bfloat16 or float16), or
-    ``InsufficientMemory`` naming what is needed and what there is."""
+    ``InsufficientMemory`` naming what is needed and what there is; ``UnsupportedDtype`` for a
+    dtype the device cannot run the checkpoint in."""
     available = available_bytes() if available is None else available
     stored = size.stored_dtype
+    fp32_only = on_cpu and size.floating_experts
+    if fp32_only and requested not in ("auto", "float32"):
+        raise UnsupportedDtype(
+            f"{CPU_EXPERTS}: --dtype {requested} cannot run this checkpoint here; use float32 or "
+            f"a quantized checkpoint (`mtpserve convert --bits 4`)"
+        )
     if requested != "auto":
         choice = MemoryPlan(requested, size, available)
     elif on_cpu and stored != "float32":
         fp32 = MemoryPlan("float32", size, available)
         if fp32.needed * HEADROOM + RESERVE <= available:
             return fp32
-        choice = MemoryPlan(stored, size, available)
-        if choice.needed <= available:
+        choice = fp32 if fp32_only else MemoryPlan(stored, size, available)
+        if fp32_only and choice.needed <= available:
+            log.warning(
+                "float32 with little headroom: the weights need %.1f GB, %.1f GB available; "
+                "%s (a quantized checkpoint, `mtpserve convert --bits 4`, needs far less)",
+                fp32.needed / 1e9,
+                available / 1e9,
+                CPU_EXPERTS,
+            )
+        elif choice.needed <= available:
             log.warning(
                 "keeping the weights in %s: float32 would need %.1f GB (with headroom %.1f GB), "
                 "%.1f GB available; %s matmuls are slower than float32 on CPUs (--dtype "
@@ -158,8 +201,10 @@ def plan(
     if choice.needed > available:
         raise InsufficientMemory(
             f"the weights need {choice.needed / 1e9:.1f} GB in {choice.dtype} and "
-            f"{available / 1e9:.1f} GB are available: not loading (a quantized checkpoint, "
-            f"`mtpserve convert --bits 4`, needs about a quarter of bfloat16)"
+            f"{available / 1e9:.1f} GB are available: not loading"
+            + (f" ({CPU_EXPERTS})" if fp32_only else "")
+            + " (a quantized checkpoint, `mtpserve convert --bits 4`, needs about a quarter of"
+            " bfloat16)"
         )
     return choice
 
