@@ -51,7 +51,7 @@ from engine.cycle.speculative import (
 from engine.model import loader
 from engine.model.memory import release_between_requests
 from engine.scheduling.autok import DraftPolicy, EngineAutoK
-from engine.scheduling.batching import BatchDecoder, CycleNeed
+from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -85,6 +85,8 @@ class Engine:
     prefix_cache: Any = None
     #: prefill chunk (= the cache's block): chunks end at its multiples, cached or not
     prefill_chunk: int = PREFILL_CHUNK
+    #: batched cycles' measured costs, for automatic K at each batch size
+    batch_k: BatchK = field(default_factory=BatchK)
 
     @classmethod
     def load(

@@ -151,22 +151,23 @@ def test_a_cancelled_row_leaves_and_changes_no_other_row(engine: Engine) -> None
         assert got[i] == expected[i]
 
 
-def test_batch_k_explores_then_picks_the_cheapest_rate() -> None:
+def test_batch_k_explores_then_picks_the_best_rate() -> None:
     choice = BatchK()
     seen = []
     for _ in range(10):
-        k = choice.choose(4, [[0.9] * 4] * 4)
+        k = choice.choose(8, [[0.9] * 4] * 8)
         seen.append(k)
-        # K=0 cycles cost 1, drafting cycles cost 1 + 0.05 K: drafting at 0.9 pays
-        choice.observe(4, k, 1.0 + 0.05 * k)
-    assert sorted(set(seen)) == [0, 1, 2, 3, 4]
-    assert choice.choose(4, [[0.9] * 4] * 4) == 4
+        # per cycle: K=0 costs 1, drafting costs 1 + 0.05 K: drafting at 0.9 pays
+        choice.observe(8, k, 1.0 + 0.05 * k)
+    assert sorted(seen) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert choice.choose(8, [[0.9] * 4] * 8) == 4
+    assert choice.choose(6, [[0.9] * 4] * 6) == 4  # 5-8 rows share what 8 rows measured
+    assert choice.choose(3, [[0.9] * 4] * 3) == 0  # 3-4 rows: not measured yet, explore
     # at acceptance 0.1 a drafting cycle costing 3x a plain one never pays
     for k in range(5):
-        choice.observe(4, k, 1.0 if k == 0 else 3.0)
-        choice.observe(4, k, 1.0 if k == 0 else 3.0)
-    choice.costs = {cell: (1.0 if cell[1] == 0 else 3.0) for cell in choice.costs}
-    assert choice.choose(4, [[0.1] * 4] * 4) == 0
+        for _ in range(40):
+            choice.observe(8, k, 1.0 if k == 0 else 3.0)
+    assert choice.choose(8, [[0.1] * 4] * 8) == 0
 
 
 def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) -> None:

@@ -86,8 +86,8 @@ def test_an_unquantized_moe_runs_on_a_cpu_only_in_fp32(make_checkpoint) -> None:
     import mlx.core as mx
     import pytest
 
-    from engine.model import loader, memory
     from engine.api import GenerationRequest
+    from engine.model import loader, memory
     from engine.runtime import Engine
     from sampling.params import SamplingParams
 

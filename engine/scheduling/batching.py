@@ -49,38 +49,47 @@ RETIME_EVERY = 64
 @dataclass
 class BatchK:
     """Automatic K for a batch: argmax over K of (expected tokens of the automatic rows) /
-    (measured seconds of a K-cycle at this many rows).
+    (measured seconds of a K-cycle at this batch size).
 
-    Costs are measured, not modelled: each batched cycle's wall time (launch to read back)
-    goes to its (rows, K) cell; a batch size seen for the first time runs each K a couple of
-    times (real cycles, their tokens kept) before choosing, and the least recently timed K
-    is re-run now and then so a cell's price follows the machine.
+    Costs are measured, not modelled: each batched cycle's wall time (launch to read back) per
+    row goes to the cell (batch size class, K), the classes being 2, 3-4, 5-8, 9-16, ... rows
+    (rows join and leave all the time; per exact size, every size a batch passes through would
+    be explored anew). A class seen for the first time runs each K ``EXPLORE_CYCLES`` times
+    (real cycles, their tokens kept) before choosing, and every ``RETIME_EVERY`` cycles the
+    least recently timed K runs once, so that every price follows the machine.
     """
 
     costs: dict[tuple[int, int], float] = field(default_factory=dict)
-    timed: dict[tuple[int, int], int] = field(default_factory=dict)
+    counts: dict[tuple[int, int], int] = field(default_factory=dict)
+    last_timed: dict[tuple[int, int], int] = field(default_factory=dict)
     cycles: dict[int, int] = field(default_factory=dict)
 
+    @staticmethod
+    def size_class(rows: int) -> int:
+        return 1 << (rows - 1).bit_length()
+
     def choose(self, rows: int, estimates: list[list[float]]) -> int:
-        n = self.cycles.get(rows, 0)
-        for k in range(MAX_AUTO_K + 1):
-            if self.timed.get((rows, k), 0) < EXPLORE_CYCLES:
+        size = self.size_class(rows)
+        ks = range(MAX_AUTO_K + 1)
+        for k in ks:
+            if self.counts.get((size, k), 0) < EXPLORE_CYCLES:
                 return k
-        if n % RETIME_EVERY == RETIME_EVERY - 1:
-            return min(range(MAX_AUTO_K + 1), key=lambda k: self.timed[(rows, k)])
+        if self.cycles.get(size, 0) % RETIME_EVERY == RETIME_EVERY - 1:
+            return min(ks, key=lambda k: self.last_timed[(size, k)])
 
         def rate(k: int) -> float:
-            tokens = sum(expected_tokens(a, k) for a in estimates)
-            return tokens / self.costs[(rows, k)]
+            return sum(expected_tokens(a, k) for a in estimates) / self.costs[(size, k)]
 
-        return max(range(MAX_AUTO_K + 1), key=rate)
+        return max(ks, key=rate)
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
-        cell = (rows, k)
+        size = self.size_class(rows)
+        cell, per_row = (size, k), seconds / rows
         old = self.costs.get(cell)
-        self.costs[cell] = seconds if old is None else old + COST_MEMORY * (seconds - old)
-        self.cycles[rows] = self.cycles.get(rows, 0) + 1
-        self.timed[cell] = self.cycles[rows]
+        self.costs[cell] = per_row if old is None else old + COST_MEMORY * (per_row - old)
+        self.counts[cell] = self.counts.get(cell, 0) + 1
+        self.cycles[size] = self.cycles.get(size, 0) + 1
+        self.last_timed[cell] = self.cycles[size]
 
 
 @dataclass
@@ -114,7 +123,8 @@ class BatchDecoder:
         self.engine = engine
         self.capacity = capacity
         self.rows: dict[Hashable, _Row] = {}
-        self.batch_k = BatchK()
+        # the engine's: what a batch size costs outlives any one batch
+        self.batch_k: BatchK = engine.batch_k
 
     def __len__(self) -> int:
         return len(self.rows)
