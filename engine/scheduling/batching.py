@@ -8,9 +8,10 @@ of the batch advances every row once:
 1. the rows that asked for a cycle run it together — one ``launch_cycles`` per distinct K:
    each draft depth runs the head once for all its rows, the verify is one trunk pass over
    every row's K+1 positions, acceptance and commit are per row — and read back with one sync;
-2. every row gets its result back and runs until it asks again, emitting its events; a
-   newcomer runs one prefill chunk per step, so a long prompt never stops the others for
-   more than a chunk; a row that finishes, is cancelled or fails leaves at once.
+2. every row gets its result back and runs until it asks again, emitting its events; one
+   prompt chunk is prefilled per step, for the earliest newcomer still prefilling, so the
+   running rows never wait more than a chunk between two cycles and of several newcomers the
+   first starts decoding first; a row that finishes, is cancelled or fails leaves at once.
 
 Rows are independent: a row's draws use its own PRNG key (or its coupled seed), its own
 penalty history and its own caches, and its commit keeps its own accepted length, so what a
@@ -44,6 +45,9 @@ COST_MEMORY = 0.1
 EXPLORE_CYCLES = 2
 #: every this many cycles at a batch size, the least recently timed K runs once
 RETIME_EVERY = 64
+#: prompt chunks prefilled per step, across all newcomers: the running rows wait at most this
+#: many chunks between two cycles, and of several newcomers the first starts decoding first
+PREFILL_CHUNKS_PER_STEP = 1
 
 
 @dataclass
@@ -112,6 +116,8 @@ class _Row:
     result: CycleResult | None = None
     #: its cycle failed: the row ends with this error
     error: BaseException | None = None
+    #: past its prefill (it has asked for a cycle)
+    decoding: bool = False
 
 
 class BatchDecoder:
@@ -156,7 +162,12 @@ class BatchDecoder:
         Returns the events (or a row's error) in order; rows that ended have left."""
         self._run_cycles()
         out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
+        prefill_budget = PREFILL_CHUNKS_PER_STEP
         for key, row in list(self.rows.items()):
+            if not row.decoding:
+                if prefill_budget == 0:
+                    continue  # waits (first come, first served) for a later step's chunk
+                prefill_budget -= 1
             ended = self._advance(key, row, out)
             if ended:
                 del self.rows[key]
@@ -183,7 +194,7 @@ class BatchDecoder:
                         row.steps.close()
                         return True
                 elif isinstance(item, CycleNeed):
-                    row.need = item
+                    row.need, row.decoding = item, True
                     return False
                 else:  # a prefill chunk ran
                     return False
