@@ -7,8 +7,11 @@ requests from ``--concurrency`` clients (streaming and not, greedy and sampled, 
 fixed K, varied lengths), and every ``--disconnect-every``-th streaming client hangs up after
 its first chunks. Samples the server's resident memory (VmRSS) after each batch of requests and
 prints a JSON report: RSS over time, the change after warm-up (the first fifth of the
-requests), outcomes by kind, and the server's /metrics totals. Not a test: a make target
-(``make soak``).
+requests), outcomes by kind, and the server's /metrics totals, the conversation cache's bytes
+among them. The conversation cache keeps every conversation's state up to its byte budget
+(``--prompt-cache-bytes``, 1 GiB by default, here 64 MiB unless ``--prompt-cache-bytes`` is
+given) and memory grows with it until the budget is reached: what must stay flat is the rest.
+Not a test: a make target (``make soak``).
 """
 
 from __future__ import annotations
@@ -101,7 +104,13 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
     totals = {
         line.split()[0]: float(line.split()[1])
         for line in metrics.splitlines()
-        if line.startswith(("mtpserve_generations_total", "mtpserve_generation_tokens_total"))
+        if line.startswith(
+            (
+                "mtpserve_generations_total",
+                "mtpserve_generation_tokens_total",
+                "mtpserve_prompt_cache_bytes",
+            )
+        )
     }
     warm = [s for s in samples if s[0] > args.requests // 5]
     first, peak, last = warm[0][2], max(s[2] for s in warm), warm[-1][2]
@@ -127,12 +136,14 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--disconnect-every", type=int, default=6)
     parser.add_argument("--sample-every", type=int, default=25)
+    parser.add_argument("--prompt-cache-bytes", default=str(64 << 20))
     parser.add_argument("--out", default=None, help="also write the report here")
     args = parser.parse_args()
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mtpserve.cli", "serve", "--model", args.model, "--port",
-         str(port), "--served-model-name", "m", "--log-level", "warning"],
+         str(port), "--served-model-name", "m", "--log-level", "warning",
+         "--prompt-cache-bytes", args.prompt_cache_bytes],
         cwd=ROOT,
         env=os.environ | {"PYTHONPATH": str(ROOT)},
     )  # fmt: skip

@@ -229,3 +229,39 @@ def test_rows_restore_from_and_save_to_the_conversation_cache() -> None:
     for i, request in enumerate(second):
         assert got[i] == alone(cold, request)
         assert reused[i] >= 32  # at least one cached block of the first turn
+
+
+def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> None:
+    """After a batched cycle a row's GDN states are views of the batch's stacked states; the
+    cache must keep its own copies, or each snapshot would keep the whole batch's states alive
+    behind a byte count that shows one row's."""
+    import gc
+
+    import mlx.core as mx
+
+    from engine.cycle.speculative import commit, launch_cycles, read_cycles, start_sequence
+
+    engine = Engine.load(str(DEMO))
+    engine.enable_prefix_cache(256 << 20, block_tokens=32)
+    trunk, head = engine.trunk, engine.loaded.head
+    seqs = [
+        start_sequence(trunk, head, engine.tokenizer.encode(p), GREEDY, use_head=True)
+        for p in PROMPTS
+    ]
+    for _ in range(2):
+        results = read_cycles(launch_cycles(trunk, head, seqs, 2))
+        for seq, result in zip(seqs, results, strict=True):
+            commit(seq, result, len(result.emitted))
+    cache = engine.prefix_cache
+    # every row committed, so their states are views of the stacked ones; one row leaves
+    cache.store(seqs[-1], trunk, head)
+    counted = cache.describe()["bytes_held"]
+    del seqs, results, seq, result
+    gc.collect()
+    mx.clear_cache()
+    with_cache = mx.get_active_memory()
+    cache.clear()
+    gc.collect()
+    mx.clear_cache()
+    held = with_cache - mx.get_active_memory()
+    assert counted > 0 and held <= 1.25 * counted, (held, counted)

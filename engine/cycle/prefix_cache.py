@@ -305,7 +305,9 @@ class PrefixCache:
             if isinstance(c, KVCache):
                 layers.append((_own(c.keys[..., start:P, :]), _own(c.values[..., start:P, :])))
             else:
-                layers.append((_own(c.conv), c.recurrent))
+                # own copies: after a batched cycle a row's states are views of the whole
+                # batch's stacked states, which the cache must not keep alive
+                layers.append((_own(c.conv), _own(c.recurrent)))
         head_tail = None
         if with_head:
             lo = max(start - 1, 0)
