@@ -5,12 +5,14 @@
 Starts ``mtpserve serve`` on a free port (the demo model by default), sends ``--requests`` chat
 requests from ``--concurrency`` clients (streaming and not, greedy and sampled, automatic and
 fixed K, varied lengths), and every ``--disconnect-every``-th streaming client hangs up after
-its first chunks. Samples the server's resident memory (VmRSS) after each batch of requests and
-prints a JSON report: RSS over time, the change after warm-up (the first fifth of the
-requests), outcomes by kind, and the server's /metrics totals, the conversation cache's bytes
-among them. The conversation cache keeps every conversation's state up to its byte budget
-(``--prompt-cache-bytes``, 1 GiB by default, here 64 MiB unless ``--prompt-cache-bytes`` is
-given) and memory grows with it until the budget is reached: what must stay flat is the rest.
+its first chunks. First ``--warmup`` requests of the same traffic run unmeasured (each new batch
+size and draft length compiles its blocks once), then the server's resident memory (VmRSS) is
+sampled after every ``--sample-every`` requests. Prints a JSON report: RSS over time and its
+change over the measured requests, outcomes by kind (warm-up included), and the server's
+/metrics totals, the conversation cache's bytes among them. The conversation cache keeps every
+conversation's state up to its byte budget (``--prompt-cache-bytes``, 1 GiB by default, here 64
+MiB unless ``--prompt-cache-bytes`` is given) and memory grows with it until the budget is
+reached: what must stay flat is the rest.
 Not a test: a make target (``make soak``).
 """
 
@@ -85,8 +87,10 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
     outcomes: dict[str, int] = {}
     samples: list[tuple[int, float, int]] = []
     t0 = time.monotonic()
-    queue = list(range(args.requests))
-    done = 0
+    # warm-up: the same kind of traffic first, so that the measured requests find the shapes
+    # they run compiled (each new batch size x draft length compiles its blocks once)
+    queue = list(range(-args.warmup, args.requests))
+    done = -args.warmup
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
 
         async def worker() -> None:
@@ -96,7 +100,7 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
                 outcome = await one(client, i, args)
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
                 done += 1
-                if done % args.sample_every == 0:
+                if done >= 0 and done % args.sample_every == 0:
                     samples.append((done, time.monotonic() - t0, rss_kib(pid)))
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -112,19 +116,19 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
             )
         )
     }
-    warm = [s for s in samples if s[0] > args.requests // 5]
-    first, peak, last = warm[0][2], max(s[2] for s in warm), warm[-1][2]
+    first, peak, last = samples[0][2], max(s[2] for s in samples), samples[-1][2]
     return {
         "requests": args.requests,
+        "warmup_requests": args.warmup,
         "concurrency": args.concurrency,
         "seconds": time.monotonic() - t0,
         "outcomes": outcomes,
         "rss_mib": [(n, round(t, 1), round(kib / 1024, 1)) for n, t, kib in samples],
-        "rss_after_warmup_mib": round(first / 1024, 1),
-        "rss_peak_after_warmup_mib": round(peak / 1024, 1),
+        "rss_first_sample_mib": round(first / 1024, 1),
+        "rss_peak_mib": round(peak / 1024, 1),
         "rss_last_mib": round(last / 1024, 1),
-        "rss_growth_after_warmup": round(last / first - 1, 4),
-        "rss_peak_over_warmup": round(peak / first - 1, 4),
+        "rss_growth": round(last / first - 1, 4),
+        "rss_peak_over_first": round(peak / first - 1, 4),
         "metrics": totals,
     }
 
@@ -134,6 +138,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / "models" / "qwen3.5-demo"))
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=500, help="requests before measuring")
     parser.add_argument("--disconnect-every", type=int, default=6)
     parser.add_argument("--sample-every", type=int, default=25)
     parser.add_argument("--prompt-cache-bytes", default=str(64 << 20))
