@@ -240,10 +240,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             seq = self.start_cached(request, policy, cancelled)
-            if seq is None:  # cancelled during the prefill
-                stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-                stats.prompt_seconds = time.perf_counter() - t0
-                yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+            if seq is None:
+                yield _cancelled_in_prefill(request, t0)
                 return
             try:
                 yield from self.decode(
@@ -447,10 +445,8 @@ class Engine:
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
         seq = yield from self.start_steps(request, policy, cancelled)
-        if seq is None:  # cancelled during the prefill
-            stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-            stats.prompt_seconds = time.perf_counter() - t0
-            yield GenerationEvent([], finish_reason="cancelled", stats=stats)
+        if seq is None:
+            yield _cancelled_in_prefill(request, t0)
             return
         progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
         chooser = policy.chooser
@@ -574,6 +570,13 @@ def chat_prompt_ids(
         messages, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _cancelled_in_prefill(request: GenerationRequest, started: float) -> GenerationEvent:
+    """The one event of a request cancelled while its prompt was prefilled."""
+    stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+    stats.prompt_seconds = time.perf_counter() - started
+    return GenerationEvent([], finish_reason="cancelled", stats=stats)
 
 
 def _apply_stops(
