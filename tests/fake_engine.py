@@ -210,6 +210,25 @@ class FakeEngine:
                 return
 
 
+def wait_healthy(url: str, exited: Callable[[], str | None], timeout: float) -> None:
+    """Poll ``url``/health until it answers 200. ``exited()`` returns why the server process
+    (or a rank of it) is gone, else None: start-up failed, so raise at once with that."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if (why := exited()) is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become healthy in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def metric(http: Any, name: str) -> float:
     """Sum of all samples of ``name`` in a live server's /metrics (``http``: an httpx client on
     it; labels are ignored unless part of ``name``)."""

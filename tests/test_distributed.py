@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from checkpoints import VARIANTS
+from fake_engine import wait_healthy
 
 from engine.api import EngineUnavailable, GenerationRequest
 from sampling.params import SamplingParams
@@ -164,20 +164,15 @@ def cluster(make_checkpoint, tmp_path_factory):
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
     url = f"http://127.0.0.1:{http}"
-    deadline = time.monotonic() + 300
+
+    def exited() -> str | None:
+        if not any(p.poll() is not None for p in procs):
+            return None
+        logs = [(tmp / f"rank{r}.log").read_text() for r in range(2)]
+        return "a rank exited during start-up:\n" + "\n".join(logs)
+
     try:
-        while True:
-            if any(p.poll() is not None for p in procs):
-                logs = [(tmp / f"rank{r}.log").read_text() for r in range(2)]
-                raise RuntimeError("a rank exited during start-up:\n" + "\n".join(logs))
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the 2-rank server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(url, exited, timeout=300)
         yield url, procs, tmp
     finally:
         if procs[0].poll() is None:

@@ -12,11 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from fake_engine import wait_healthy
 
 from server.cli import add_serve_arguments, settings_from_args
 from server.settings import ServerSettings, load_settings
@@ -55,19 +55,12 @@ def served(tiny_checkpoint: Path):
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(
+            url,
+            lambda: f"server exited: {proc.stdout.read()}" if proc.poll() is not None else None,
+            timeout=120,
+        )
         yield url, port
     finally:
         proc.send_signal(signal.SIGINT)
