@@ -4,8 +4,12 @@ Under ``mlx.launch`` (ring, JACCL or MPI backend) every rank loads only its shar
 through mlx-lm's own ``Model.shard()`` for qwen3_5: the Gated-DeltaNet and attention projections
 and the MLP (or the experts) are split by heads / columns, and each layer ends in an
 ``all_sum`` (two per layer: after the mixer's output projection and after the MLP's down
-projection). The embedding is replicated (every rank embeds its input); the output projection
-and the MTP head live on rank 0 only, because only rank 0 looks at logits.
+projection). The embedding, the output projection and the MTP head live on rank 0 only: rank 0
+embeds every forward's input and sends it with one more ``all_sum`` (the followers contribute
+zeros), and only rank 0 looks at logits. Why not split them by vocabulary: the head drafts with
+the embedding and the output projection, so a split would bring every rank into every draft step
+(a collective for the embedded token and a gather of the logits per step); on the models that
+need several machines these tables are 1-3% of the weights (docs/DISTRIBUTED.md).
 
 Who decides what (why the ranks cannot diverge):
 
@@ -16,12 +20,13 @@ Who decides what (why the ranks cannot diverge):
   on rank 0 first sends one message (an ``all_sum`` of a small int32 vector to which followers
   contribute zeros): the cache operations since the previous message — create, commit
   (``n_keep`` of ``n_fed``: the accepted length), snapshot, restore, drop — and the forward's
-  input tokens (for a verify pass: the last token and the K drafts). Rank 0's own forward reads
-  its tokens *from the broadcast result*, so the message is in the graph ahead of the forward's
-  per-layer collectives, on every rank, in the same order. A follower's cache therefore goes
-  through exactly rank 0's sequence of operations with exactly rank 0's tokens; the tokens a
-  follower sees are by construction the ones rank 0 sampled and accepted, never recomputed. One
-  small collective per cycle (49 int32s), plus the tensor-parallel ones inside the forward.
+  input tokens (for a verify pass: the last token and the K drafts), then the embedded input.
+  Rank 0 embeds the tokens *as the broadcast result carries them*, so the message is in the
+  graph ahead of the forward's collectives, on every rank, in the same order. A follower's cache
+  therefore goes through exactly rank 0's sequence of operations with exactly rank 0's input;
+  what a follower receives is by construction the embedding of the tokens rank 0 sampled and
+  accepted, never recomputed. Per forward: one small collective (49 int32s), one of the
+  embedded input ([1, T, hidden]), and the tensor-parallel ones inside the forward.
 * The per-position GDN capture and commit (engine.model.trunk) run unchanged on every rank, each on
   its own heads: the capture is per head, so a shard of the heads commits its own shard of the
   state.
@@ -53,6 +58,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest
 from engine.blas import all_cores
@@ -65,6 +71,8 @@ log = logging.getLogger("mtpserve.distributed")
 # Message layout: [n_ops, (code, cache_id, a, b) x MAX_OPS, tokens x INLINE_TOKENS].
 OP_NEW, OP_DROP, OP_COMMIT, OP_SNAPSHOT, OP_RESTORE, OP_FORWARD = 1, 2, 3, 4, 5, 6
 OP_MEMORY, OP_PROBE, OP_PING, OP_SHUTDOWN = 7, 8, 9, 10
+OP_EMBED, OP_PROJECT, OP_ROWS = 11, 12, 13  # the vocabulary tables, outside a trunk forward
+FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)  # OP_PROJECT's states, by index
 MAX_OPS = 8
 INLINE_TOKENS = 16  # verify passes (K+1 <= 9) travel inline; prefill chunks follow separately
 MESSAGE_SIZE = 1 + 4 * MAX_OPS + INLINE_TOKENS
@@ -108,7 +116,8 @@ def engine_class() -> type[Engine]:
 
 
 def check_shardable(config: dict[str, Any], n: int) -> None:
-    """mlx-lm's ``shard()`` splits heads and columns evenly; say which dimension does not."""
+    """mlx-lm's ``shard()`` splits heads and columns evenly, and the vocabulary tables are split
+    by rows; say which dimension does not divide."""
     text = config.get("text_config", config)
     dims = {
         "num_attention_heads": text["num_attention_heads"],
@@ -117,35 +126,167 @@ def check_shardable(config: dict[str, Any], n: int) -> None:
         "intermediate_size": text.get("intermediate_size") or n,
         "moe_intermediate_size": text.get("moe_intermediate_size") or n,
         "shared_expert_intermediate_size": text.get("shared_expert_intermediate_size") or n,
+        "vocab_size": text["vocab_size"],
     }
     bad = {k: v for k, v in dims.items() if v % n}
     if bad:
         raise ValueError(f"cannot split this model over {n} ranks: {bad} not divisible by {n}")
 
 
-def shard_trunk(net: nn.Module, group: Any, keep_output: bool) -> None:
-    """Split the trunk with mlx-lm's ``Model.shard`` (lazy: only the shard is ever read).
-
-    The output projection stays whole on the rank that keeps it (``keep_output``: rank 0,
-    where the head and the sampler run) and is removed elsewhere; mlx-lm would split it by
-    vocabulary and gather the logits, a collective per forward that only rank 0 needs.
+def shard_trunk(net: nn.Module, group: Any) -> None:
+    """Split the trunk with mlx-lm's ``Model.shard`` (lazy: only the shard is ever read), and
+    the embedding and output projection by vocabulary (``VocabEmbedding``, ``VocabProjection``).
     """
     lm = net.language_model
     args = lm.args
     tied = args.tie_word_embeddings
-    args.tie_word_embeddings = True  # shard() then leaves lm_head alone
+    args.tie_word_embeddings = True  # shard() then leaves lm_head to us
     try:
         net.shard(group)
     finally:
         args.tie_word_embeddings = tied
-    if not tied and not keep_output:
-        lm.pop("lm_head")
+    lm.model.embed_tokens = VocabEmbedding(lm.model.embed_tokens, group)
+    if not tied:
+        lm.lm_head = VocabProjection(lm.lm_head, group)
+
+
+class VocabShard(nn.Module):
+    """This rank's rows of a vocabulary table: rows ``[start, start + V/ranks)``.
+
+    What reads the whole table becomes a collective: a lookup sums every rank's rows (each
+    token's row comes from the one rank that holds it, zeros from the others, so the sum is
+    the row itself, exactly); a projection gathers every rank's logits. On rank 0 (``leader``
+    set) each use outside a trunk forward is first announced, so that the followers take part.
+    """
+
+    def __init__(self, table: nn.Module, group: Any) -> None:
+        super().__init__()
+        rows = table.weight.shape[0] // group.size()
+        self.start = group.rank() * rows
+        self.rows_per_rank = rows
+        for name in ("weight", "scales", "biases"):
+            if name in table:  # a lazy slice: only these rows are ever read from disk
+                table[name] = mx.contiguous(table[name][self.start : self.start + rows])
+        self.table = table
+        self.group = group
+        self.leader: Leader | None = None
+
+    @property
+    def weight(self) -> mx.array:
+        return self.table.weight
+
+    def _collective(self, fn: Callable[..., mx.array], x: mx.array) -> mx.array:
+        if self.leader is not None:
+            return self.leader.collective(fn, x)
+        return fn(x, group=self.group)
+
+    def _mine(self, ids: mx.array) -> tuple[mx.array, mx.array]:
+        local = ids.astype(mx.int32) - self.start
+        inside = (local >= 0) & (local < self.rows_per_rank)
+        return mx.where(inside, local, 0), inside
+
+    def _local_rows(self, local: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def collect_rows(self, ids: mx.array) -> mx.array:
+        """The table's rows for ``ids [1, n]`` (quantized tables: dequantized), on every rank:
+        a step every rank has been told of."""
+        local, inside = self._mine(ids)
+        mine = mx.where(inside[..., None], self._local_rows(local), 0)
+        return self._collective(mx.distributed.all_sum, mine)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """``collect_rows`` of ``ids [1, n]``, announced first on rank 0 (the head's draft
+        vocabulary gathers its projection rows with it)."""
+        if self.leader is not None:
+            ids = self.leader.announce((OP_ROWS, 0, ids.shape[1], 0), ids)
+        return self.collect_rows(ids)
+
+    def project(self, x: mx.array) -> mx.array:
+        """Logits ``[1, T, V]`` of ``x [1, T, H]``, on every rank."""
+        if self.leader is not None:
+            self.leader.announce((OP_PROJECT, 0, x.shape[1], FLOAT_TYPES.index(x.dtype)))
+            x = self._collective(mx.distributed.all_sum, x)  # the followers send zeros
+        local = self._local_logits(x)
+        T = local.shape[1]
+        gathered = self._collective(mx.distributed.all_gather, local.reshape(T, -1).T)
+        return gathered.T.reshape(1, T, -1)
+
+    def _local_logits(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+
+class VocabEmbedding(VocabShard):
+    """The embedding split by vocabulary (and the output projection when tied)."""
+
+    def _local_rows(self, local: mx.array) -> mx.array:
+        return self.table(local)
+
+    def lookup(self, ids: mx.array) -> mx.array:
+        """Embed ``ids [1, T]`` within a forward that rank 0 has announced."""
+        return self.collect_rows(ids)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """Embed ``ids [1, T]`` (on rank 0: the head's tokens; announced first)."""
+        if self.leader is not None:
+            ids = self.leader.announce((OP_EMBED, 0, ids.shape[1], 0), ids)
+        return self.lookup(ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.project(x)
+
+    def _local_logits(self, x: mx.array) -> mx.array:
+        return self.table.as_linear(x)
+
+
+class VocabProjection(VocabShard):
+    """An untied output projection split by vocabulary."""
+
+    def _local_rows(self, local: mx.array) -> mx.array:
+        t = self.table
+        if "scales" not in t:
+            return t.weight[local]
+        biases = t.get("biases")
+        return mx.dequantize(
+            t.weight[local],
+            t.scales[local],
+            None if biases is None else biases[local],
+            group_size=t.group_size,
+            bits=t.bits,
+            mode=getattr(t, "mode", "affine"),
+        )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.project(x)
+
+    def _local_logits(self, x: mx.array) -> mx.array:
+        return self.table(x)
+
+
+def output_table(trunk: Any) -> VocabShard:
+    """The table the output projection reads (the embedding when tied)."""
+    return trunk.model.embed_tokens if trunk.args.tie_word_embeddings else trunk.lm_head
+
+
+def attach_leader(trunk: Any, leader: Leader) -> None:
+    """Make rank 0's vocabulary tables announce their uses to the followers."""
+    trunk.model.embed_tokens.leader = leader
+    if not trunk.args.tie_word_embeddings:
+        trunk.lm_head.leader = leader
+
+
+def received_tokens(values: list[int], n: int, group: Any) -> mx.array:
+    """A follower's copy of the ``[1, n]`` tokens rank 0 announced with ``values``."""
+    if n <= INLINE_TOKENS:
+        start = 1 + 4 * MAX_OPS
+        return mx.array(values[start : start + n], dtype=mx.int32)[None]
+    return mx.distributed.all_sum(mx.zeros((n,), mx.int32), group=group)[None]
 
 
 def load_sharded(
     model: str, *, mtp_weights: str | None, dtype: str, memory_limit: int | None = None
 ) -> loader.LoadedModel:
-    """This rank's shard (rank 0: plus the output projection and the head)."""
+    """This rank's shard (rank 0: plus the head)."""
     group = world()
     lead = group.rank() == 0
     config = json.loads((loader.resolve_model_dir(model) / "config.json").read_text())
@@ -155,7 +296,7 @@ def load_sharded(
         mtp_weights=mtp_weights,
         dtype=dtype,
         with_head=lead,
-        prepare=lambda net: shard_trunk(net, group, keep_output=lead),
+        prepare=lambda net: shard_trunk(net, group),
         memory_limit=memory_limit,
         ranks=group.size(),
     )
@@ -180,6 +321,9 @@ class Leader:
         self.on_lost: list[Callable[[BaseException], None]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.weight_bytes = 0  # rank 0's, once loaded
+        #: the last collective (or forward) rank 0 issued: the next one depends on it
+        self._tail: mx.array | None = None
 
     # bookkeeping called by LeaderTrunkCache --------------------------------------------------
     def new_cache_id(self) -> int:
@@ -203,9 +347,26 @@ class Leader:
             flat.extend(op)
         return flat + [0] * (1 + 4 * MAX_OPS - len(flat))
 
+    def collective(self, fn: Callable[..., mx.array], x: mx.array) -> mx.array:
+        """``fn(x, group=...)`` after every collective rank 0 issued before it.
+
+        Rank 0 builds its graph lazily and mlx evaluates independent branches in an order of
+        its own; the followers run their collectives in the order of rank 0's messages. Making
+        each collective depend on the one before (and on the last forward's output) keeps the
+        two orders the same."""
+        if self._tail is not None:
+            x = mx.depends(x, self._tail)
+        self._tail = fn(x, group=self.group)
+        return self._tail
+
+    def forwarded(self, hidden: mx.array) -> mx.array:
+        """A forward's output: the next collective comes after its per-layer collectives."""
+        self._tail = hidden
+        return hidden
+
     def _broadcast(self, values: mx.array) -> mx.array:
         self.messages += 1
-        return mx.distributed.all_sum(values, group=self.group)
+        return self.collective(mx.distributed.all_sum, values)
 
     def _take(self, room: int) -> list[tuple[int, int, int, int]]:
         return [self._ops.popleft() for _ in range(min(room, len(self._ops)))]
@@ -220,27 +381,29 @@ class Leader:
         mx.eval(self._broadcast(message))
         self.progress()
 
-    def announce(self, cid: int, token_ids: mx.array, capture: bool) -> mx.array:
-        """Send the queued operations and a forward of ``token_ids [1, T]`` over cache
-        ``cid``; return the tokens as the broadcast carries them (the forward's input)."""
+    def announce(
+        self, op: tuple[int, int, int, int], token_ids: mx.array | None = None
+    ) -> mx.array | None:
+        """Send the queued operations and ``op`` (a forward, or a step on the vocabulary
+        tables) with its ``token_ids [1, n]`` (``n`` = ``op[2]``); return the tokens as the
+        broadcast carries them, which is what rank 0 must compute with."""
         self._check()
         while len(self._ops) > MAX_OPS - 1:
             self.flush_some()
-        n = token_ids.shape[1]
-        ops = self._take(MAX_OPS - 1) + [(OP_FORWARD, cid, n, int(capture))]
+        ops = self._take(MAX_OPS - 1) + [op]
         header = mx.array(self._header(ops), dtype=mx.int32)
-        tokens = token_ids.reshape(-1).astype(mx.int32)
         self.progress()
+        n = 0 if token_ids is None else token_ids.shape[1]
         if n <= INLINE_TOKENS:
+            tokens = [] if token_ids is None else [token_ids.reshape(-1).astype(mx.int32)]
             pad = mx.zeros((INLINE_TOKENS - n,), dtype=mx.int32)
-            message = self._broadcast(mx.concatenate([header, tokens, pad]))
-            mx.async_eval(message)  # every announced forward is sent, read or not
+            message = self._broadcast(mx.concatenate([header, *tokens, pad]))
+            mx.async_eval(message)  # every announced step is sent, read or not
             start = 1 + 4 * MAX_OPS
-            return message[start : start + n][None]
-        # A prefill chunk: the header says how long; the tokens follow as a second collective
-        # (rank 0 waits for the first so the two cannot be reordered).
-        mx.eval(self._broadcast(mx.concatenate([header, mx.zeros((INLINE_TOKENS,), mx.int32)])))
-        received = self._broadcast(tokens)
+            return None if token_ids is None else message[start : start + n][None]
+        # A prefill chunk: the header says how long; the tokens follow as a second collective.
+        self._broadcast(mx.concatenate([header, mx.zeros((INLINE_TOKENS,), mx.int32)]))
+        received = self._broadcast(token_ids.reshape(-1).astype(mx.int32))
         mx.async_eval(received)
         return received[None]
 
@@ -253,7 +416,7 @@ class Leader:
         """Peak and active memory of every rank (bytes) and the followers' clocks
         (``FollowerClock``), gathered with one collective."""
         self.flush((OP_MEMORY, 0, 0, 0))
-        return _gather_memory(self.group)
+        return _gather_memory(self.group, self.weight_bytes)
 
     def probe_collectives(self, positions: int, hidden: int, dtype: Any, reps: int) -> float:
         """Seconds per ``all_sum`` of ``[1, positions, hidden]`` (what a layer sends)."""
@@ -333,8 +496,12 @@ class LeaderTrunkCache(TrunkCache):
         self.cache_id = leader.new_cache_id()
         weakref.finalize(self, leader.queue, OP_DROP, self.cache_id)
 
-    def announce(self, token_ids: mx.array, capture: bool) -> mx.array:
-        return self.leader.announce(self.cache_id, token_ids, capture)
+    def embed(self, trunk: Any, token_ids: mx.array, capture: bool) -> mx.array:
+        op = (OP_FORWARD, self.cache_id, token_ids.shape[1], int(capture))
+        return trunk.model.embed_tokens.lookup(self.leader.announce(op, token_ids))
+
+    def forwarded(self, hidden: mx.array) -> mx.array:
+        return self.leader.forwarded(hidden)
 
     def commit(self, n_keep: int, n_fed: int) -> None:
         self.leader.queue(OP_COMMIT, self.cache_id, n_keep, n_fed)
@@ -368,20 +535,35 @@ class FollowerClock:
     forwards: float = 0.0
 
 
-def _gather_memory(group: Any, clock: FollowerClock | None = None) -> list[dict[str, Any]]:
-    """Every rank's peak and active memory (bytes) and, for followers, their clock."""
+def weight_bytes(net: nn.Module) -> int:
+    """The bytes of the weights this rank holds."""
+    return sum(a.nbytes for _, a in tree_flatten(net.parameters()))
+
+
+def _gather_memory(
+    group: Any, weights: int, clock: FollowerClock | None = None
+) -> list[dict[str, Any]]:
+    """Every rank's peak and active memory and its weights' bytes (``weights``: this rank's)
+    and, for followers, their clock."""
     n, me = group.size(), group.rank()
-    mine = mx.zeros((n, 4), dtype=mx.float32)
+    mine = mx.zeros((n, 5), dtype=mx.float32)
     mib = 1 << 20
     mine[me, 0] = mx.get_peak_memory() / mib
     mine[me, 1] = mx.get_active_memory() / mib
+    mine[me, 2] = weights / mib
     if clock is not None:
-        mine[me, 2] = clock.waiting
-        mine[me, 3] = clock.forwards
+        mine[me, 3] = clock.waiting
+        mine[me, 4] = clock.forwards
     rows = mx.distributed.all_sum(mine, group=group).tolist()
     return [
-        {"peak_bytes": int(p * mib), "active_bytes": int(a * mib), "waiting_s": w, "forward_s": f}
-        for p, a, w, f in rows
+        {
+            "peak_bytes": int(p * mib),
+            "active_bytes": int(a * mib),
+            "weight_bytes": int(w * mib),
+            "waiting_s": waiting,
+            "forward_s": forwards,
+        }
+        for p, a, w, waiting, forwards in rows
     ]
 
 
@@ -403,6 +585,7 @@ def follow(trunk: Any, group: Any) -> None:
     hidden_size = trunk.args.hidden_size
     dtype = trunk.model.norm.weight.dtype
     clock = FollowerClock()
+    weights = weight_bytes(trunk)
     while True:
         t = time.perf_counter()
         values = mx.distributed.all_sum(empty, group=group).tolist()
@@ -425,22 +608,26 @@ def follow(trunk: Any, group: Any) -> None:
                 caches[cid].restore(snapshots[cid].pop(a))
             elif code == OP_FORWARD:
                 t = time.perf_counter()
-                if a <= INLINE_TOKENS:
-                    start = 1 + 4 * MAX_OPS
-                    tokens = mx.array(values[start : start + a], dtype=mx.int32)
-                else:
-                    tokens = mx.distributed.all_sum(mx.zeros((a,), mx.int32), group=group)
+                tokens = received_tokens(values, a, group)
                 cache = caches[cid]
                 if b:
-                    hidden = trunk_hidden(trunk, tokens[None], cache, capture=True)
+                    hidden = trunk_hidden(trunk, tokens, cache, capture=True)
                     mx.eval(hidden, cache.arrays())
                 else:
                     with all_cores():
-                        hidden = trunk_hidden(trunk, tokens[None], cache, capture=False)
+                        hidden = trunk_hidden(trunk, tokens, cache, capture=False)
                         mx.eval(hidden, cache.arrays())
                 clock.forwards += time.perf_counter() - t
+            elif code == OP_EMBED:  # the head embeds its tokens
+                mx.eval(trunk.model.embed_tokens.lookup(received_tokens(values, a, group)))
+            elif code == OP_PROJECT:  # logits of a = positions: rank 0 sends their states
+                shared = mx.zeros((1, a, hidden_size), FLOAT_TYPES[b])
+                hidden = mx.distributed.all_sum(shared, group=group)
+                mx.eval(output_table(trunk).project(hidden))
+            elif code == OP_ROWS:  # the head's draft vocabulary
+                mx.eval(output_table(trunk).collect_rows(received_tokens(values, a, group)))
             elif code == OP_MEMORY:
-                _gather_memory(group, clock)
+                _gather_memory(group, weights, clock)
             elif code == OP_PROBE:
                 _time_collectives(group, a, cid, mx.int32 if b % 2 else dtype, b // 2)
             elif code == OP_PING:
@@ -485,6 +672,8 @@ class DistributedEngine(Engine):
         )
         timeout = float(os.environ.get("MTPSERVE_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
         leader = Leader(group, timeout)
+        leader.weight_bytes = weight_bytes(loaded.model)
+        attach_leader(loaded.trunk, leader)
         leader.active = 1  # start-up measures auto K's costs through the group: watched too
         loaded.trunk.mtpserve_new_cache = lambda: LeaderTrunkCache(loaded.trunk, leader)
         loaded.trunk.mtpserve_leader = leader

@@ -17,6 +17,8 @@ from engine.blas import use_fast_blas
 
 use_fast_blas()  # before mlx is imported
 
+from mlx.utils import tree_flatten  # noqa: E402
+
 from engine import distributed  # noqa: E402
 from engine.api import GenerationRequest  # noqa: E402
 from sampling.params import SamplingParams  # noqa: E402
@@ -41,6 +43,11 @@ def generate(engine: distributed.DistributedEngine, case: dict) -> dict:
     }
 
 
+def head_bytes(engine: distributed.DistributedEngine) -> int:
+    """The MTP head's weights: all that rank 0 holds beyond its shard."""
+    return sum(a.nbytes for _, a in tree_flatten(engine.trunk.mtp.parameters()))
+
+
 def main(spec_path: str, out_path: str, auto: bool) -> int:
     spec = json.loads(Path(spec_path).read_text())
     results: dict[str, object] = {}
@@ -53,6 +60,10 @@ def main(spec_path: str, out_path: str, auto: bool) -> int:
         engine = distributed.DistributedEngine.load(model, draft_tokens=None if auto else 0)
         results[model] = [generate(engine, case) for case in spec["cases"]]
         results[model + ":memory"] = engine.leader.memory_per_rank()
+        results[model + ":head"] = head_bytes(engine)
+        # a draft vocabulary: its projection rows are gathered from every rank's part
+        engine.set_draft_vocab(spec["draft_vocab"])
+        results[model + ":draft_vocab"] = [generate(engine, case) for case in spec["cases"]]
         engine.shutdown()
     if distributed.rank() == 0:
         Path(out_path).write_text(json.dumps(results))

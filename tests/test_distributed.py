@@ -1,8 +1,10 @@
 """Tensor-parallel serving over mx.distributed: 2 ranks (ring backend, loopback) against 1 process.
 
 * greedy output of the sharded engine equals the 1-process engine's for K = 0..3 and auto, on a
-  dense and an MoE checkpoint; seeded sampled output (fixed K) equals too — one ``mlx.launch``
-  of ``tests/distributed_driver.py`` runs every case for both checkpoints;
+  dense and an MoE checkpoint; seeded sampled output (fixed K) equals too, and every case again
+  with a draft vocabulary — one ``mlx.launch`` of ``tests/distributed_driver.py`` runs every
+  case for both checkpoints;
+* each rank holds half of every layer and of the vocabulary tables, rank 0 the head too;
 * ``mtpserve serve`` on rank 0 answers the OpenAI SDK, streaming included; killing rank 1
   mid-stream gives the client a 503-class error and rank 0 exits (both bounded by timeouts);
 * the watchdog fails a generation that stops making progress (a peer that hangs).
@@ -27,6 +29,7 @@ import openai
 import pytest
 from checkpoints import VARIANTS
 from fake_engine import wait_healthy
+from mlx.utils import tree_flatten
 
 from engine.api import EngineUnavailable, GenerationRequest
 from sampling.params import SamplingParams
@@ -39,6 +42,7 @@ GREEDY_KS = [0, 1, 2, 3, None]  # None: auto
 SAMPLED = [(2, 7), (0, 11)]  # (K, seed)
 SAMPLED_PARAMS = {"temperature": 1.0, "top_k": 20}
 CHECKPOINTS = ["dense-tied", "moe-untied-sharded"]
+DRAFT_VOCAB = 200  # of 320 ids: drafts the rest cannot be
 
 
 def free_ports(n: int) -> list[int]:
@@ -97,7 +101,7 @@ def launched(make_checkpoint, tmp_path_factory) -> dict:
     for v, m in zip(CHECKPOINTS, models, strict=True):
         seed_auto_costs(Path(m), VARIANTS[v].vocab)
     spec, out = tmp / "spec.json", tmp / "out.json"
-    spec.write_text(json.dumps({"models": models, "cases": cases()}))
+    spec.write_text(json.dumps({"models": models, "cases": cases(), "draft_vocab": DRAFT_VOCAB}))
     cmd = [
         str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(1)[0]),
         "--python", sys.executable,
@@ -109,7 +113,8 @@ def launched(make_checkpoint, tmp_path_factory) -> dict:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     pairs = zip(CHECKPOINTS, models, strict=True)
-    return {v: (results[m], results[m + ":memory"]) for v, m in pairs}
+    keys = ("", ":memory", ":head", ":draft_vocab")
+    return {v: tuple(results[m + key] for key in keys) for v, m in pairs}
 
 
 def one_process(engine, case: dict) -> list[int]:
@@ -124,7 +129,7 @@ def one_process(engine, case: dict) -> list[int]:
 
 @pytest.mark.parametrize("variant", CHECKPOINTS)
 def test_two_ranks_equal_one_process(launched, load_engine, variant: str) -> None:
-    sharded, memory = launched[variant]
+    sharded, memory, head, with_draft_vocab = launched[variant]
     engine = load_engine(variant, draft_tokens=0)
     plain = one_process(engine, cases()[0])
     assert len(plain) == MAX_TOKENS
@@ -134,10 +139,21 @@ def test_two_ranks_equal_one_process(launched, load_engine, variant: str) -> Non
             assert result["tokens"] == plain, f"2 ranks, greedy {label} differs from 1 process"
         else:
             assert result["tokens"] == one_process(engine, case), f"sampled {label} differs"
+    engine.set_draft_vocab(DRAFT_VOCAB)
+    try:
+        for case, result in zip(cases(), with_draft_vocab, strict=True):
+            label = f"K={case['k']} T={case['temperature']}, draft vocabulary"
+            assert result["tokens"] == one_process(engine, case), f"2 ranks, {label} differs"
+    finally:
+        engine.set_draft_vocab(0)
     auto = sharded[GREEDY_KS.index(None)]
     assert sum(auto["k_histogram"][1:]) > 0, "auto K never drafted"
     assert sum(r["proposed"] for r in sharded) > sum(r["accepted"] for r in sharded) > 0
-    # rank 1 holds no head and no output projection: less memory than rank 0
+    # every rank holds half of each layer and of the vocabulary tables; rank 0 the head too
+    shard = memory[1]["weight_bytes"]
+    assert memory[0]["weight_bytes"] == pytest.approx(shard + head, rel=1e-3)
+    whole = sum(a.nbytes for _, a in tree_flatten(engine.loaded.model.parameters()))
+    assert shard == pytest.approx((whole - head) / 2, rel=0.03)  # the norms are replicated
     assert 0 < memory[1]["active_bytes"] < memory[0]["active_bytes"]
 
 
@@ -264,6 +280,6 @@ def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
         assert isinstance(failed[0], EngineUnavailable)
         assert "no answer" in str(failed[0])
         with pytest.raises(EngineUnavailable):
-            leader.announce(1, None, True)
+            leader.announce((distributed.OP_FORWARD, 1, 1, 1))
     finally:
         distributed._lost = None

@@ -15,6 +15,7 @@ import mlx.core as mx
 from engine.api import GenerationRequest
 from engine.bench.prompts import load_prompts
 from engine.distributed import MESSAGE_SIZE, OP_PING, engine_class, time_send, world
+from engine.scheduling.autok import cached_costs
 
 
 def bench_sharding(args: Any) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def bench_sharding(args: Any) -> dict[str, Any]:
     if leader is not None:
         hidden = engine.trunk.args.hidden_size
         dtype = engine.trunk.model.norm.weight.dtype
-        per_cycle = 2 * len(engine.trunk.layers)  # mixer out + MLP down, every layer
+        per_cycle = 2 * len(engine.trunk.layers) + 1  # mixer out + MLP down per layer; the input
         for row in rows.values():
             positions = max(1, round(row["verified_positions_per_cycle"]))
             latency = leader.probe_collectives(positions, hidden, dtype, reps=200)
@@ -90,6 +91,15 @@ def bench_sharding(args: Any) -> dict[str, Any]:
             row["all_sum_ms"] = 1e3 * latency
             row["collective_ms_per_cycle"] = 1e3 * (per_cycle * latency + message)
             row["collective_share"] = row["collective_ms_per_cycle"] / row["ms_per_cycle"]
+        # What splitting the embedding and output projection by vocabulary would add to every
+        # head draft step (engine.distributed keeps them on rank 0): the drafted token's
+        # embedding and the head's state to every rank, and a gather of the logits' shards
+        # (priced as an all_sum of one shard's bytes).
+        one = leader.probe_collectives(1, hidden, dtype, 200)
+        shard = leader.probe_collectives(1, engine.trunk.args.vocab_size // group.size(), dtype, 50)
+        result["split_vocab_ms_per_draft_step"] = 1e3 * (2 * one + shard)
+        if (costs := cached_costs(engine, "greedy")) is not None:
+            result["head_step_ms"] = 1e3 * costs.head_step  # auto K's, on the sharded engine
         leader.flush((OP_PING, 0, 1, 200))
         result["send_ms"] = 1e3 * time_send(group, 1, hidden, dtype, 200)
         engine.shutdown()
@@ -119,6 +129,13 @@ def format_report(result: dict[str, Any]) -> str:
                 f"  rank 1 waiting {100 * row['follower_waiting_share']:.0f}%"
             )
         lines.append(line)
+    if "split_vocab_ms_per_draft_step" in result:
+        step = result.get("head_step_ms")
+        lines.append(
+            "  a vocabulary-split embedding and output projection would add "
+            f"{result['split_vocab_ms_per_draft_step']:.2f} ms of collectives per draft step"
+            + (f" (a draft step: {step:.2f} ms)" if step is not None else "")
+        )
     if "send_ms" in result:
         lines.append(f"  one-way send of one position's hidden state: {result['send_ms']:.2f} ms")
     return "\n".join(lines)

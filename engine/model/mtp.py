@@ -78,6 +78,8 @@ class MTPHead(nn.Module):
             )
         else:
             z = attention_block(self.layers[0], z, cache, position, last_only=True)
+        if getattr(trunk.model.embed_tokens, "leader", None) is not None:
+            return self.output(trunk, z)  # the projection is a collective: not in a compiled block
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)
 
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
@@ -116,7 +118,9 @@ class MTPHead(nn.Module):
         else:
             table = trunk.lm_head
         index = mx.array(sorted(set(ids)), dtype=mx.uint32)
-        if "scales" in table:
+        if hasattr(table, "rows"):  # split by vocabulary over ranks (engine.distributed)
+            weight = table.rows(index[None])[0].astype(self.norm.weight.dtype)
+        elif "scales" in table:
             # Quantized output projection: dequantize just the gathered rows (on CPUs a float
             # matmul over the subset is also faster than mlx's quantized kernels).
             biases = table.get("biases")

@@ -256,10 +256,16 @@ class TrunkCache:
             else:
                 c.conv, c.recurrent, c.conv_window, c.capture = saved
 
-    def announce(self, token_ids: mx.array, capture: bool) -> mx.array:
-        """The input of a forward about to run over this cache. Here the tokens as given; rank
-        0 of a sharded model first broadcasts them to the other ranks (engine.distributed)."""
-        return token_ids
+    def embed(self, trunk: Any, token_ids: mx.array, capture: bool) -> mx.array:
+        """The input of a forward about to run over this cache: ``token_ids [1, T]`` embedded.
+        Rank 0 of a sharded model first announces the forward to the other ranks, and every
+        rank embeds with its part of the vocabulary (engine.distributed)."""
+        return trunk.model.embed_tokens(token_ids)
+
+    def forwarded(self, hidden: mx.array) -> mx.array:
+        """A forward's output over this cache (rank 0 of a sharded model orders the next
+        collective after it: engine.distributed)."""
+        return hidden
 
     def arrays(self) -> list[mx.array]:
         """Every array the next cycle will read (for evaluation together with a cycle)."""
@@ -334,10 +340,9 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
     the next forward. Without it (prefill: long, varying T) layers run eagerly through mlx-lm.
     """
-    token_ids = cache.announce(token_ids, capture)
+    x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
-        return trunk_hidden_rows(trunk, token_ids, [cache])
-    x = trunk.model.embed_tokens(token_ids)
+        return cache.forwarded(_trunk_rows(trunk, x, [cache]))
     mask = "causal" if token_ids.shape[1] > 1 else None
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
         normed = layer.input_layernorm(x)
@@ -346,7 +351,7 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
         else:
             x = x + layer.self_attn(normed, mask=mask, cache=c)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return trunk.model.norm(x)
+    return cache.forwarded(trunk.model.norm(x))
 
 
 def trunk_hidden_rows(trunk: Any, token_ids: mx.array, caches: list[TrunkCache]) -> mx.array:
@@ -360,7 +365,11 @@ def trunk_hidden_rows(trunk: Any, token_ids: mx.array, caches: list[TrunkCache])
     and recurrent states are stacked for the block and its per-position captures handed back
     as row views, so every row commits its own accepted length (``TrunkCache.commit``).
     """
-    x = trunk.model.embed_tokens(token_ids)
+    return _trunk_rows(trunk, trunk.model.embed_tokens(token_ids), caches)
+
+
+def _trunk_rows(trunk: Any, x: mx.array, caches: list[TrunkCache]) -> mx.array:
+    """``trunk_hidden_rows`` from the embedded input ``x [B, T, H]``."""
     for index, layer in enumerate(trunk.layers):
         layer_caches = [c.layers[index] for c in caches]
         if layer.is_linear:
