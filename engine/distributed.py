@@ -418,11 +418,14 @@ class Leader:
         self.flush((OP_MEMORY, 0, 0, 0))
         return _gather_memory(self.group, self.weight_bytes)
 
-    def probe_collectives(self, positions: int, hidden: int, dtype: Any, reps: int) -> float:
-        """Seconds per ``all_sum`` of ``[1, positions, hidden]`` (what a layer sends)."""
-        kind = {mx.int32: 1}.get(dtype, 0)
-        self.flush((OP_PROBE, hidden, positions, reps * 2 + kind))
-        return _time_collectives(self.group, positions, hidden, dtype, reps)
+    def probe_collectives(
+        self, positions: int, hidden: int, dtype: Any, reps: int, gather: bool = False
+    ) -> float:
+        """Seconds per ``all_sum`` of ``[1, positions, hidden]`` (what a layer sends), or with
+        ``gather`` per ``all_gather`` of that much from every rank (a logits shard)."""
+        kind = {mx.int32: 1}.get(dtype, 0) + 2 * gather
+        self.flush((OP_PROBE, hidden, positions, reps * 4 + kind))
+        return _time_collectives(self.group, positions, hidden, dtype, reps, gather)
 
     def shutdown(self) -> None:
         """Tell the followers to exit (best effort: a lost group has nobody to tell)."""
@@ -567,12 +570,15 @@ def _gather_memory(
     ]
 
 
-def _time_collectives(group: Any, positions: int, hidden: int, dtype: Any, reps: int) -> float:
+def _time_collectives(
+    group: Any, positions: int, hidden: int, dtype: Any, reps: int, gather: bool = False
+) -> float:
     x = mx.ones((1, positions, hidden), dtype=dtype)
-    mx.eval(mx.distributed.all_sum(x, group=group))
+    collective = mx.distributed.all_gather if gather else mx.distributed.all_sum
+    mx.eval(collective(x, group=group))
     t = time.perf_counter()
     for _ in range(reps):
-        mx.eval(mx.distributed.all_sum(x, group=group))
+        mx.eval(collective(x, group=group))
     return (time.perf_counter() - t) / max(reps, 1)
 
 
@@ -629,7 +635,8 @@ def follow(trunk: Any, group: Any) -> None:
             elif code == OP_MEMORY:
                 _gather_memory(group, weights, clock)
             elif code == OP_PROBE:
-                _time_collectives(group, a, cid, mx.int32 if b % 2 else dtype, b // 2)
+                kind, reps = b % 4, b // 4
+                _time_collectives(group, a, cid, mx.int32 if kind % 2 else dtype, reps, kind >= 2)
             elif code == OP_PING:
                 time_send(group, a, hidden_size, dtype, b)
             elif code == OP_SHUTDOWN:

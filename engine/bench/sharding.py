@@ -15,7 +15,6 @@ import mlx.core as mx
 from engine.api import GenerationRequest
 from engine.bench.prompts import load_prompts
 from engine.distributed import MESSAGE_SIZE, OP_PING, engine_class, time_send, world
-from engine.scheduling.autok import cached_costs
 
 
 def bench_sharding(args: Any) -> dict[str, Any]:
@@ -83,23 +82,26 @@ def bench_sharding(args: Any) -> dict[str, Any]:
     if leader is not None:
         hidden = engine.trunk.args.hidden_size
         dtype = engine.trunk.model.norm.weight.dtype
-        per_cycle = 2 * len(engine.trunk.layers) + 1  # mixer out + MLP down per layer; the input
+        shard = engine.trunk.args.vocab_size // group.size()
+        layers = len(engine.trunk.layers)
+        message = leader.probe_collectives(MESSAGE_SIZE, 1, mx.int32, 200)
         for row in rows.values():
+            # A verify pass: its message, the embedded input, mixer out + MLP down per layer;
+            # then the logits: a message, the states, the gather of every rank's logits. A draft
+            # step (the head over the vocabulary tables): a message and the embedded token, a
+            # message, the head's state and the gather.
             positions = max(1, round(row["verified_positions_per_cycle"]))
+            drafts = row["verified_positions_per_cycle"] - 1
             latency = leader.probe_collectives(positions, hidden, dtype, reps=200)
-            message = leader.probe_collectives(MESSAGE_SIZE, 1, mx.int32, 200)
+            gather = leader.probe_collectives(positions, shard, dtype, 50, gather=True)
+            verify = 2 * message + (2 * layers + 2) * latency + gather
+            if drafts > 0:
+                one = leader.probe_collectives(1, hidden, dtype, 200)
+                one_gather = leader.probe_collectives(1, shard, dtype, 50, gather=True)
+                verify += drafts * (2 * message + 2 * one + one_gather)
             row["all_sum_ms"] = 1e3 * latency
-            row["collective_ms_per_cycle"] = 1e3 * (per_cycle * latency + message)
+            row["collective_ms_per_cycle"] = 1e3 * verify
             row["collective_share"] = row["collective_ms_per_cycle"] / row["ms_per_cycle"]
-        # What splitting the embedding and output projection by vocabulary would add to every
-        # head draft step (engine.distributed keeps them on rank 0): the drafted token's
-        # embedding and the head's state to every rank, and a gather of the logits' shards
-        # (priced as an all_sum of one shard's bytes).
-        one = leader.probe_collectives(1, hidden, dtype, 200)
-        shard = leader.probe_collectives(1, engine.trunk.args.vocab_size // group.size(), dtype, 50)
-        result["split_vocab_ms_per_draft_step"] = 1e3 * (2 * one + shard)
-        if (costs := cached_costs(engine, "greedy")) is not None:
-            result["head_step_ms"] = 1e3 * costs.head_step  # auto K's, on the sharded engine
         leader.flush((OP_PING, 0, 1, 200))
         result["send_ms"] = 1e3 * time_send(group, 1, hidden, dtype, 200)
         engine.shutdown()
@@ -129,13 +131,6 @@ def format_report(result: dict[str, Any]) -> str:
                 f"  rank 1 waiting {100 * row['follower_waiting_share']:.0f}%"
             )
         lines.append(line)
-    if "split_vocab_ms_per_draft_step" in result:
-        step = result.get("head_step_ms")
-        lines.append(
-            "  a vocabulary-split embedding and output projection would add "
-            f"{result['split_vocab_ms_per_draft_step']:.2f} ms of collectives per draft step"
-            + (f" (a draft step: {step:.2f} ms)" if step is not None else "")
-        )
     if "send_ms" in result:
         lines.append(f"  one-way send of one position's hidden state: {result['send_ms']:.2f} ms")
     return "\n".join(lines)
