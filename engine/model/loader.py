@@ -286,14 +286,14 @@ def load(
 
     target = None if chosen.dtype == size.stored_dtype and dtype == "auto" else chosen.dtype
     target = getattr(mx, target) if target else None
+    if prepare is not None:
+        prepare(net)  # before the cast: a slice of a stored tensor is cast, not the whole tensor
     if target is not None:
         net.set_dtype(target)  # floating parameters only; packed quantized weights stay
 
     head_source, reason = None, None
     if with_head:
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
-    if prepare is not None:
-        prepare(net)
     _materialise(net, chosen.needed)
     log.info("weights loaded in %.1fs", time.perf_counter() - t0)
     if reason:
