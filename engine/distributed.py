@@ -4,32 +4,36 @@ Under ``mlx.launch`` (ring, JACCL or MPI backend) every rank loads only its shar
 through mlx-lm's own ``Model.shard()`` for qwen3_5: the Gated-DeltaNet and attention projections
 and the MLP (or the experts) are split by heads / columns, and each layer ends in an
 ``all_sum`` (two per layer: after the mixer's output projection and after the MLP's down
-projection). The embedding, the output projection and the MTP head live on rank 0 only: rank 0
-embeds every forward's input and sends it with one more ``all_sum`` (the followers contribute
-zeros), and only rank 0 looks at logits. Why not split them by vocabulary: the head drafts with
-the embedding and the output projection, so a split would bring every rank into every draft step
-(a collective for the embedded token and a gather of the logits per step); on the models that
-need several machines these tables are 1-3% of the weights (docs/DISTRIBUTED.md).
+projection). The embedding and the output projection (one table when tied) are split by
+vocabulary (``VocabEmbedding``, ``VocabProjection``): a lookup is an ``all_sum`` of every rank's
+rows (each token's row from the rank that holds it, zeros from the others: the row itself,
+exactly), a projection an ``all_gather`` of every rank's logits. So each rank holds 1/n of the
+weights; rank 0 holds the MTP head too (one layer, and it reads the split tables).
 
 Who decides what (why the ranks cannot diverge):
 
 * **Rank 0 runs the whole engine** — HTTP, scheduler, the speculative cycle, the head, sampling,
-  acceptance, auto K, stop conditions. Followers run no sampler, no head, no policy: they hold
-  trunk caches and execute trunk forwards.
-* **Rank 0 broadcasts every trunk-cache operation, in order.** Every forward over a trunk cache
-  on rank 0 first sends one message (an ``all_sum`` of a small int32 vector to which followers
-  contribute zeros): the cache operations since the previous message — create, commit
-  (``n_keep`` of ``n_fed``: the accepted length), snapshot, restore, drop — and the forward's
-  input tokens (for a verify pass: the last token and the K drafts), then the embedded input.
-  Rank 0 embeds the tokens *as the broadcast result carries them*, so the message is in the
-  graph ahead of the forward's collectives, on every rank, in the same order. A follower's cache
-  therefore goes through exactly rank 0's sequence of operations with exactly rank 0's input;
-  what a follower receives is by construction the embedding of the tokens rank 0 sampled and
-  accepted, never recomputed. Per forward: one small collective (49 int32s), one of the
-  embedded input ([1, T, hidden]), and the tensor-parallel ones inside the forward.
+  acceptance, auto K, stop conditions. Followers run no sampler, no head layer, no policy: they
+  hold trunk caches and their part of the vocabulary tables, and execute what rank 0 announces.
+* **Rank 0 announces every step, in order.** Each trunk forward, and each use of the vocabulary
+  tables outside one (the head's lookup of its tokens, a projection to logits, the rows of a
+  draft vocabulary), first sends one message (an ``all_sum`` of a small int32 vector to which
+  followers contribute zeros): the cache operations since the previous message — create, commit
+  (``n_keep`` of ``n_fed``: the accepted length), snapshot, restore, drop — and the step with
+  its tokens (for a verify pass: the last token and the K drafts). Every rank computes with the
+  tokens *as the broadcast result carries them*; a projection's input states travel as one more
+  ``all_sum`` from rank 0. A follower's cache therefore goes through exactly rank 0's sequence
+  of operations with exactly rank 0's tokens: the tokens rank 0 sampled and accepted, never
+  recomputed. Rank 0 builds its graph lazily, so each of its collectives is made to depend on
+  the one before it and on the last forward's output (``Leader.collective``): mlx cannot
+  evaluate them in another order than the followers, who run them as the messages arrive.
 * The per-position GDN capture and commit (engine.model.trunk) run unchanged on every rank, each on
   its own heads: the capture is per head, so a shard of the heads commits its own shard of the
   state.
+
+Per verify pass: a message, the embedded input, the 2 per layer, then a message, the states and
+the gather of the logits. Per draft step: a message and the lookup, a message, the head's state
+and the gather (docs/BENCHMARKS.md §10 prices them).
 
 A rank that dies or cannot be reached: the ring backend raises at the next collective when a
 peer's socket closes ("connection to a peer was lost"); a peer that hangs or whose link is gone

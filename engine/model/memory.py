@@ -66,9 +66,9 @@ class CheckpointSize:
         return self.float_elements * width + self.other_bytes
 
     def per_rank(self, ranks: int) -> CheckpointSize:
-        """One rank's part of a model sharded over ``ranks`` (tensor parallel): about 1/ranks.
-        The replicated embedding and rank 0's head are not split, which the plan's headroom
-        covers on real checkpoints, whose layers dominate."""
+        """One rank's part of a model sharded over ``ranks`` (tensor parallel, the vocabulary
+        tables by rows): about 1/ranks. Rank 0's head and the replicated norms are not split,
+        which the plan's headroom covers."""
         if ranks <= 1:
             return self
         return CheckpointSize(
