@@ -2,7 +2,8 @@
 
 Rows mix prompts, lengths, fixed K (0..4) and automatic K, greedy and seeded sampling, and
 join and leave at different cycles; a row's stop, cancellation or departure never changes
-another row's output. Dense and MoE test checkpoints and the demo model.
+another row's output. Dense and MoE test checkpoints and the demo model. Sampled rows of a
+batch pass the chi-square homogeneity test against plain sampling (demo model).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue
 
 from engine.api import GenerationRequest
 from engine.runtime import Engine
@@ -265,3 +268,48 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
     mx.clear_cache()
     held = with_cache - mx.get_active_memory()
     assert counted > 0 and held <= 1.25 * counted, (held, counted)
+
+
+def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
+    widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 seeded
+    rows, 8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3 and
+    automatic K in turn), against 400 requests decoded alone without drafts; the first three
+    tokens, position by position."""
+    # every row prefilled in the batch's first step, so that all 8 draw their first tokens
+    # together (one prompt a step would stagger them past a 3-token generation)
+    monkeypatch.setattr(batching_module, "PREFILL_CHUNKS_PER_STEP", 8)
+    engine = Engine.load(str(DEMO), draft_tokens=0)
+    prompt = engine.tokenizer.encode("def add(a, b):")
+    params = SETTINGS["temp1-topk-topp"]
+    n, capacity, ks = 400, 8, [1, 2, 3, None]
+    plain = _first_tokens(engine, prompt, params, 0, n)
+    rows: dict[int, list[int]] = {}
+    accepted = proposed = 0
+    widest_cycle.clear()
+    for first in range(0, n, capacity):
+        batch = BatchDecoder(engine, capacity)
+        for seed in range(first, first + capacity):
+            request = GenerationRequest(
+                prompt,
+                replace(params, seed=seed),
+                3,
+                draft_tokens=ks[first // capacity % len(ks)],
+                ignore_eos=True,
+            )
+            batch.add(seed, request)
+            rows[seed] = []
+        while len(batch):
+            for seed, item in batch.step():
+                assert not isinstance(item, BaseException), item
+                rows[seed] += item.token_ids
+                if item.finish_reason is not None:
+                    accepted += item.stats.accepted
+                    proposed += item.stats.proposed
+    assert max(widest_cycle) == capacity  # the rows really shared cycles
+    assert 0.15 < accepted / proposed < 0.85  # acceptances and residual draws both ran
+    together = np.array([rows[seed][:3] for seed in range(n)])
+    for position in range(3):
+        p = _homogeneity_pvalue(plain[:, position], together[:, position])
+        assert p > ALPHA, f"position {position + 1}: p={p:.2g}"
