@@ -207,14 +207,15 @@ class VocabShard(nn.Module):
         return self.collect_rows(ids)
 
     def project(self, x: mx.array) -> mx.array:
-        """Logits ``[1, T, V]`` of ``x [1, T, H]``, on every rank."""
+        """Logits ``[..., V]`` of the states ``x [..., H]``, on every rank."""
+        lead, H = x.shape[:-1], x.shape[-1]
+        positions = x.size // H
         if self.leader is not None:
-            self.leader.announce((OP_PROJECT, 0, x.shape[1], FLOAT_TYPES.index(x.dtype)))
-            x = self._collective(mx.distributed.all_sum, x)  # the followers send zeros
-        local = self._local_logits(x)
-        T = local.shape[1]
-        gathered = self._collective(mx.distributed.all_gather, local.reshape(T, -1).T)
-        return gathered.T.reshape(1, T, -1)
+            self.leader.announce((OP_PROJECT, 0, positions, FLOAT_TYPES.index(x.dtype)))
+            x = self._collective(mx.distributed.all_sum, x.reshape(1, positions, H))  # + zeros
+        local = self._local_logits(x).reshape(positions, -1)
+        gathered = self._collective(mx.distributed.all_gather, local.T)  # by vocabulary rows
+        return gathered.T.reshape(*lead, -1)
 
     def _local_logits(self, x: mx.array) -> mx.array:
         raise NotImplementedError
