@@ -536,11 +536,12 @@ class _Snapshot(list):
 
 @dataclass
 class FollowerClock:
-    """Where a follower's time goes: waiting for rank 0's next message (rank 0 drafting,
-    sampling, or idle) against running forwards (its compute and the collectives inside)."""
+    """Where a follower's time goes: waiting for rank 0's next message (rank 0 running the
+    head's layer, sampling, or idle) against running the announced steps (forwards and uses of
+    the vocabulary tables: its compute and the collectives inside)."""
 
     waiting: float = 0.0
-    forwards: float = 0.0
+    steps: float = 0.0
 
 
 def weight_bytes(net: nn.Module) -> int:
@@ -561,7 +562,7 @@ def _gather_memory(
     mine[me, 2] = weights / mib
     if clock is not None:
         mine[me, 3] = clock.waiting
-        mine[me, 4] = clock.forwards
+        mine[me, 4] = clock.steps
     rows = mx.distributed.all_sum(mine, group=group).tolist()
     return [
         {
@@ -569,9 +570,9 @@ def _gather_memory(
             "active_bytes": int(a * mib),
             "weight_bytes": int(w * mib),
             "waiting_s": waiting,
-            "forward_s": forwards,
+            "steps_s": steps,
         }
-        for p, a, w, waiting, forwards in rows
+        for p, a, w, waiting, steps in rows
     ]
 
 
@@ -588,8 +589,8 @@ def _time_collectives(
 
 
 def follow(trunk: Any, group: Any) -> None:
-    """A follower's loop: apply rank 0's cache operations and run its forwards until told to
-    stop (or the group fails, which raises)."""
+    """A follower's loop: apply rank 0's cache operations and run the steps it announces until
+    told to stop (or the group fails, which raises)."""
     caches: dict[int, TrunkCache] = {}
     snapshots: dict[int, dict[int, list[tuple[Any, ...]]]] = {}
     empty = mx.zeros((MESSAGE_SIZE,), dtype=mx.int32)
@@ -600,7 +601,8 @@ def follow(trunk: Any, group: Any) -> None:
     while True:
         t = time.perf_counter()
         values = mx.distributed.all_sum(empty, group=group).tolist()
-        clock.waiting += time.perf_counter() - t
+        t_steps = time.perf_counter()
+        clock.waiting += t_steps - t
         for i in range(values[0]):
             code, cid, a, b = values[1 + 4 * i : 5 + 4 * i]
             if code == OP_NEW:
@@ -618,7 +620,6 @@ def follow(trunk: Any, group: Any) -> None:
             elif code == OP_RESTORE:
                 caches[cid].restore(snapshots[cid].pop(a))
             elif code == OP_FORWARD:
-                t = time.perf_counter()
                 tokens = received_tokens(values, a, group)
                 cache = caches[cid]
                 if b:
@@ -628,7 +629,6 @@ def follow(trunk: Any, group: Any) -> None:
                     with all_cores():
                         hidden = trunk_hidden(trunk, tokens, cache, capture=False)
                         mx.eval(hidden, cache.arrays())
-                clock.forwards += time.perf_counter() - t
             elif code == OP_EMBED:  # the head embeds its tokens
                 mx.eval(trunk.model.embed_tokens.lookup(received_tokens(values, a, group)))
             elif code == OP_PROJECT:  # logits of a = positions: rank 0 sends their states
@@ -638,6 +638,8 @@ def follow(trunk: Any, group: Any) -> None:
             elif code == OP_ROWS:  # the head's draft vocabulary
                 mx.eval(output_table(trunk).collect_rows(received_tokens(values, a, group)))
             elif code == OP_MEMORY:
+                clock.steps += time.perf_counter() - t_steps
+                t_steps = time.perf_counter()
                 _gather_memory(group, weights, clock)
             elif code == OP_PROBE:
                 kind, reps = b % 4, b // 4
@@ -646,6 +648,7 @@ def follow(trunk: Any, group: Any) -> None:
                 time_send(group, a, hidden_size, dtype, b)
             elif code == OP_SHUTDOWN:
                 return
+        clock.steps += time.perf_counter() - t_steps
 
 
 def run_follower(model: str, dtype: str = "auto") -> int:

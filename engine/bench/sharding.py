@@ -68,8 +68,8 @@ def bench_sharding(args: Any) -> dict[str, Any]:
         if leader is not None:  # rank 1's clock over these generations
             after = memory()
             waiting = after[1]["waiting_s"] - before[1]["waiting_s"]
-            forwards = after[1]["forward_s"] - before[1]["forward_s"]
-            rows[name]["follower_waiting_share"] = waiting / max(waiting + forwards, 1e-9)
+            steps = after[1]["steps_s"] - before[1]["steps_s"]
+            rows[name]["follower_waiting_share"] = waiting / max(waiting + steps, 1e-9)
     result: dict[str, Any] = {
         "model": str(engine.loaded.model_dir),
         "ranks": group.size() if group is not None else 1,
