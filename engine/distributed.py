@@ -402,14 +402,14 @@ class Leader:
         if n <= INLINE_TOKENS:
             tokens = [] if token_ids is None else [token_ids.reshape(-1).astype(mx.int32)]
             pad = mx.zeros((INLINE_TOKENS - n,), dtype=mx.int32)
+            # Not evaluated asynchronously: the chain makes the next evaluated collective send
+            # it, and mlx's async eval of a collective can block for good when a rank dies.
             message = self._broadcast(mx.concatenate([header, *tokens, pad]))
-            mx.async_eval(message)  # every announced step is sent, read or not
             start = 1 + 4 * MAX_OPS
             return None if token_ids is None else message[start : start + n][None]
         # A prefill chunk: the header says how long; the tokens follow as a second collective.
         self._broadcast(mx.concatenate([header, mx.zeros((INLINE_TOKENS,), mx.int32)]))
         received = self._broadcast(token_ids.reshape(-1).astype(mx.int32))
-        mx.async_eval(received)
         return received[None]
 
     def flush_some(self) -> None:

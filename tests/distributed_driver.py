@@ -63,7 +63,8 @@ def main(spec_path: str, out_path: str, auto: bool) -> int:
         results[model + ":head"] = head_bytes(engine)
         # a draft vocabulary: its projection rows are gathered from every rank's part
         engine.set_draft_vocab(spec["draft_vocab"])
-        results[model + ":draft_vocab"] = [generate(engine, case) for case in spec["cases"]]
+        cases = spec["draft_vocab_cases"]
+        results[model + ":draft_vocab"] = [generate(engine, case) for case in cases]
         engine.shutdown()
     if distributed.rank() == 0:
         Path(out_path).write_text(json.dumps(results))

@@ -67,6 +67,11 @@ def cases() -> list[dict]:
     return out
 
 
+def draft_vocab_cases() -> list[dict]:
+    """Greedy K=2 and a sampled fixed K: what drafting over a subset changes."""
+    return [c for c in cases() if c["k"] == 2]
+
+
 def seed_auto_costs(model_dir: Path, vocab: int) -> None:
     """Give the 2-rank engine a greedy cost table so auto K need not measure one at start-up
     (minutes through loopback collectives on this machine). The table only decides which K
@@ -101,7 +106,16 @@ def launched(make_checkpoint, tmp_path_factory) -> dict:
     for v, m in zip(CHECKPOINTS, models, strict=True):
         seed_auto_costs(Path(m), VARIANTS[v].vocab)
     spec, out = tmp / "spec.json", tmp / "out.json"
-    spec.write_text(json.dumps({"models": models, "cases": cases(), "draft_vocab": DRAFT_VOCAB}))
+    spec.write_text(
+        json.dumps(
+            {
+                "models": models,
+                "cases": cases(),
+                "draft_vocab": DRAFT_VOCAB,
+                "draft_vocab_cases": draft_vocab_cases(),
+            }
+        )
+    )
     cmd = [
         str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(1)[0]),
         "--python", sys.executable,
@@ -141,7 +155,7 @@ def test_two_ranks_equal_one_process(launched, load_engine, variant: str) -> Non
             assert result["tokens"] == one_process(engine, case), f"sampled {label} differs"
     engine.set_draft_vocab(DRAFT_VOCAB)
     try:
-        for case, result in zip(cases(), with_draft_vocab, strict=True):
+        for case, result in zip(draft_vocab_cases(), with_draft_vocab, strict=True):
             label = f"K={case['k']} T={case['temperature']}, draft vocabulary"
             assert result["tokens"] == one_process(engine, case), f"2 ranks, {label} differs"
     finally:
@@ -255,6 +269,9 @@ def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> N
     assert received >= 3
     assert error is not None, "the stream ended without an error"
     assert "distributed group" in str(error)
+    # seen at the next collective (the peer's socket closed), not by the watchdog, which is
+    # for peers that hang (120 s by default)
+    assert "no answer" not in str(error)
     # uvicorn shuts down on the SIGTERM rank 0 sends itself, then re-raises it: status -15
     assert procs[0].wait(60) != 0
     assert "this server is shutting down" in (tmp / "rank0.log").read_text()

@@ -363,6 +363,10 @@ def launch_cycles(
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
     #    last emitted token); later steps feed the head's own output and its draft token.
     drafts: list[_RowDrafts] = [_RowDrafts(seq) for seq in seqs]
+    # Start each draft step while the next is built; not under mlx.launch, where a draft step
+    # holds collectives (engine.distributed): mlx's async eval of one can block for good when a
+    # rank dies, instead of raising.
+    overlap = not profile and getattr(trunk, "mtpserve_leader", None) is None
     if k > 0:
         if rows == 1:
             state, logits = _absorb_pending(trunk, head, seqs[0], keep_last=False)
@@ -372,8 +376,8 @@ def launch_cycles(
         for i in range(k):
             for row, logits in zip(drafts, step_logits, strict=True):
                 row.draw(logits, i)
-                if not profile:
-                    mx.async_eval(row.ids[-1])  # start this step while the next one is built
+                if overlap:
+                    mx.async_eval(row.ids[-1])
             if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
                 break
             if i + 1 < k:
