@@ -67,6 +67,7 @@ from mlx.utils import tree_flatten
 from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest
 from engine.blas import all_cores
 from engine.model import loader
+from engine.model.mtp import table_rows
 from engine.model.trunk import TrunkCache, trunk_hidden
 from engine.runtime import Engine
 
@@ -189,14 +190,11 @@ class VocabShard(nn.Module):
         inside = (local >= 0) & (local < self.rows_per_rank)
         return mx.where(inside, local, 0), inside
 
-    def _local_rows(self, local: mx.array) -> mx.array:
-        raise NotImplementedError
-
     def collect_rows(self, ids: mx.array) -> mx.array:
         """The table's rows for ``ids [1, n]`` (quantized tables: dequantized), on every rank:
         a step every rank has been told of."""
         local, inside = self._mine(ids)
-        mine = mx.where(inside[..., None], self._local_rows(local), 0)
+        mine = mx.where(inside[..., None], table_rows(self.table, local), 0)
         return self._collective(mx.distributed.all_sum, mine)
 
     def rows(self, ids: mx.array) -> mx.array:
@@ -224,9 +222,6 @@ class VocabShard(nn.Module):
 class VocabEmbedding(VocabShard):
     """The embedding split by vocabulary (and the output projection when tied)."""
 
-    def _local_rows(self, local: mx.array) -> mx.array:
-        return self.table(local)
-
     def lookup(self, ids: mx.array) -> mx.array:
         """Embed ``ids [1, T]`` within a forward that rank 0 has announced."""
         return self.collect_rows(ids)
@@ -246,20 +241,6 @@ class VocabEmbedding(VocabShard):
 
 class VocabProjection(VocabShard):
     """An untied output projection split by vocabulary."""
-
-    def _local_rows(self, local: mx.array) -> mx.array:
-        t = self.table
-        if "scales" not in t:
-            return t.weight[local]
-        biases = t.get("biases")
-        return mx.dequantize(
-            t.weight[local],
-            t.scales[local],
-            None if biases is None else biases[local],
-            group_size=t.group_size,
-            bits=t.bits,
-            mode=getattr(t, "mode", "affine"),
-        )
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.project(x)

@@ -120,23 +120,30 @@ class MTPHead(nn.Module):
         index = mx.array(sorted(set(ids)), dtype=mx.uint32)
         if hasattr(table, "rows"):  # split by vocabulary over ranks (engine.distributed)
             weight = table.rows(index[None])[0].astype(self.norm.weight.dtype)
-        elif "scales" in table:
-            # Quantized output projection: dequantize just the gathered rows (on CPUs a float
-            # matmul over the subset is also faster than mlx's quantized kernels).
-            biases = table.get("biases")
-            weight = mx.dequantize(
-                table.weight[index],
-                table.scales[index],
-                None if biases is None else biases[index],
-                group_size=table.group_size,
-                bits=table.bits,
-                mode=getattr(table, "mode", "affine"),
-            ).astype(self.norm.weight.dtype)  # norms are never quantized: the head's float type
         else:
-            weight = table.weight[index]
+            # A quantized table's rows come dequantized (on CPUs a float matmul over the subset
+            # is also faster than mlx's quantized kernels) in the head's float type (norms are
+            # never quantized).
+            weight = table_rows(table, index).astype(self.norm.weight.dtype)
         mx.eval(weight)
         self.__dict__["_draft_vocab"] = (index, weight)
         return weight.nbytes
+
+
+def table_rows(table: nn.Module, index: mx.array) -> mx.array:
+    """Rows ``index`` of a vocabulary table (an embedding or an output projection, quantized
+    or not), as floats."""
+    if "scales" not in table:
+        return table.weight[index]
+    biases = table.get("biases")
+    return mx.dequantize(
+        table.weight[index],
+        table.scales[index],
+        None if biases is None else biases[index],
+        group_size=table.group_size,
+        bits=table.bits,
+        mode=getattr(table, "mode", "affine"),
+    )
 
 
 def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:
