@@ -45,7 +45,13 @@ from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
 from engine.model.mtp import MTPHead, project_to_vocab
-from engine.model.trunk import TrunkCache, new_trunk_cache, trunk_hidden, trunk_hidden_rows
+from engine.model.trunk import (
+    TrunkCache,
+    leads_a_group,
+    new_trunk_cache,
+    trunk_hidden,
+    trunk_hidden_rows,
+)
 from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
 from sampling.distribution import (
     PenaltyHistory,
@@ -366,7 +372,7 @@ def launch_cycles(
     # Start each draft step while the next is built; not under mlx.launch, where a draft step
     # holds collectives (engine.distributed): mlx's async eval of one can block for good when a
     # rank dies, instead of raising.
-    overlap = not profile and getattr(trunk, "mtpserve_leader", None) is None
+    overlap = not profile and not leads_a_group(trunk)
     if k > 0:
         if rows == 1:
             state, logits = _absorb_pending(trunk, head, seqs[0], keep_last=False)

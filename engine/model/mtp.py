@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from engine.model.trunk import attention_block, attention_block_rows, block
+from engine.model.trunk import attention_block, attention_block_rows, block, leads_a_group
 
 
 class MTPHead(nn.Module):
@@ -78,7 +78,7 @@ class MTPHead(nn.Module):
             )
         else:
             z = attention_block(self.layers[0], z, cache, position, last_only=True)
-        if getattr(trunk.model.embed_tokens, "leader", None) is not None:
+        if leads_a_group(trunk):
             return self.output(trunk, z)  # the projection is a collective: not in a compiled block
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)
 

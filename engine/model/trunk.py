@@ -333,6 +333,13 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
     return out
 
 
+def leads_a_group(trunk: Any) -> bool:
+    """Rank 0 of a sharded model (engine.distributed): its forwards and the head's uses of the
+    vocabulary tables hold collectives, which stay out of compiled blocks and are evaluated
+    synchronously."""
+    return getattr(trunk, "mtpserve_leader", None) is not None
+
+
 def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bool) -> mx.array:
     """Run the trunk over ``token_ids [1, T]``; return post-final-norm hidden states [1, T, H].
 
