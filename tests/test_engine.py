@@ -601,3 +601,35 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
             use_kernel=False,
         )
         np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
+def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) -> None:
+    """A plain cycle's GDN step (``delta_rule_step``: output and new state) equals mlx-lm's
+    gated delta rule, with as many key heads as value heads and with fewer (repeated)."""
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from engine.model.trunk import delta_rule_step
+
+    mx.random.seed(7)
+    k_heads, v_heads = heads
+    dk, dv = 32, 16
+    q = 0.2 * mx.random.normal((2, 1, k_heads, dk))
+    k = mx.random.normal((2, 1, k_heads, dk))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((2, 1, v_heads, dv))
+    a, b = mx.random.normal((2, 1, v_heads)), mx.random.normal((2, 1, v_heads))
+    a_log, dt_bias = mx.random.normal((v_heads,)), mx.random.normal((v_heads,))
+    start = 0.3 * mx.random.normal((2, v_heads, dv, dk))
+    log_g = -mx.exp(a_log) * nn.softplus(a + dt_bias)
+
+    y_ref, state_ref = gated_delta_update(
+        q, k, v, a, b, a_log, dt_bias, start, None, use_kernel=False
+    )
+    repeat = v_heads // k_heads
+    q, k = mx.repeat(q, repeat, axis=-2), mx.repeat(k, repeat, axis=-2)
+    y, capture = delta_rule_step(q, k, v, log_g, mx.sigmoid(b), start)
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=2e-6)
+    np.testing.assert_allclose(np.array(capture.state_after(1)), np.array(state_ref), atol=2e-6)
+    np.testing.assert_allclose(np.array(capture.row(1).final), np.array(state_ref[1:]), atol=2e-6)

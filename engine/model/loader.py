@@ -35,6 +35,7 @@ from mlx_lm.utils import load_model
 
 from engine.model import memory
 from engine.model.mtp import MTPHead
+from engine.model.trunk import prepare_transposed
 
 log = logging.getLogger("mtpserve.loader")
 
@@ -295,6 +296,7 @@ def load(
     if with_head:
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
     _materialise(net, chosen.needed)
+    prepare_transposed(net)
     log.info("weights loaded in %.1fs", time.perf_counter() - t0)
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)

@@ -25,7 +25,14 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from engine.model.trunk import attention_block, attention_block_rows, block, leads_a_group
+from engine.model.trunk import (
+    attention_block,
+    attention_block_rows,
+    block,
+    leads_a_group,
+    linear,
+    transposed_weight,
+)
 
 
 class MTPHead(nn.Module):
@@ -85,7 +92,7 @@ class MTPHead(nn.Module):
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         e = self.pre_fc_norm_embedding(embedded)
         h = self.pre_fc_norm_hidden(hidden)
-        return self.fc(mx.concatenate([e, h], axis=-1))  # embedding first, then hidden
+        return linear(self.fc, mx.concatenate([e, h], axis=-1))  # embedding first, then hidden
 
     def output(self, trunk: Any, z: mx.array) -> tuple[mx.array, mx.array]:
         last = self.norm(z)  # one row: only the last position drafts
@@ -149,5 +156,7 @@ def table_rows(table: nn.Module, index: mx.array) -> mx.array:
 def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:
     """The trunk's output projection (the embedding matrix when tied)."""
     if trunk.args.tie_word_embeddings:
-        return trunk.model.embed_tokens.as_linear(hidden)
-    return trunk.lm_head(hidden)
+        table = trunk.model.embed_tokens
+        weight_t = transposed_weight(table)
+        return table.as_linear(hidden) if weight_t is None else hidden @ weight_t
+    return linear(trunk.lm_head, hidden)

@@ -70,6 +70,55 @@ def delta_rule_chunk(
     return y.transpose(0, 2, 1, 3), VerifyCapture(state, u, k, decay, gamma)
 
 
+def delta_rule_step(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, StepCapture]:
+    """One gated delta-rule step (T = 1: a plain cycle), with ``delta_rule_chunk``'s arguments
+    and result: ``S_1 = g S_0 + u k^T``, ``u = beta (v - g S_0 k)``, ``y = S_1 q``.
+
+    The closed form's T x T decay and triangular inverse are a third of a plain step's GDN
+    primitives, all for one position; here the new state is computed in the block, so the
+    commit of the one position runs nothing either."""
+    f32 = mx.float32
+    B, _, H, Dk = q.shape
+    Dv = v.shape[-1]
+    k = k.astype(f32)
+    g = mx.exp(log_g.astype(f32)).reshape(B, H, 1, 1)
+    decayed = g * state  # [B, H, Dv, Dk]
+    u = beta.astype(f32).reshape(B, H, 1, 1) * (
+        v.astype(f32).reshape(B, H, Dv, 1) - decayed @ k.reshape(B, H, Dk, 1)
+    )  # [B, H, Dv, 1]
+    final = decayed + u * k.reshape(B, H, 1, Dk)
+    y = final @ q.astype(f32).reshape(B, H, Dk, 1)  # [B, H, Dv, 1]
+    return y.reshape(B, 1, H, Dv), StepCapture(final)
+
+
+@dataclass
+class StepCapture:
+    """What a one-position pass keeps of a GDN layer: the state after its position."""
+
+    final: mx.array  # [B, H, Dv, Dk]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.final]
+
+    def outputs(self) -> list[mx.array]:
+        """What a compiled block returns of it (``capture_of`` rebuilds it)."""
+        return [self.final]
+
+    def state_after(self, n: int) -> mx.array:
+        if n != 1:
+            raise ValueError("a one-position pass keeps exactly its one position")
+        return self.final
+
+    def row(self, b: int) -> StepCapture:
+        return StepCapture(self.final[b : b + 1])
+
+    def states_after(self, last: mx.array) -> mx.array:
+        """Every row's state after its position ``last[b]`` (always 0 here)."""
+        return self.final
+
+
 @dataclass
 class VerifyCapture:
     """What a verify pass keeps of one GDN layer to produce the state after any position.
@@ -88,12 +137,36 @@ class VerifyCapture:
     def arrays(self) -> list[mx.array]:
         return [self.start, self.u, self.k, self.decay, self.gamma]
 
+    def outputs(self) -> list[mx.array]:
+        """What a compiled block returns of it (the caller holds ``start``: ``capture_of``)."""
+        return [self.u, self.k, self.decay, self.gamma]
+
     def state_after(self, n: int) -> mx.array:
         """The recurrent state after the first ``n`` (>= 1) positions."""
         w = self.decay[:, :, n - 1, :, None]  # [B, H, T, 1]
         return (
             self.gamma[:, :, n - 1, :, None] * self.start + (self.u * w).swapaxes(-1, -2) @ self.k
         )
+
+    def row(self, b: int) -> VerifyCapture:
+        return VerifyCapture(*(a[b : b + 1] for a in self.arrays()))
+
+    def states_after(self, last: mx.array) -> mx.array:
+        """Every row's state after its position ``last[b]`` (0-based), with one set of ops (a
+        per-row gather along the captured positions) instead of one ``state_after`` per row."""
+        rows, heads, positions = self.decay.shape[0], self.decay.shape[1], self.decay.shape[2]
+        pick = mx.broadcast_to(last[:, None, None, None], (rows, heads, 1, positions))
+        w = mx.take_along_axis(self.decay, pick, axis=2).swapaxes(-1, -2)  # [B, H, T, 1]
+        gamma = mx.take_along_axis(self.gamma, pick[..., :1], axis=2)  # [B, H, 1, 1]
+        return gamma * self.start + (self.u * w).swapaxes(-1, -2) @ self.k
+
+
+def capture_of(start: mx.array, positions: int, outputs: list[mx.array]) -> Capture:
+    """A capture from what a compiled GDN block returned (``outputs()``) over ``positions``."""
+    return StepCapture(*outputs) if positions == 1 else VerifyCapture(start, *outputs)
+
+
+Capture = VerifyCapture | StepCapture
 
 
 class GDNLayerState:
@@ -107,7 +180,7 @@ class GDNLayerState:
         self._conv, self._recurrent = conv, recurrent
         # Filled by a capturing forward over T positions; consumed by ``commit``.
         self.conv_window: mx.array | None = None
-        self.capture: VerifyCapture | None = None
+        self.capture: Capture | None = None
         #: a batched verify's captures this row committed to but has not formed yet
         self.batch: BatchCommit | None = None
         self.row = 0
@@ -160,7 +233,7 @@ class BatchCommit:
     state from its rows of the captures, exactly as a single sequence does."""
 
     def __init__(
-        self, states: list[GDNLayerState], window: mx.array, capture: VerifyCapture, kernel: int
+        self, states: list[GDNLayerState], window: mx.array, capture: Capture, kernel: int
     ) -> None:
         self.states, self.window, self.capture, self.kernel = states, window, capture, kernel
         self.keeps: list[int | None] = [None] * len(states)
@@ -181,8 +254,7 @@ class BatchCommit:
         if n_keep is None:
             raise RuntimeError("a GDN state read between a verify and its commit")
         if self.recurrent is None:
-            cap = self.capture
-            one = VerifyCapture(*(a[row : row + 1] for a in cap.arrays()))
+            one = self.capture.row(row)
             window = self.window[row : row + 1]
             self.states[row].settled(
                 window[:, n_keep : n_keep + self.kernel - 1], one.state_after(n_keep)
@@ -198,13 +270,8 @@ class BatchCommit:
         return self.conv, self.recurrent
 
     def _form_all(self) -> None:
-        cap, rows = self.capture, len(self.states)
         last = mx.array(self.keeps) - 1  # [B]: each row's last kept position
-        heads, positions = cap.decay.shape[1], cap.decay.shape[2]
-        pick = mx.broadcast_to(last[:, None, None, None], (rows, heads, 1, positions))
-        w = mx.take_along_axis(cap.decay, pick, axis=2).swapaxes(-1, -2)  # [B, H, T, 1]
-        gamma = mx.take_along_axis(cap.gamma, pick[..., :1], axis=2)  # [B, H, 1, 1]
-        self.recurrent = gamma * cap.start + (cap.u * w).swapaxes(-1, -2) @ cap.k
+        self.recurrent = self.capture.states_after(last)
         window_rows = (last + 1)[:, None] + mx.arange(self.kernel - 1)[None]  # [B, kernel-1]
         self.conv = mx.take_along_axis(self.window, window_rows[..., None], axis=1)
         for row, state in enumerate(self.states):
@@ -291,10 +358,11 @@ def new_trunk_cache(trunk: Any) -> TrunkCache:
 def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool) -> mx.array:
     """mlx-lm's ``GatedDeltaNet`` forward, optionally capturing the state after each position."""
     B, T, _ = x.shape
-    qkv = m.in_proj_qkv(x)
-    z = m.in_proj_z(x).reshape(B, T, m.num_v_heads, m.head_v_dim)
-    b = m.in_proj_b(x)
-    a = m.in_proj_a(x)
+    flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
+    qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
+    z = linear(m.in_proj_z, flat).reshape(B, T, m.num_v_heads, m.head_v_dim)
+    b = linear(m.in_proj_b, flat).reshape(B, T, -1)
+    a = linear(m.in_proj_a, flat).reshape(B, T, -1)
 
     conv_state = state.conv
     if conv_state is None:
@@ -317,7 +385,8 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
         if (repeat := m.num_v_heads // m.num_k_heads) > 1:
             q = mx.repeat(q, repeat, axis=-2)
             k = mx.repeat(k, repeat, axis=-2)
-        y, state.capture = delta_rule_chunk(q, k, v, log_g, beta, recurrent)
+        rule = delta_rule_step if T == 1 else delta_rule_chunk
+        y, state.capture = rule(q, k, v, log_g, beta, recurrent)
         y = y.astype(x.dtype)
         state.conv_window = window
     else:
@@ -326,7 +395,7 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
         )
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = m.out_proj(m.norm(y, z).reshape(B, T, -1))
+    out = linear(m.out_proj, m.norm(y, z).reshape(B * T, -1)).reshape(B, T, -1)
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
         out = mx.distributed.all_sum(out, group=m.sharding_group)
@@ -408,14 +477,67 @@ def compiled(
     return blocks[kind]
 
 
+#: where a float linear layer (or embedding) keeps its evaluated transposed weight
+_TRANSPOSED = "_mtpserve_transposed"
+
+
+def prepare_transposed(model: nn.Module) -> int:
+    """Give every float ``nn.Linear`` and ``nn.Embedding`` under ``model`` its weight's
+    transpose, evaluated once: a view of the same buffer (no copy), so ``linear`` and
+    ``project_to_vocab`` multiply by it directly. Returns how many views were made.
+
+    Why: ``nn.Linear`` computes ``x @ weight.T``, and a compiled block replays that transpose
+    as one more dispatched primitive per projection and step (mlx does not fold constants),
+    ~60 of a plain demo-model step's ~800, each costing as much to dispatch as a small product.
+    Call it once the weights are final (``engine.model.loader.load``); a weight replaced later
+    is noticed and multiplied as before."""
+    made = 0
+    for module in model.modules():
+        if type(module) in (nn.Linear, nn.Embedding):
+            weight = module["weight"]
+            view = weight.T
+            mx.eval(view)
+            module.__dict__[_TRANSPOSED] = (weight, view)
+            made += 1
+    return made
+
+
+def transposed_weight(module: nn.Module) -> mx.array | None:
+    """The view ``prepare_transposed`` made, if the module still holds that weight."""
+    cached = module.__dict__.get(_TRANSPOSED)
+    if cached is None or cached[0] is not module.get("weight"):
+        return None
+    return cached[1]
+
+
+def linear(module: nn.Module, x: mx.array) -> mx.array:
+    """``module(x)`` for a linear layer, by its prepared transposed weight when it has one
+    (the same product: bit-identical)."""
+    weight_t = transposed_weight(module)
+    if weight_t is None:
+        return module(x)
+    bias = module.get("bias")
+    return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
+
+
+def mlp(layer: nn.Module, x: mx.array) -> mx.array:
+    """The layer's MLP: mlx-lm's dense SwiGLU by ``linear``; any other (experts) as it is."""
+    m = layer.mlp
+    if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
+        return m(x)
+    flat = x.reshape(-1, x.shape[-1])  # 2-D products: no flatten/unflatten around each
+    out = linear(m.down_proj, nn.silu(linear(m.gate_proj, flat)) * linear(m.up_proj, flat))
+    return out.reshape(x.shape)
+
+
 def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
     m = layer.linear_attn
 
     def block(x: mx.array, conv: mx.array, recurrent: mx.array) -> tuple[mx.array, ...]:
         state = GDNLayerState(conv, recurrent)
         h = x + gated_deltanet(m, layer.input_layernorm(x), state, capture=True)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return (h, state.conv_window, *state.capture.arrays()[1:])
+        h = h + mlp(layer, layer.post_attention_layernorm(h))
+        return (h, state.conv_window, *state.capture.outputs())
 
     return block
 
@@ -431,7 +553,8 @@ def gdn_block_captured(
         stacked = rows[0].batch.stacked(rows)
         if stacked is not None:  # the same rows as the last batched cycle: no re-stacking
             h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, *stacked)
-            BatchCommit(rows, window, VerifyCapture(stacked[1], *captured), m.conv_kernel_size)
+            capture = capture_of(stacked[1], x.shape[1], captured)
+            BatchCommit(rows, window, capture, m.conv_kernel_size)
             return h
     convs, recurrents = [], []
     for state in rows:
@@ -444,11 +567,12 @@ def gdn_block_captured(
         recurrents.append(recurrent)
     if len(rows) == 1:
         h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, convs[0], recurrents[0])
-        rows[0].conv_window, rows[0].capture = window, VerifyCapture(recurrents[0], *captured)
+        rows[0].conv_window = window
+        rows[0].capture = capture_of(recurrents[0], x.shape[1], captured)
         return h
     stacked = (mx.concatenate(convs), mx.concatenate(recurrents))
     h, window, *captured = compiled(layer, "gdn", _gdn_block)(x, *stacked)
-    BatchCommit(rows, window, VerifyCapture(stacked[1], *captured), m.conv_kernel_size)
+    BatchCommit(rows, window, capture_of(stacked[1], x.shape[1], captured), m.conv_kernel_size)
     return h
 
 
@@ -459,10 +583,11 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
 
     def block(x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         B, L, _ = x.shape
-        normed = layer.input_layernorm(x)
-        queries, gate = mx.split(a.q_proj(normed).reshape(B, L, a.num_attention_heads, -1), 2, -1)
-        keys = a.k_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
-        values = a.v_proj(normed).reshape(B, L, a.num_key_value_heads, -1)
+        normed = layer.input_layernorm(x).reshape(B * L, -1)  # 2-D products
+        queries = linear(a.q_proj, normed).reshape(B, L, a.num_attention_heads, -1)
+        queries, gate = mx.split(queries, 2, -1)
+        keys = linear(a.k_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
+        values = linear(a.v_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
         queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
         keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
@@ -474,10 +599,11 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     a = layer.self_attn
 
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
-        B, L, _ = x.shape
-        attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = x + a.o_proj(attended * mx.sigmoid(gate))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        B, L, H = x.shape
+        attended = attended.transpose(0, 2, 1, 3).reshape(B * L, -1)
+        out = linear(a.o_proj, attended * mx.sigmoid(gate.reshape(B * L, -1)))
+        h = x + out.reshape(B, L, H)
+        return h + mlp(layer, layer.post_attention_layernorm(h))
 
     return block
 
