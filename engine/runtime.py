@@ -49,7 +49,7 @@ from engine.cycle.speculative import (
     start_sequence,
 )
 from engine.model import loader
-from engine.model.memory import release_between_requests
+from engine.model.memory import limit_host_arenas, release_between_requests
 from engine.scheduling.autok import DraftPolicy, EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
 from sampling.params import (
@@ -102,6 +102,7 @@ class Engine:
     ) -> Engine:
         from transformers import AutoTokenizer
 
+        limit_host_arenas()  # before the threads that decode allocate (engine.model.memory)
         loaded = cls.load_model(
             model, mtp_weights=mtp_weights, dtype=dtype, memory_limit=memory_limit
         )

@@ -88,7 +88,7 @@ class ServerMetrics:
             "mtpserve_queue_depth", "Generations waiting for the engine", registry=r
         )
         self.running = Gauge(
-            "mtpserve_running", "Generations running on the engine (0 or 1)", registry=r
+            "mtpserve_running", "Generations running on the engine (rows of the batch)", registry=r
         )
         self.acceptance_rate = Gauge(
             "mtpserve_spec_acceptance_rate",

@@ -16,6 +16,7 @@ Peak memory is measured by ``engine.bench.memory``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -229,8 +230,62 @@ def configure_device(weight_bytes: int) -> None:
 
 def release_between_requests() -> None:
     """On Metal, free mlx's buffer cache after a request (as mlx-lm's server does), so a long
-    prompt's activations do not stay allocated; on CPUs the cache is kept (cheap, and reused)."""
+    prompt's activations do not stay allocated; on CPUs the cache is kept (cheap, and reused),
+    and glibc's heap hands its free pages back (``trim_host_heap``)."""
     import mlx.core as mx
 
     if mx.default_device() == mx.gpu and mx.metal.is_available():
         mx.clear_cache()
+    else:
+        trim_host_heap()
+
+
+# -- the host heap (glibc) --------------------------------------------------------------------
+# mlx's CPU backend allocates every array, and a request's activations, through malloc, from
+# several threads (the caller's, mlx's stream thread, BLAS threads): glibc then keeps an arena
+# per thread and holds freed pages in each, so a long-running server's resident memory creeps
+# up with traffic although mlx's own active memory stays flat (docs/BENCHMARKS.md §13).
+
+#: glibc's mallopt parameter for the number of arenas
+_M_ARENA_MAX = -8
+#: arenas a serving process keeps: its two busy allocating threads
+HOST_ARENAS = 2
+#: while requests run, the heap is trimmed at most this often (a trim walks the heap)
+TRIM_INTERVAL_S = 2.0
+_last_trim = 0.0
+
+
+@functools.cache
+def _glibc() -> Any:
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def limit_host_arenas() -> None:
+    """Cap glibc's malloc arenas at ``HOST_ARENAS`` (a serving process calls this at start,
+    before its threads allocate); nothing elsewhere."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_ARENA_MAX, HOST_ARENAS)
+
+
+def trim_host_heap(min_interval: float = 0.0) -> None:
+    """Return glibc's free heap pages to the system (``malloc_trim``), unless the last trim
+    was less than ``min_interval`` seconds ago; nothing elsewhere."""
+    import time
+
+    global _last_trim
+    now = time.monotonic()
+    if now - _last_trim < min_interval:
+        return
+    _last_trim = now
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
