@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,15 +230,25 @@ def configure_device(weight_bytes: int) -> None:
 
 
 def release_between_requests() -> None:
-    """On Metal, free mlx's buffer cache after a request (as mlx-lm's server does), so a long
-    prompt's activations do not stay allocated; on CPUs the cache is kept (cheap, and reused),
-    and glibc's heap hands its free pages back (``trim_host_heap``)."""
+    """Free mlx's buffer cache after a request (as mlx-lm's server does on Metal), so a long
+    prompt's activations do not stay allocated and the cache cannot drift up with the mix of
+    shapes traffic brings; on Linux glibc's heap then hands the freed pages back."""
     import mlx.core as mx
 
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
-        mx.clear_cache()
-    else:
-        trim_host_heap()
+    mx.clear_cache()
+    trim_host_heap()
+
+
+def release_while_running() -> None:
+    """``release_between_requests`` for a batch that never idles, when one of its rows leaves:
+    at most every ``TRIM_INTERVAL_S``, and not on a GPU (the running rows would wait for their
+    buffers to be allocated again); on a CPU reallocating a cycle's buffers costs little."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu or time.monotonic() - _last_trim < TRIM_INTERVAL_S:
+        return
+    mx.clear_cache()
+    trim_host_heap()
 
 
 # -- the host heap (glibc) --------------------------------------------------------------------
@@ -250,7 +261,7 @@ def release_between_requests() -> None:
 _M_ARENA_MAX = -8
 #: arenas a serving process keeps: its two busy allocating threads
 HOST_ARENAS = 2
-#: while requests run, the heap is trimmed at most this often (a trim walks the heap)
+#: while requests run, memory is released at most this often (``release_while_running``)
 TRIM_INTERVAL_S = 2.0
 _last_trim = 0.0
 
@@ -276,16 +287,10 @@ def limit_host_arenas() -> None:
         libc.mallopt(_M_ARENA_MAX, HOST_ARENAS)
 
 
-def trim_host_heap(min_interval: float = 0.0) -> None:
-    """Return glibc's free heap pages to the system (``malloc_trim``), unless the last trim
-    was less than ``min_interval`` seconds ago; nothing elsewhere."""
-    import time
-
+def trim_host_heap() -> None:
+    """Return glibc's free heap pages to the system (``malloc_trim``); nothing elsewhere."""
     global _last_trim
-    now = time.monotonic()
-    if now - _last_trim < min_interval:
-        return
-    _last_trim = now
+    _last_trim = time.monotonic()
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

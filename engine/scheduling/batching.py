@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.api import GenerationEvent, GenerationRequest
 from engine.cycle.speculative import CycleResult, Sequence, launch_cycles, read_cycles
-from engine.model.memory import TRIM_INTERVAL_S, release_between_requests, trim_host_heap
+from engine.model.memory import release_between_requests, release_while_running
 from engine.scheduling.autok import MAX_AUTO_K, expected_tokens
 
 log = logging.getLogger("mtpserve.batching")
@@ -171,8 +171,7 @@ class BatchDecoder:
             ended = self._advance(key, row, out)
             if ended:
                 del self.rows[key]
-                # a batch that never idles still returns what its rows freed
-                trim_host_heap(TRIM_INTERVAL_S)
+                release_while_running()  # a batch that never idles returns what rows freed
         self._release_if_idle()
         return out
 
