@@ -7,10 +7,10 @@ requests from ``--concurrency`` clients (streaming and not, greedy and sampled, 
 fixed K, varied lengths), and every ``--disconnect-every``-th streaming client hangs up after
 its first chunks. First ``--warmup`` requests of the same traffic run unmeasured (each new batch
 size and draft length compiles its blocks once), then the server's resident memory (VmRSS) is
-sampled after every ``--sample-every`` requests. Prints a JSON report: RSS over time and its
-change over the measured requests, outcomes by kind (warm-up included), and the server's
-/metrics totals, the conversation cache's bytes among them. The conversation cache keeps every
-conversation's state up to its byte budget (``--prompt-cache-bytes``, 1 GiB by default, here 64
+sampled for every round of ``--sample-every`` requests, in flight and at rest (``soak``).
+Prints a JSON report: both RSS series and their change over the measured requests, outcomes by
+kind (warm-up included), and the server's /metrics totals, the conversation cache's bytes
+among them. The conversation cache keeps every conversation's state up to its byte budget (``--prompt-cache-bytes``, 1 GiB by default, here 64
 MiB unless ``--prompt-cache-bytes`` is given) and memory grows with it until the budget is
 reached: what must stay flat is the rest.
 Not a test: a make target (``make soak``).
@@ -84,26 +84,36 @@ async def one(client: httpx.AsyncClient, i: int, args: argparse.Namespace) -> st
 
 
 async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
+    """Rounds of ``--sample-every`` requests from ``--concurrency`` clients. Resident memory is
+    sampled twice per round: in flight (when the round's middle request completes: the
+    working set of the requests running then included) and at rest (after the round, once
+    the server has no request running or waiting: what it holds between bursts)."""
     outcomes: dict[str, int] = {}
-    samples: list[tuple[int, float, int]] = []
+    in_flight: list[tuple[int, float, int]] = []
+    at_rest: list[tuple[int, float, int]] = []
     t0 = time.monotonic()
-    # warm-up: the same kind of traffic first, so that the measured requests find the shapes
-    # they run compiled (each new batch size x draft length compiles its blocks once)
-    queue = list(range(-args.warmup, args.requests))
     done = -args.warmup
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        # warm-up: the same kind of traffic first, so that the measured requests find the
+        # shapes they run compiled (each new batch size x draft length compiles its blocks once)
+        for first in range(-args.warmup, args.requests, args.sample_every):
+            queue = list(range(first, min(first + args.sample_every, args.requests)))
+            middle = first + len(queue) // 2
 
-        async def worker() -> None:
-            nonlocal done
-            while queue:
-                i = queue.pop(0)
-                outcome = await one(client, i, args)
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-                done += 1
-                if done >= 0 and done % args.sample_every == 0:
-                    samples.append((done, time.monotonic() - t0, rss_kib(pid)))
+            async def worker(queue: list[int], middle: int) -> None:
+                nonlocal done
+                while queue:
+                    i = queue.pop(0)
+                    outcome = await one(client, i, args)
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                    done += 1
+                    if done == middle and done >= 0:
+                        in_flight.append((done, time.monotonic() - t0, rss_kib(pid)))
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            await asyncio.gather(*(worker(queue, middle) for _ in range(args.concurrency)))
+            if done >= 0:
+                await _until_idle(client)
+                at_rest.append((done, time.monotonic() - t0, rss_kib(pid)))
         metrics = (await client.get("/metrics")).text
     totals = {
         line.split()[0]: float(line.split()[1])
@@ -116,20 +126,52 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict:
             )
         )
     }
-    first, peak, last = samples[0][2], max(s[2] for s in samples), samples[-1][2]
     return {
         "requests": args.requests,
         "warmup_requests": args.warmup,
         "concurrency": args.concurrency,
         "seconds": time.monotonic() - t0,
         "outcomes": outcomes,
-        "rss_mib": [(n, round(t, 1), round(kib / 1024, 1)) for n, t, kib in samples],
-        "rss_first_sample_mib": round(first / 1024, 1),
-        "rss_peak_mib": round(peak / 1024, 1),
-        "rss_last_mib": round(last / 1024, 1),
-        "rss_growth": round(last / first - 1, 4),
-        "rss_peak_over_first": round(peak / first - 1, 4),
+        "at_rest": _series(at_rest),
+        "in_flight": _series(in_flight),
         "metrics": totals,
+    }
+
+
+async def _until_idle(client: httpx.AsyncClient) -> None:
+    """Wait until the server has no generation running or queued (then it has released what
+    the last requests held: engine.model.memory.release_between_requests)."""
+    while True:
+        text = (await client.get("/metrics")).text
+        busy = sum(
+            float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith(("mtpserve_running ", "mtpserve_queue_depth "))
+        )
+        if busy == 0:
+            await asyncio.sleep(0.2)  # the worker thread releases right after its last row
+            return
+        await asyncio.sleep(0.05)
+
+
+def _series(samples: list[tuple[int, float, int]]) -> dict:
+    """RSS samples (MiB) with the change from the first to the last, the peak over the first,
+    and the least-squares trend over the measured requests (as a fraction of the first)."""
+    mib = [kib / 1024 for _, _, kib in samples]
+    n = [float(done) for done, _, _ in samples]
+    mean_n, mean_m = sum(n) / len(n), sum(mib) / len(mib)
+    spread = sum((x - mean_n) ** 2 for x in n) or 1.0
+    slope = sum((x - mean_n) * (y - mean_m) for x, y in zip(n, mib, strict=True)) / spread
+    return {
+        "rss_mib": [
+            (d, round(t, 1), round(m, 1)) for (d, t, _), m in zip(samples, mib, strict=True)
+        ],
+        "first_mib": round(mib[0], 1),
+        "last_mib": round(mib[-1], 1),
+        "peak_mib": round(max(mib), 1),
+        "growth": round(mib[-1] / mib[0] - 1, 4),
+        "peak_over_first": round(max(mib) / mib[0] - 1, 4),
+        "trend_over_run": round(slope * (n[-1] - n[0]) / mib[0], 4),
     }
 
 
