@@ -10,9 +10,9 @@ size and draft length compiles its blocks once), then the server's resident memo
 sampled for every round of ``--sample-every`` requests, in flight and at rest (``soak``).
 Prints a JSON report: both RSS series and their change over the measured requests, outcomes by
 kind (warm-up included), and the server's /metrics totals, the conversation cache's bytes
-among them. The conversation cache keeps every conversation's state up to its byte budget (``--prompt-cache-bytes``, 1 GiB by default, here 64
-MiB unless ``--prompt-cache-bytes`` is given) and memory grows with it until the budget is
-reached: what must stay flat is the rest.
+among them. The conversation cache keeps every conversation's state up to its byte budget
+(``--prompt-cache-bytes``, 1 GiB by default, here 64 MiB unless ``--prompt-cache-bytes`` is
+given) and memory grows with it until the budget is reached: what must stay flat is the rest.
 Not a test: a make target (``make soak``).
 """
 

@@ -413,12 +413,14 @@ def launch_cycles(
         mx.eval(logits, *(a for seq in seqs for a in seq.trunk_cache.arrays()))
     t_verified = time.perf_counter()
 
-    # 3. Accept, per row (on device); read_cycles syncs once for every row.
+    # 3. Accept, per row (on device); read_cycles syncs once for every row. Under mlx.launch
+    #    the verify holds collectives: evaluated synchronously, like the draft steps.
+    start = mx.async_eval if overlap else mx.eval
     launched = []
     for b, row in enumerate(drafts):
         n_acc, next_token = row.accept(logits[b])
         row_hidden = hidden if rows == 1 else hidden[b : b + 1]
-        mx.async_eval(n_acc, next_token, row.drafts, row_hidden, row.seq.trunk_cache.arrays())
+        start(n_acc, next_token, row.drafts, row_hidden, row.seq.trunk_cache.arrays())
         launched.append(
             LaunchedCycle(
                 k=len(row.ids),
