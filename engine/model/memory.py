@@ -252,10 +252,10 @@ def release_while_running() -> None:
 
 
 # -- the host heap (glibc) --------------------------------------------------------------------
-# mlx's CPU backend allocates every array, and a request's activations, through malloc, from
-# several threads (the caller's, mlx's stream thread, BLAS threads): glibc then keeps an arena
-# per thread and holds freed pages in each, so a long-running server's resident memory creeps
-# up with traffic although mlx's own active memory stays flat (docs/BENCHMARKS.md §13).
+# mlx's CPU backend allocates every array through malloc, from several threads (the caller's,
+# mlx's stream thread, BLAS threads): glibc keeps an arena per thread and holds the pages freed
+# in each until the heap is trimmed, so without trimming a server's resident memory follows the
+# high-water mark of its traffic rather than what it holds (docs/BENCHMARKS.md §13).
 
 #: glibc's mallopt parameter for the number of arenas
 _M_ARENA_MAX = -8
