@@ -490,25 +490,22 @@ def compiled(
 _TRANSPOSED = "_mtpserve_transposed"
 
 
-def prepare_transposed(model: nn.Module) -> int:
+def prepare_transposed(model: nn.Module) -> None:
     """Give every float ``nn.Linear`` and ``nn.Embedding`` under ``model`` its weight's
     transpose, evaluated once: a view of the same buffer (no copy), so ``linear`` and
-    ``project_to_vocab`` multiply by it directly. Returns how many views were made.
+    ``project_to_vocab`` multiply by it directly.
 
     Why: ``nn.Linear`` computes ``x @ weight.T``, and a compiled block replays that transpose
     as one more dispatched primitive per projection and step (mlx does not fold constants),
     ~60 of a plain demo-model step's ~800, each costing as much to dispatch as a small product.
     Call it once the weights are final (``engine.model.loader.load``); a weight replaced later
     is noticed and multiplied as before."""
-    made = 0
     for module in model.modules():
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
             view = weight.T
             mx.eval(view)
             module.__dict__[_TRANSPOSED] = (weight, view)
-            made += 1
-    return made
 
 
 def transposed_weight(module: nn.Module) -> mx.array | None:
