@@ -191,6 +191,8 @@ def cluster(make_checkpoint, tmp_path_factory):
     for rank in range(2):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
         env["PYTHONPATH"] = str(ROOT)
+        # the watchdog's bound for a peer that stops answering (120 s by default), short here
+        env["MTPSERVE_DISTRIBUTED_TIMEOUT"] = str(WATCHDOG_S)
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
     url = f"http://127.0.0.1:{http}"
@@ -213,6 +215,10 @@ def cluster(make_checkpoint, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+#: the cluster's watchdog (MTPSERVE_DISTRIBUTED_TIMEOUT): above any cycle's time under load
+WATCHDOG_S = 20
 
 
 def sdk(url: str, timeout: float = 120) -> openai.OpenAI:
@@ -269,9 +275,11 @@ def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> N
     assert received >= 3
     assert error is not None, "the stream ended without an error"
     assert "distributed group" in str(error)
-    # seen at the next collective (the peer's socket closed), not by the watchdog, which is
-    # for peers that hang (120 s by default)
-    assert "no answer" not in str(error)
+    # Mostly seen at the next collective (the peer's socket closed). A kill that lands while
+    # rank 0 waits inside a collective's receive is left to the watchdog by mlx's ring backend
+    # (docs/DISTRIBUTED.md): then the error comes within its bound, not later.
+    if "no answer" in str(error):
+        assert time.monotonic() - started < WATCHDOG_S + 30
     # uvicorn shuts down on the SIGTERM rank 0 sends itself, then re-raises it: status -15
     assert procs[0].wait(60) != 0
     assert "this server is shutting down" in (tmp / "rank0.log").read_text()
