@@ -223,6 +223,34 @@ def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) ->
         batch.step()
 
 
+def test_newcomers_share_a_prefill_budget_first_come_first_served(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newcomers' prefill shares one budget of prompt tokens per step, in order of arrival:
+    short prompts that fit start decoding together; the first that does not fit waits for the
+    next step, and so does every newcomer behind it, even one that would fit."""
+    reqs = requests(engine, [GREEDY] * len(ROWS))
+    sizes = [len(r.prompt_ids) - 1 for r in reqs]
+    assert min(sizes[4:]) < sizes[3]  # a later, shorter newcomer that could overtake row 3
+    budget = sum(sizes[:3]) + sizes[3] - 1
+    monkeypatch.setattr(batching_module, "PREFILL_TOKENS_PER_STEP", budget)
+    batch = BatchDecoder(engine, len(reqs))
+    for i, request in enumerate(reqs):
+        batch.add(i, request)
+    first_step: dict[int, int] = {}
+    for step in range(3):
+        for key, item in batch.step():
+            assert not isinstance(item, BaseException), item
+            if item.token_ids:
+                first_step.setdefault(key, step)
+    # prefill at step 0 for rows 0-2, their first cycle at step 1; the rest a step later
+    assert [first_step.get(i) for i in range(3)] == [1, 1, 1]
+    assert first_step.get(3) == 2, first_step
+    assert all(first_step.get(i, 3) >= 2 for i in range(4, len(reqs))), first_step
+    for key in range(len(reqs)):
+        batch.drop(key)
+
+
 def test_rows_restore_from_and_save_to_the_conversation_cache() -> None:
     """Batch rows go through the conversation cache as single requests do: a second turn run
     as a row restores what the first turn's row saved, and emits what a cold run emits."""
@@ -292,15 +320,14 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
 
 
 def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
-    widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
+    widest_cycle: list[int],
 ) -> None:
     """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 seeded
     rows, 8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3 and
     automatic K in turn), against 400 requests decoded alone without drafts; the first three
     tokens, position by position."""
-    # every row prefilled in the batch's first step, so that all 8 draw their first tokens
-    # together (one prompt a step would stagger them past a 3-token generation)
-    monkeypatch.setattr(batching_module, "PREFILL_CHUNKS_PER_STEP", 8)
+    # eight short prompts fit in one step's prefill budget, so that all 8 draw their first
+    # tokens together (staggered, they would not all share a 3-token generation's cycles)
     engine = Engine.load(str(DEMO), draft_tokens=0)
     prompt = engine.tokenizer.encode("def add(a, b):")
     params = SETTINGS["temp1-topk-topp"]

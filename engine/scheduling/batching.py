@@ -8,10 +8,12 @@ of the batch advances every row once:
 1. the rows that asked for a cycle run it together — one ``launch_cycles`` per distinct K:
    each draft depth runs the head once for all its rows, the verify is one trunk pass over
    every row's K+1 positions, acceptance and commit are per row — and read back with one sync;
-2. every row gets its result back and runs until it asks again, emitting its events; one
-   prompt chunk is prefilled per step, for the earliest newcomer still prefilling, so the
-   running rows never wait more than a chunk between two cycles and of several newcomers the
-   first starts decoding first; a row that finishes, is cancelled or fails leaves at once.
+2. every row gets its result back and runs until it asks again, emitting its events; the
+   newcomers still prefilling get one prompt chunk each, first come first served, up to
+   ``PREFILL_TOKENS_PER_STEP`` prompt tokens in all (the first always gets its chunk), so the
+   running rows never wait longer than that much prefill between two cycles, a burst of short
+   prompts starts decoding together, and of several newcomers none overtakes an earlier one; a
+   row that finishes, is cancelled or fails leaves at once.
 
 Rows are independent: a row's draws use its own PRNG key (or its coupled seed), its own
 penalty history and its own caches, and its commit keeps its own accepted length, so what a
@@ -33,7 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import GenerationEvent, GenerationRequest
-from engine.cycle.speculative import CycleResult, Sequence, launch_cycles, read_cycles
+from engine.cycle.speculative import (
+    PREFILL_CHUNK,
+    CycleResult,
+    Sequence,
+    launch_cycles,
+    read_cycles,
+)
 from engine.model.memory import release_between_requests, release_while_running
 from engine.scheduling.autok import MAX_AUTO_K, expected_tokens
 
@@ -45,9 +53,11 @@ COST_MEMORY = 0.1
 EXPLORE_CYCLES = 2
 #: every this many cycles at a batch size, the least recently timed K runs once
 RETIME_EVERY = 64
-#: prompt chunks prefilled per step, across all newcomers: the running rows wait at most this
-#: many chunks between two cycles, and of several newcomers the first starts decoding first
-PREFILL_CHUNKS_PER_STEP = 1
+#: prompt tokens prefilled per step, across all newcomers (each gets at most one chunk): the
+#: running rows wait at most this much prefill between two cycles. Four chunks: a burst of
+#: eight chat-sized prompts joins in one or two steps instead of eight, and the wait stays
+#: about one 8-row cycle per chunk on the demo model (docs/BENCHMARKS.md §13)
+PREFILL_TOKENS_PER_STEP = 4 * PREFILL_CHUNK
 
 
 @dataclass
@@ -118,6 +128,14 @@ class _Row:
     error: BaseException | None = None
     #: past its prefill (it has asked for a cycle)
     decoding: bool = False
+    #: prompt tokens its prefill may still run (an upper bound: the conversation cache may
+    #: restore part of them)
+    prompt_left: int = 0
+
+    def next_chunk(self, chunk_tokens: int) -> int:
+        """The most prompt tokens its next advance prefills: chunks end at multiples of
+        ``chunk_tokens``, so never more than one chunk."""
+        return min(chunk_tokens, self.prompt_left)
 
 
 class BatchDecoder:
@@ -148,7 +166,9 @@ class BatchDecoder:
         """A new row; it starts (its first prefill chunk) at the next ``step``."""
         if len(self.rows) >= self.capacity:
             raise RuntimeError("the batch is full")
-        self.rows[key] = _Row(self.engine.row_steps(request, cancelled, trace))
+        row = _Row(self.engine.row_steps(request, cancelled, trace))
+        row.prompt_left = max(1, len(request.prompt_ids) - 1)
+        self.rows[key] = row
 
     def drop(self, key: Hashable) -> None:
         """Remove a row now (its consumer went away); its caches stay consistent."""
@@ -162,12 +182,16 @@ class BatchDecoder:
         Returns the events (or a row's error) in order; rows that ended have left."""
         self._run_cycles()
         out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
-        prefill_budget = PREFILL_CHUNKS_PER_STEP
+        prefilled, queue_closed = 0, False
+        chunk_tokens = self.engine.prefill_chunk
         for key, row in list(self.rows.items()):
             if not row.decoding:
-                if prefill_budget == 0:
-                    continue  # waits (first come, first served) for a later step's chunk
-                prefill_budget -= 1
+                chunk = row.next_chunk(chunk_tokens)
+                if queue_closed or (prefilled and prefilled + chunk > PREFILL_TOKENS_PER_STEP):
+                    queue_closed = True  # it and every later newcomer wait for the next step
+                    continue
+                prefilled += chunk
+                row.prompt_left -= chunk
             ended = self._advance(key, row, out)
             if ended:
                 del self.rows[key]
