@@ -24,6 +24,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from engine.model.activations import gated_rms_norm, sigmoid, silu
+
 
 def delta_rule_chunk(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
@@ -377,7 +379,7 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
     if conv_state is None:
         conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
     window = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = nn.silu(m.conv1d(window))
+    conv_out = silu(m.conv1d(window))
     q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
     q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
@@ -404,7 +406,7 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
         )
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = linear(m.out_proj, m.norm(y, z).reshape(B * T, -1)).reshape(B, T, -1)
+    out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B * T, -1)).reshape(B, T, -1)
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
         out = mx.distributed.all_sum(out, group=m.sharding_group)
@@ -423,19 +425,18 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
 
     With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
-    the next forward. Without it (prefill: long, varying T) layers run eagerly through mlx-lm.
+    the next forward. Without it (prefill: long, varying T) the same layers run eagerly, and
+    the GDN layers run mlx-lm's chunked recurrence without keeping per-position states.
     """
     x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
         return cache.forwarded(_trunk_rows(trunk, x, [cache]))
-    mask = "causal" if token_ids.shape[1] > 1 else None
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
-        normed = layer.input_layernorm(x)
         if layer.is_linear:
-            x = x + gated_deltanet(layer.linear_attn, normed, c, capture)
+            x = x + gated_deltanet(layer.linear_attn, layer.input_layernorm(x), c, capture)
+            x = x + mlp(layer, layer.post_attention_layernorm(x))
         else:
-            x = x + layer.self_attn(normed, mask=mask, cache=c)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = attention_block(layer, x, c)
     return cache.forwarded(trunk.model.norm(x))
 
 
@@ -532,7 +533,7 @@ def mlp(layer: nn.Module, x: mx.array) -> mx.array:
     if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
         return m(x)
     flat = x.reshape(-1, x.shape[-1])  # 2-D products: no flatten/unflatten around each
-    out = linear(m.down_proj, nn.silu(linear(m.gate_proj, flat)) * linear(m.up_proj, flat))
+    out = linear(m.down_proj, silu(linear(m.gate_proj, flat)) * linear(m.up_proj, flat))
     return out.reshape(x.shape)
 
 
@@ -607,7 +608,7 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
         B, L, H = x.shape
         attended = attended.transpose(0, 2, 1, 3).reshape(B * L, -1)
-        out = linear(a.o_proj, attended * mx.sigmoid(gate.reshape(B * L, -1)))
+        out = linear(a.o_proj, attended * sigmoid(gate.reshape(B * L, -1)))
         h = x + out.reshape(B, L, H)
         return h + mlp(layer, layer.post_attention_layernorm(h))
 
