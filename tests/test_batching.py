@@ -329,6 +329,7 @@ def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
     # eight short prompts fit in one step's prefill budget, so that all 8 draw their first
     # tokens together (staggered, they would not all share a 3-token generation's cycles)
     engine = Engine.load(str(DEMO), draft_tokens=0)
+    engine.enable_prefix_cache(64 << 20)  # 800 runs of one prompt: prefilled once
     prompt = engine.tokenizer.encode("def add(a, b):")
     params = SETTINGS["temp1-topk-topp"]
     n, capacity, ks = 400, 8, [1, 2, 3, None]

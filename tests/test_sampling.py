@@ -345,10 +345,16 @@ def demo_engine():
     """The shipped demo model: a trained trunk and head, so sampled distributions are spread
     out and drafts are accepted about half the time. (The random test checkpoints are either
     nearly deterministic under these settings or accept almost nothing, which would leave the
-    test below unable to fail, or exercising only the residual path.)"""
+    test below unable to fail, or exercising only the residual path.)
+
+    With the conversation cache on: the tests here run the same short prompt thousands of
+    times, and after the first its prefill is restored (exact against a cold run:
+    tests/test_prefix_cache.py), so each generation costs its cycles, not a prefill."""
     from engine.runtime import Engine
 
-    return Engine.load(str(DEMO_MODEL), draft_tokens=0)
+    engine = Engine.load(str(DEMO_MODEL), draft_tokens=0)
+    engine.enable_prefix_cache(64 << 20)
+    return engine
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

@@ -31,9 +31,13 @@ PROMPTS = ["def read_lines(path):\n", "The quick brown fox", "class Point:\n    
 
 @pytest.fixture(scope="module")
 def demo_engine():
+    """The demo model with the conversation cache on: each prompt runs hundreds of times and
+    is prefilled once (the cache is exact against a cold run: tests/test_prefix_cache.py)."""
     from engine.runtime import Engine
 
-    return Engine.load(str(DEMO_MODEL), draft_tokens=0)
+    engine = Engine.load(str(DEMO_MODEL), draft_tokens=0)
+    engine.enable_prefix_cache(64 << 20)
+    return engine
 
 
 def tokens(engine, prompt: list[int], params: SamplingParams, k: int, n: int) -> list[int]:
