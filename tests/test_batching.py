@@ -228,12 +228,15 @@ def test_newcomers_share_a_prefill_budget_first_come_first_served(
 ) -> None:
     """Newcomers' prefill shares one budget of prompt tokens per step, in order of arrival:
     short prompts that fit start decoding together; the first that does not fit waits for the
-    next step, and so does every newcomer behind it, even one that would fit."""
+    next step, and so does every newcomer behind it, even one that would fit. (The budget of a
+    step where no row decodes is set here; once rows decode it is one chunk, which the short
+    prompts left over fit in.)"""
     reqs = requests(engine, [GREEDY] * len(ROWS))
     sizes = [len(r.prompt_ids) - 1 for r in reqs]
     assert min(sizes[4:]) < sizes[3]  # a later, shorter newcomer that could overtake row 3
+    assert sum(sizes[3:]) <= engine.prefill_chunk
     budget = sum(sizes[:3]) + sizes[3] - 1
-    monkeypatch.setattr(batching_module, "PREFILL_TOKENS_PER_STEP", budget)
+    monkeypatch.setattr(batching_module, "PREFILL_TOKENS_IDLE", budget)
     batch = BatchDecoder(engine, len(reqs))
     for i, request in enumerate(reqs):
         batch.add(i, request)

@@ -9,11 +9,12 @@ of the batch advances every row once:
    each draft depth runs the head once for all its rows, the verify is one trunk pass over
    every row's K+1 positions, acceptance and commit are per row — and read back with one sync;
 2. every row gets its result back and runs until it asks again, emitting its events; the
-   newcomers still prefilling get one prompt chunk each, first come first served, up to
-   ``PREFILL_TOKENS_PER_STEP`` prompt tokens in all (the first always gets its chunk), so the
-   running rows never wait longer than that much prefill between two cycles, a burst of short
-   prompts starts decoding together, and of several newcomers none overtakes an earlier one; a
-   row that finishes, is cancelled or fails leaves at once.
+   newcomers still prefilling get one prompt chunk each, first come first served, within a
+   budget of prompt tokens per step (the first always gets its chunk): one chunk's worth while
+   any row is decoding, so the running rows never wait more than a chunk of prefill between
+   two cycles, and ``PREFILL_TOKENS_IDLE`` while none is, so that a burst of short prompts
+   starts decoding together; of several newcomers none overtakes an earlier one; a row that
+   finishes, is cancelled or fails leaves at once.
 
 Rows are independent: a row's draws use its own PRNG key (or its coupled seed), its own
 penalty history and its own caches, and its commit keeps its own accepted length, so what a
@@ -53,11 +54,11 @@ COST_MEMORY = 0.1
 EXPLORE_CYCLES = 2
 #: every this many cycles at a batch size, the least recently timed K runs once
 RETIME_EVERY = 64
-#: prompt tokens prefilled per step, across all newcomers (each gets at most one chunk): the
-#: running rows wait at most this much prefill between two cycles. Four chunks: a burst of
-#: eight chat-sized prompts joins in one or two steps instead of eight, and the wait stays
-#: about one 8-row cycle per chunk on the demo model (docs/BENCHMARKS.md §13)
-PREFILL_TOKENS_PER_STEP = 4 * PREFILL_CHUNK
+#: prompt tokens prefilled in a step while no row is decoding (nobody waits on it), across all
+#: newcomers, each getting at most one chunk: a burst of eight chat-sized prompts joins in one
+#: or two steps instead of eight (docs/BENCHMARKS.md §13), and the first newcomer's first token
+#: waits for at most this much of the others' prefill. While rows decode: one chunk's worth.
+PREFILL_TOKENS_IDLE = 4 * PREFILL_CHUNK
 
 
 @dataclass
@@ -184,10 +185,12 @@ class BatchDecoder:
         out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
         prefilled, queue_closed = 0, False
         chunk_tokens = self.engine.prefill_chunk
+        idle = not any(row.decoding for row in self.rows.values())
+        budget = PREFILL_TOKENS_IDLE if idle else chunk_tokens
         for key, row in list(self.rows.items()):
             if not row.decoding:
                 chunk = row.next_chunk(chunk_tokens)
-                if queue_closed or (prefilled and prefilled + chunk > PREFILL_TOKENS_PER_STEP):
+                if queue_closed or (prefilled and prefilled + chunk > budget):
                     queue_closed = True  # it and every later newcomer wait for the next step
                     continue
                 prefilled += chunk
