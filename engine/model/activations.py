@@ -2,10 +2,10 @@
 
 mlx's CPU backend evaluates ``exp`` (and with it ``sigmoid``, ``silu`` and the compiled blocks
 that fuse them) one element at a time through its own polynomial with out-of-line ``fmaf``
-calls: ~23 ns an element on this project's x86 machine, against ~8 ns for ``power(e, x)``
-(glibc's ``powf``; within 1 ulp, where mlx's ``exp`` is off by up to ~7). A decoder layer
-of the demo model takes ~1,500 of them per position (the SwiGLU gate, the GDN conv and output
-gates, the attention gate), so on a CPU they were ~40% of a prefill chunk's time and ~10% of
+calls: ~25 ns an element on this project's x86 machine, against ~9 ns for ``power(e, x)``
+(glibc's ``powf``; within 1 ulp, where mlx's ``exp`` is off by up to ~7). A decoder layer of
+the demo model takes ~1,500 of them per position (the SwiGLU gate, the GDN conv and output
+gates, the attention gate): with mlx's ``exp`` ~15% of a prefill's time on a CPU and ~10% of
 an 8-row batched cycle's (docs/BENCHMARKS.md §12). On GPUs ``exp`` is one instruction:
 ``mx.exp`` there.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def exp(x: mx.array) -> mx.array:
@@ -35,7 +36,7 @@ def silu(x: mx.array) -> mx.array:
     return x / (1 + exp(-x))
 
 
-def gated_rms_norm(norm: object, x: mx.array, gate: mx.array) -> mx.array:
+def gated_rms_norm(norm: nn.Module, x: mx.array, gate: mx.array) -> mx.array:
     """mlx-lm's ``Qwen3NextRMSNormGated`` (RMS norm of x times silu(gate), in float32)."""
     normed = mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)
     return (silu(gate.astype(mx.float32)) * normed).astype(x.dtype)

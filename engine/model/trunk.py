@@ -425,8 +425,9 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
 
     With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
-    the next forward. Without it (prefill: long, varying T) the same layers run eagerly, and
-    the GDN layers run mlx-lm's chunked recurrence without keeping per-position states.
+    the next forward. Without it (prefill: long, varying T) the same layers run eagerly, the
+    GDN layers through mlx-lm's gated delta recurrence (step by step on CPUs), keeping no
+    per-position states.
     """
     x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
