@@ -219,16 +219,21 @@ def _truncate(
     return (_top_p_min_p(softmax(logits), top_p, min_p),)
 
 
+#: narrower rows keep mlx's one-primitive softmax (``softmax``)
+WIDE_SOFTMAX = 2048
+
+
 def softmax(logits: mx.array) -> mx.array:
-    """Softmax over the last axis of float32 logits. On CPUs the exponential is ``power(e,
-    x)``: mlx's CPU ``exp`` costs ~3x as much an element (docs/BENCHMARKS.md §12), and a
-    vocabulary-wide softmax is most of a sampled row's truncation without top_k (8,192 columns:
-    212 -> 144 us a row); ``mx.exp`` elsewhere."""
-    shifted = logits - mx.max(logits, axis=-1, keepdims=True)
-    if mx.default_device().type == mx.DeviceType.cpu:
-        weights = mx.power(math.e, shifted)
-    else:
-        weights = mx.exp(shifted)
+    """Softmax over the last axis of float32 logits.
+
+    On CPUs a row of ``WIDE_SOFTMAX`` or more (a vocabulary: most of a sampled row's
+    truncation without top_k) takes its exponential from ``power(e, x)``: mlx's CPU ``exp``
+    costs ~3x as much an element (docs/BENCHMARKS.md §12; 8,192 columns: 255 -> 118 us a row).
+    The four primitives that costs instead of one lose below ~2,000 columns (20 columns, a
+    top_k row: 27 -> 45 us), so narrower rows and other devices use ``mx.softmax``."""
+    if logits.shape[-1] < WIDE_SOFTMAX or mx.default_device().type != mx.DeviceType.cpu:
+        return mx.softmax(logits, axis=-1, precise=True)
+    weights = mx.power(math.e, logits - mx.max(logits, axis=-1, keepdims=True))
     return weights / mx.sum(weights, axis=-1, keepdims=True)
 
 
