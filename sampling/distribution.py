@@ -228,7 +228,7 @@ def softmax(logits: mx.array) -> mx.array:
 
     On CPUs a row of ``WIDE_SOFTMAX`` or more (a vocabulary: most of a sampled row's
     truncation without top_k) takes its exponential from ``power(e, x)``: mlx's CPU ``exp``
-    costs ~3x as much an element (docs/BENCHMARKS.md §12; 8,192 columns: 255 -> 118 us a row).
+    costs ~3x as much an element (docs/BENCHMARKS.md §12; 8,192 columns: 212 -> 120 us a row).
     The four primitives that costs instead of one lose below ~2,000 columns (20 columns, a
     top_k row: 27 -> 45 us), so narrower rows and other devices use ``mx.softmax``."""
     if logits.shape[-1] < WIDE_SOFTMAX or mx.default_device().type != mx.DeviceType.cpu:
