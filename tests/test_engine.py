@@ -603,6 +603,44 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
         np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
 
 
+@pytest.mark.parametrize("keys", ["random", "repeated"])
+def test_prefill_delta_rule_matches_the_recurrence(keys: str) -> None:
+    """A prefill's closed-form GDN blocks (``delta_rule_prefill``) equal the step-by-step rule,
+    computed in float64, over 150 positions starting mid-block (blocks [37, 64), [64, 128),
+    [128, 187)) — also when one key repeats with little decay and beta near 1, where the
+    verify pass's squaring series would overflow float32 at these lengths."""
+    from engine.model.trunk import PREFILL_GDN_BLOCK, delta_rule_prefill
+
+    assert PREFILL_GDN_BLOCK == 64
+    rng = np.random.default_rng(3)
+    length, heads, dk, dv = 150, 4, 32, 16
+    q = 0.2 * rng.standard_normal((1, length, heads, dk))
+    k = rng.standard_normal((1, length, heads, dk))
+    if keys == "repeated":
+        k[:] = k[:, :1]
+        log_g = np.full((1, length, heads), -1e-4)
+        beta = np.full((1, length, heads), 0.99)
+    else:
+        log_g = -rng.uniform(0, 1, (1, length, heads)) ** 3
+        beta = rng.uniform(0, 1, (1, length, heads))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((1, length, heads, dv))
+    state = 0.3 * rng.standard_normal((1, heads, dv, dk))
+
+    def f32(x: np.ndarray) -> mx.array:
+        return mx.array(x.astype(np.float32))
+
+    y, final = delta_rule_prefill(*map(f32, (q, k, v, log_g, beta, state)), start=37)
+    s, y_ref = state.copy(), np.zeros_like(v)
+    for t in range(length):
+        s = s * np.exp(log_g[:, t])[..., None, None]
+        u = beta[:, t][..., None] * (v[:, t] - np.einsum("bhvk,bhk->bhv", s, k[:, t]))
+        s = s + np.einsum("bhv,bhk->bhvk", u, k[:, t])
+        y_ref[:, t] = np.einsum("bhvk,bhk->bhv", s, q[:, t])
+    np.testing.assert_allclose(np.array(y), y_ref, atol=2e-6)
+    np.testing.assert_allclose(np.array(final), s, atol=2e-5)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
 def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) -> None:
     """A plain cycle's GDN step (``delta_rule_step``: output and new state) equals mlx-lm's

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from engine.model.activations import gated_rms_norm, sigmoid, silu
+from engine.model.activations import exp, gated_rms_norm, sigmoid, silu
 
 
 def delta_rule_chunk(
@@ -44,11 +44,17 @@ def delta_rule_chunk(
         (I + N) U = beta * (V - exp(c) * K S_0^T),   N = beta * (D_strict * K K^T)
         Y = exp(c) * Q S_0^T + (D * Q K^T) U
 
-    N is strictly lower triangular (nilpotent), so ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)..``
-    with ceil(log2 T) factors. The op count no longer grows with T: on CPUs, where a small
-    decode step is bound by per-op dispatch, the per-position loop made every extra verified
-    position cost ~0.1 ms per layer. The state after any position n is a masked sum over the
-    captured U and K (``state_after``), so rolling back to the accepted position re-runs nothing.
+    N is strictly lower triangular (nilpotent). For a verify pass (T <= ``SQUARING_MAX_T``)
+    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)..`` with ceil(log2 T) factors: plain products, so
+    the block compiles, and the op count no longer grows with T (on CPUs, where a small decode
+    step is bound by per-op dispatch, the per-position loop made every extra verified position
+    cost ~0.1 ms per layer). That series is exact only in exact arithmetic: its partial sums
+    hold powers of N whose entries grow like binomial coefficients C(T-1, j) when keys repeat
+    (the same token twice, with little decay), ~70 at T = 9 but past float32's range by T = 32.
+    Longer T (a prefill's blocks: ``delta_rule_prefill``) inverts ``I + N`` by triangular
+    substitution instead (LAPACK's ``trtri``, on the CPU stream), backward stable at any T.
+    The state after any position n is a masked sum over the captured U and K (``state_after``),
+    so rolling back to the accepted position re-runs nothing.
     """
     f32 = mx.float32
     q, k, v = (t.astype(f32).transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, H, T, D]
@@ -57,20 +63,62 @@ def delta_rule_chunk(
     T = q.shape[2]
     rows, cols = mx.arange(T)[:, None], mx.arange(T)[None, :]
     diff = c[..., :, None] - c[..., None, :]  # c_t - c_s
-    decay = mx.exp(mx.where(cols <= rows, diff, -mx.inf))  # D, zero above the diagonal
+    decay = exp(mx.where(cols <= rows, diff, -mx.inf))  # D, zero above the diagonal
     strict = mx.where(cols < rows, decay, 0.0)
-    gamma = mx.exp(c)[..., None]  # [B, H, T, 1]
+    gamma = exp(c)[..., None]  # [B, H, T, 1]
     state_t = state.swapaxes(-1, -2)  # S_0^T: [B, H, Dk, Dv]
     rhs = beta * (v - gamma * (k @ state_t))
     power = -(beta * (strict * (k @ k.swapaxes(-1, -2))))  # -N
-    u, covered = rhs, 1
-    while covered < T:
-        u = u + power @ u
-        covered *= 2
-        if covered < T:
-            power = power @ power
+    if T > SQUARING_MAX_T:
+        u = mx.linalg.tri_inv(mx.eye(T) - power, upper=False, stream=mx.cpu) @ rhs
+    else:
+        u, covered = rhs, 1
+        while covered < T:
+            u = u + power @ u
+            covered *= 2
+            if covered < T:
+                power = power @ power
     y = gamma * (q @ state_t) + (decay * (q @ k.swapaxes(-1, -2))) @ u
     return y.transpose(0, 2, 1, 3), VerifyCapture(state, u, k, decay, gamma)
+
+
+#: Longest T whose ``delta_rule_chunk`` inverts by the squaring series (the longest verify pass:
+#: K <= 8). Equal to ``MAX_COMPILED_T``, stated apart because the reason is numerical.
+SQUARING_MAX_T = 9
+
+#: Positions per closed-form block of a prefill's recurrence on CPUs. Blocks end at multiples of
+#: it counted from position 0 (as prefill chunks do, and it divides them), so a prefill resumed
+#: at a chunk boundary — a conversation-cache block end — computes the floats a cold prefill of
+#: the same tokens computes. 64: of 16..128, the fastest here (docs/BENCHMARKS.md §12).
+PREFILL_GDN_BLOCK = 64
+
+
+def delta_rule_prefill(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    start: int,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over a prompt chunk at positions ``start..start+T-1``, in closed-form
+    blocks of ``PREFILL_GDN_BLOCK`` positions (``delta_rule_chunk``'s arguments); returns y and
+    the state after the last position.
+
+    mlx-lm's recurrence runs position by position where it has no kernel (CPUs): ~10 primitives
+    a position and layer, most of a CPU prefill's time. A block of 64 costs ~35 primitives."""
+    T = q.shape[1]
+    ys: list[mx.array] = []
+    t = 0
+    while t < T:
+        end = min(T, t + PREFILL_GDN_BLOCK - (start + t) % PREFILL_GDN_BLOCK)
+        part = (x[:, t:end] for x in (q, k, v, log_g, beta))
+        y, capture = delta_rule_chunk(*part, state)
+        state = capture.state_after(end - t)
+        ys.append(y)
+        t = end
+    return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)), state
 
 
 def delta_rule_step(
@@ -366,8 +414,14 @@ def new_trunk_cache(trunk: Any) -> TrunkCache:
     return make() if make is not None else TrunkCache(trunk)
 
 
-def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool) -> mx.array:
-    """mlx-lm's ``GatedDeltaNet`` forward, optionally capturing the state after each position."""
+def gated_deltanet(
+    m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool, start: int = 0
+) -> mx.array:
+    """mlx-lm's ``GatedDeltaNet`` forward over positions ``start..start+T-1``, optionally
+    capturing the state after each position.
+
+    Without capture (prefill) the recurrence is mlx-lm's where it has a kernel (Metal) and
+    ``delta_rule_prefill``'s closed-form blocks elsewhere."""
     B, T, _ = x.shape
     flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
     qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
@@ -389,21 +443,26 @@ def gated_deltanet(m: nn.Module, x: mx.array, state: GDNLayerState, capture: boo
     recurrent = state.recurrent
     if recurrent is None:
         recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    if capture:
+    if not capture and mx.metal.is_available():
+        y, recurrent = gated_delta_update(
+            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
+        )
+    else:
         beta = mx.sigmoid(b)
         # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
         log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
         if (repeat := m.num_v_heads // m.num_k_heads) > 1:
             q = mx.repeat(q, repeat, axis=-2)
             k = mx.repeat(k, repeat, axis=-2)
-        rule = delta_rule_step if T == 1 else delta_rule_chunk
-        y, state.capture = rule(q, k, v, log_g, beta, recurrent)
+        if capture:
+            rule = delta_rule_step if T == 1 else delta_rule_chunk
+            y, state.capture = rule(q, k, v, log_g, beta, recurrent)
+        else:
+            y, recurrent = delta_rule_prefill(q, k, v, log_g, beta, recurrent, start)
         y = y.astype(x.dtype)
+    if capture:
         state.conv_window = window
     else:
-        y, recurrent = gated_delta_update(
-            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
-        )
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
     out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B * T, -1)).reshape(B, T, -1)
@@ -426,15 +485,17 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
     the next forward. Without it (prefill: long, varying T) the same layers run eagerly, the
-    GDN layers through mlx-lm's gated delta recurrence (step by step on CPUs), keeping no
-    per-position states.
+    GDN layers through mlx-lm's kernel on Metal and ``delta_rule_prefill``'s closed-form blocks
+    elsewhere, keeping no per-position states.
     """
     x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
         return cache.forwarded(_trunk_rows(trunk, x, [cache]))
+    start = cache.length
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
         if layer.is_linear:
-            x = x + gated_deltanet(layer.linear_attn, layer.input_layernorm(x), c, capture)
+            normed = layer.input_layernorm(x)
+            x = x + gated_deltanet(layer.linear_attn, normed, c, capture, start)
             x = x + mlp(layer, layer.post_attention_layernorm(x))
         else:
             x = attention_block(layer, x, c)
