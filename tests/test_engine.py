@@ -621,7 +621,7 @@ def test_prefill_delta_rule_matches_the_recurrence(keys: str) -> None:
         log_g = np.full((1, length, heads), -1e-4)
         beta = np.full((1, length, heads), 0.99)
     else:
-        log_g = -rng.uniform(0, 1, (1, length, heads)) ** 3
+        log_g = -(rng.uniform(0, 1, (1, length, heads)) ** 3)
         beta = rng.uniform(0, 1, (1, length, heads))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((1, length, heads, dv))
