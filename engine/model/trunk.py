@@ -28,7 +28,13 @@ from engine.model.activations import exp, gated_rms_norm, sigmoid, silu
 
 
 def delta_rule_chunk(
-    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    substitution: bool = False,
 ) -> tuple[mx.array, VerifyCapture]:
     """T gated delta-rule steps at once, in closed form (no per-position loop).
 
@@ -44,15 +50,16 @@ def delta_rule_chunk(
         (I + N) U = beta * (V - exp(c) * K S_0^T),   N = beta * (D_strict * K K^T)
         Y = exp(c) * Q S_0^T + (D * Q K^T) U
 
-    N is strictly lower triangular (nilpotent). For a verify pass (T <= ``SQUARING_MAX_T``)
-    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)..`` with ceil(log2 T) factors: plain products, so
-    the block compiles, and the op count no longer grows with T (on CPUs, where a small decode
-    step is bound by per-op dispatch, the per-position loop made every extra verified position
-    cost ~0.1 ms per layer). That series is exact only in exact arithmetic: its partial sums
-    hold powers of N whose entries grow like binomial coefficients C(T-1, j) when keys repeat
-    (the same token twice, with little decay), ~70 at T = 9 but past float32's range by T = 32.
-    Longer T (a prefill's blocks: ``delta_rule_prefill``) inverts ``I + N`` by triangular
-    substitution instead (LAPACK's ``trtri``, on the CPU stream), backward stable at any T.
+    N is strictly lower triangular (nilpotent). For a verify pass (T = K+1 <= 10)
+    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)..`` with ceil(log2 T) factors: plain products on
+    any device, so the block compiles, and the op count no longer grows with T (on CPUs, where
+    a small decode step is bound by per-op dispatch, the per-position loop made every extra
+    verified position cost ~0.1 ms per layer). That series is exact only in exact arithmetic:
+    its partial sums hold powers of N whose entries grow like binomial coefficients C(T-1, j)
+    when keys repeat (the same token again, with little decay), ~126 at T = 10 but past
+    float32's range by T = 32. A prefill's blocks of 64 (``delta_rule_prefill``, CPUs) pass
+    ``substitution``: ``I + N`` is inverted by triangular substitution (LAPACK's ``trtri`` on
+    the CPU stream), backward stable at any T.
     The state after any position n is a masked sum over the captured U and K (``state_after``),
     so rolling back to the accepted position re-runs nothing.
     """
@@ -69,7 +76,7 @@ def delta_rule_chunk(
     state_t = state.swapaxes(-1, -2)  # S_0^T: [B, H, Dk, Dv]
     rhs = beta * (v - gamma * (k @ state_t))
     power = -(beta * (strict * (k @ k.swapaxes(-1, -2))))  # -N
-    if T > SQUARING_MAX_T:
+    if substitution:
         u = mx.linalg.tri_inv(mx.eye(T) - power, upper=False, stream=mx.cpu) @ rhs
     else:
         u, covered = rhs, 1
@@ -81,10 +88,6 @@ def delta_rule_chunk(
     y = gamma * (q @ state_t) + (decay * (q @ k.swapaxes(-1, -2))) @ u
     return y.transpose(0, 2, 1, 3), VerifyCapture(state, u, k, decay, gamma)
 
-
-#: Longest T whose ``delta_rule_chunk`` inverts by the squaring series (the longest verify pass:
-#: K <= 8). Equal to ``MAX_COMPILED_T``, stated apart because the reason is numerical.
-SQUARING_MAX_T = 9
 
 #: Positions per closed-form block of a prefill's recurrence on CPUs. Blocks end at multiples of
 #: it counted from position 0 (as prefill chunks do, and it divides them), so a prefill resumed
@@ -114,7 +117,7 @@ def delta_rule_prefill(
     while t < T:
         end = min(T, t + PREFILL_GDN_BLOCK - (start + t) % PREFILL_GDN_BLOCK)
         part = (x[:, t:end] for x in (q, k, v, log_g, beta))
-        y, capture = delta_rule_chunk(*part, state)
+        y, capture = delta_rule_chunk(*part, state, substitution=True)
         state = capture.state_after(end - t)
         ys.append(y)
         t = end
@@ -420,8 +423,8 @@ def gated_deltanet(
     """mlx-lm's ``GatedDeltaNet`` forward over positions ``start..start+T-1``, optionally
     capturing the state after each position.
 
-    Without capture (prefill) the recurrence is mlx-lm's where it has a kernel (Metal) and
-    ``delta_rule_prefill``'s closed-form blocks elsewhere."""
+    Without capture (prefill) the recurrence is ``delta_rule_prefill``'s closed-form blocks on
+    CPUs and mlx-lm's elsewhere (its kernel on Metal)."""
     B, T, _ = x.shape
     flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
     qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
@@ -443,7 +446,7 @@ def gated_deltanet(
     recurrent = state.recurrent
     if recurrent is None:
         recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    if not capture and mx.metal.is_available():
+    if not capture and mx.default_device().type != mx.DeviceType.cpu:
         y, recurrent = gated_delta_update(
             q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
         )
@@ -485,8 +488,8 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
     the next forward. Without it (prefill: long, varying T) the same layers run eagerly, the
-    GDN layers through mlx-lm's kernel on Metal and ``delta_rule_prefill``'s closed-form blocks
-    elsewhere, keeping no per-position states.
+    GDN layers through ``delta_rule_prefill``'s closed-form blocks on CPUs (mlx-lm's recurrence
+    elsewhere: its kernel on Metal), keeping no per-position states.
     """
     x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:
