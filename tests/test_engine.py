@@ -564,6 +564,61 @@ def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> N
     assert continued == fresh
 
 
+def test_a_product_split_across_streams_is_bit_identical() -> None:
+    """``trunk.product`` over column parts on two CPU streams equals the whole product bit for
+    bit, for a linear layer and a tied embedding's vocabulary projection, 2-D and 3-D inputs,
+    1 to 64 rows; more rows keep one product; the parts are views (no second copy)."""
+    import mlx.nn as nn
+
+    from engine.model import trunk
+
+    mx.random.seed(0)
+    layer, table = nn.Linear(192, 3 << 10, bias=False), nn.Embedding(3 << 10, 192)
+    mx.eval(layer.parameters(), table.parameters())
+    holder = nn.Module()
+    holder.layer, holder.table = layer, table
+    before = mx.get_active_memory()
+    old = trunk.SPLIT_WEIGHT_PARAMS
+    trunk.SPLIT_WEIGHT_PARAMS = 1
+    try:
+        trunk.prepare_transposed(holder, parts=2)
+    finally:
+        trunk.SPLIT_WEIGHT_PARAMS = old
+    assert mx.get_active_memory() - before < layer.weight.nbytes // 4
+    for rows in (1, 5, 24, 64, 65):
+        x = mx.random.normal((rows, 192))
+        whole = x @ layer.weight.T
+        assert mx.array_equal(trunk.linear(layer, x), whole).item(), rows
+        h = x.reshape(1, rows, 192)
+        assert mx.array_equal(trunk.product(table, h), h @ table.weight.T).item(), rows
+    x = mx.random.normal((3, 192))
+    split = mx.concatenate([x @ b for b in trunk._prepared(layer)[1]], axis=-1)
+    assert mx.array_equal(split, x @ layer.weight.T).item()
+
+
+def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoint) -> None:
+    """An engine whose weights are all split into column parts on two CPU streams (the
+    threshold lowered so the tiny checkpoint's weights split) emits exactly the tokens of one
+    that multiplies them whole: greedy plain and K=3, and a seeded sampled request."""
+    import engine.model.loader as loader
+    from engine.model import trunk
+
+    whole = load_engine("dense-untied-sharded", draft_tokens=0)
+    old = trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts
+    trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = 1, lambda: 2
+    try:
+        split = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
+    finally:
+        trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = old
+    assert trunk._prepared(split.trunk.lm_head)[1], "the vocabulary projection was not split"
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
+    for prompt in PROMPTS[:2]:
+        ids = whole.tokenizer.encode(prompt)
+        for k, sampling in ((0, GREEDY), (3, GREEDY), (2, seeded)):
+            request = GenerationRequest(ids, sampling, 40, draft_tokens=k, ignore_eos=True)
+            assert run(split, request)[0] == run(whole, request)[0], (prompt, k)
+
+
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 8])
 def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
     """The verify pass's closed-form GDN step (outputs, and the state after every position,

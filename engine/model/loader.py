@@ -35,7 +35,7 @@ from mlx_lm.utils import load_model
 
 from engine.model import memory
 from engine.model.mtp import MTPHead
-from engine.model.trunk import prepare_transposed
+from engine.model.trunk import prepare_transposed, product_parts
 
 log = logging.getLogger("mtpserve.loader")
 
@@ -296,7 +296,8 @@ def load(
     if with_head:
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
     _materialise(net, chosen.needed)
-    prepare_transposed(net)
+    # one rank per machine's cores: ranks sharing a machine would each split across all of them
+    prepare_transposed(net, product_parts() if ranks == 1 else 1)
     log.info("weights loaded in %.1fs", time.perf_counter() - t0)
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)

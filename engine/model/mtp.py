@@ -31,7 +31,7 @@ from engine.model.trunk import (
     block,
     leads_a_group,
     linear,
-    transposed_weight,
+    product,
 )
 
 
@@ -157,6 +157,6 @@ def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:
     """The trunk's output projection (the embedding matrix when tied)."""
     if trunk.args.tie_word_embeddings:
         table = trunk.model.embed_tokens
-        weight_t = transposed_weight(table)
-        return table.as_linear(hidden) if weight_t is None else hidden @ weight_t
+        out = product(table, hidden)
+        return table.as_linear(hidden) if out is None else out
     return linear(trunk.lm_head, hidden)

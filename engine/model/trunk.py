@@ -14,6 +14,8 @@ re-running anything (REFERENCE §3):
 
 from __future__ import annotations
 
+import itertools
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -555,11 +557,38 @@ def compiled(
 #: where a float linear layer (or embedding) keeps its evaluated transposed weight
 _TRANSPOSED = "_mtpserve_transposed"
 
+#: A weight of at least this many parameters is multiplied as column parts, one per part of
+#: ``prepare_transposed``, each on its own mlx CPU stream. mlx runs one stream's kernels one
+#: after another on one thread, and BLIS does not thread a product with few rows, so a decode
+#: step streamed its weights through one core: at the 0.8B shape a one-token trunk forward reads
+#: 3.1 GB of fp32 weights, and split it takes 0.65x the time. Column parts give bit-identical
+#: results (every output column is the same dot product). The demo model's largest weight (2.1M
+#: parameters) stays whole: at its sizes the extra dispatches cost about what the second core
+#: gives (docs/BENCHMARKS.md §12).
+SPLIT_WEIGHT_PARAMS = 3 << 20
+#: Products of more rows than this (prefill chunks) keep one BLAS call: BLIS threads those itself
+#: (``engine.blas.all_cores``).
+SPLIT_PRODUCT_MAX_ROWS = 64
+#: Most column parts: one per core, measured on 2 cores only.
+MAX_PRODUCT_PARTS = 4
 
-def prepare_transposed(model: nn.Module) -> None:
+_product_streams: list[mx.Stream] = []
+
+
+def product_parts() -> int:
+    """How many column parts a large product runs as here: one per core on a CPU (at most
+    ``MAX_PRODUCT_PARTS``), 1 on GPUs (a kernel there uses the whole device)."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return 1
+    return max(1, min(os.cpu_count() or 1, MAX_PRODUCT_PARTS))
+
+
+def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     """Give every float ``nn.Linear`` and ``nn.Embedding`` under ``model`` its weight's
     transpose, evaluated once: a view of the same buffer (no copy), so ``linear`` and
-    ``project_to_vocab`` multiply by it directly.
+    ``project_to_vocab`` multiply by it directly; with ``parts`` > 1 also the transposes of
+    ``parts`` row blocks of each weight of ``SPLIT_WEIGHT_PARAMS`` or more (views too), for
+    products split across streams (``product``).
 
     Why: ``nn.Linear`` computes ``x @ weight.T``, and a compiled block replays that transpose
     as one more dispatched primitive per projection and step (mlx does not fold constants),
@@ -570,25 +599,58 @@ def prepare_transposed(model: nn.Module) -> None:
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
             view = weight.T
-            mx.eval(view)
-            module.__dict__[_TRANSPOSED] = (weight, view)
+            rows = weight.shape[0]
+            split = parts > 1 and weight.size >= SPLIT_WEIGHT_PARAMS
+            bounds = [rows * i // parts for i in range(parts + 1)] if split else []
+            blocks = [weight[a:b].T for a, b in itertools.pairwise(bounds)]
+            mx.eval(view, *blocks)
+            module.__dict__[_TRANSPOSED] = (weight, view, blocks)
+
+
+def _prepared(module: nn.Module) -> tuple[mx.array, list[mx.array]] | None:
+    cached = module.__dict__.get(_TRANSPOSED)
+    if cached is None or cached[0] is not module.get("weight"):
+        return None
+    return cached[1], cached[2]
 
 
 def transposed_weight(module: nn.Module) -> mx.array | None:
     """The view ``prepare_transposed`` made, if the module still holds that weight."""
-    cached = module.__dict__.get(_TRANSPOSED)
-    if cached is None or cached[0] is not module.get("weight"):
+    prepared = _prepared(module)
+    return None if prepared is None else prepared[0]
+
+
+def product(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ weight.T`` by the module's prepared views (None when it has none): one product, or
+    for a large weight and few rows one per column part, each on its own CPU stream, joined."""
+    prepared = _prepared(module)
+    if prepared is None:
         return None
-    return cached[1]
+    weight_t, blocks = prepared
+    rows = x.size // x.shape[-1]
+    if not blocks or rows > SPLIT_PRODUCT_MAX_ROWS:
+        return x @ weight_t
+    while len(_product_streams) < len(blocks):
+        _product_streams.append(
+            mx.default_stream(mx.cpu) if not _product_streams else mx.new_stream(mx.cpu)
+        )
+    outs = []
+    for block, stream in zip(blocks, _product_streams, strict=False):
+        with mx.stream(stream):
+            outs.append(x @ block)
+    return mx.concatenate(outs, axis=-1)
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
     """``module(x)`` for a linear layer, by its prepared transposed weight when it has one
     (the same product: bit-identical)."""
+    bias = module.get("bias")
+    out = product(module, x) if bias is None else None
+    if out is not None:
+        return out
     weight_t = transposed_weight(module)
     if weight_t is None:
         return module(x)
-    bias = module.get("bias")
     return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
 
 
