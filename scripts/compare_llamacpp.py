@@ -5,9 +5,9 @@ folder, nothing of llama.cpp is committed):
 
 1. ``fetch``: the llama-cpp-python sdist from PyPI (``pip download --no-binary``), which vendors
    llama.cpp's sources, unpacked.
-2. ``build``: cmake builds ``llama-server`` from the vendored sources: CPU (Metal on macOS),
-   static, no OpenSSL, no web UI and no prebuilt UI download, no tests/examples — nothing is
-   downloaded during the build.
+2. ``build``: cmake builds ``llama-server`` and ``llama-bench`` from the vendored sources: CPU
+   (Metal on macOS), static, no OpenSSL, no web UI and no prebuilt UI download, no
+   tests/examples — nothing is downloaded during the build.
 3. ``convert``: llama.cpp's own ``convert_hf_to_gguf.py`` (it keeps the MTP head) writes f32
    and bf16 GGUFs. It imports torch, so it runs with ``--convert-python`` (an interpreter that
    has torch, numpy, sentencepiece and transformers) or else in its own venv
@@ -70,7 +70,7 @@ def fetch(work: Path) -> Path:
 
 def build(work: Path, source: Path, jobs: int) -> Path:
     server = work / "build" / "bin" / "llama-server"
-    if server.exists():
+    if server.exists() and server.with_name("llama-bench").exists():
         return server
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -89,7 +89,9 @@ def build(work: Path, source: Path, jobs: int) -> Path:
     build_dir = work / "build"
     sh(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *flags], work / "cmake.log")
     sh(
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", "llama-server"],
+        # llama-bench: scripts/compare_costs.py times llama.cpp's batches with it
+        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", "llama-server"]
+        + ["llama-bench"],
         work / "build.log",
     )
     return server
