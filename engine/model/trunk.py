@@ -624,11 +624,11 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ weight.T`` by the module's prepared views (None when it has none): one product, or
     for a large weight and few rows one per column part, each on its own CPU stream, joined."""
     prepared = _prepared(module)
-    if prepared is None:
-        return None
-    weight_t, blocks = prepared
-    rows = x.size // x.shape[-1]
-    if not blocks or rows > SPLIT_PRODUCT_MAX_ROWS:
+    return None if prepared is None else _product(x, *prepared)
+
+
+def _product(x: mx.array, weight_t: mx.array, blocks: list[mx.array]) -> mx.array:
+    if not blocks or x.size // x.shape[-1] > SPLIT_PRODUCT_MAX_ROWS:
         return x @ weight_t
     while len(_product_streams) < len(blocks):
         _product_streams.append(
@@ -644,14 +644,11 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
 def linear(module: nn.Module, x: mx.array) -> mx.array:
     """``module(x)`` for a linear layer, by its prepared transposed weight when it has one
     (the same product: bit-identical)."""
-    bias = module.get("bias")
-    out = product(module, x) if bias is None else None
-    if out is not None:
-        return out
-    weight_t = transposed_weight(module)
-    if weight_t is None:
+    prepared = _prepared(module)
+    if prepared is None:
         return module(x)
-    return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
+    bias = module.get("bias")
+    return _product(x, *prepared) if bias is None else mx.addmm(bias, x, prepared[0])
 
 
 def mlp(layer: nn.Module, x: mx.array) -> mx.array:
