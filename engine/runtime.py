@@ -460,8 +460,12 @@ class Engine:
                     return
                 remaining = progress.remaining
                 context_len = len(seq.tokens)
-                k = policy.choose(seq, remaining) if seq.can_draft else 0
-                result = yield CycleNeed(seq, k, remaining - 1, policy.fixed is None, chooser)
+
+                def own_k(remaining: int = remaining) -> int:
+                    return policy.choose(seq, remaining) if seq.can_draft else 0
+
+                need = CycleNeed(seq, own_k, remaining - 1, policy.fixed is None, chooser)
+                result = yield need
                 n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 emitted = commit(seq, result, n_keep)

@@ -18,7 +18,7 @@ from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue
 from engine.api import GenerationRequest
 from engine.runtime import Engine
 from engine.scheduling import batching as batching_module
-from engine.scheduling.batching import BatchDecoder, BatchK
+from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
@@ -178,20 +178,53 @@ def test_rows_that_left_hold_no_memory(engine: Engine) -> None:
 def test_batch_k_explores_then_picks_the_best_rate() -> None:
     choice = BatchK()
     seen = []
-    for _ in range(10):
+    for _ in range(5 * EXPLORE_CYCLES):
         k = choice.choose(8, [[0.9] * 4] * 8)
         seen.append(k)
         # per cycle: K=0 costs 1, drafting costs 1 + 0.05 K: drafting at 0.9 pays
         choice.observe(8, k, 1.0 + 0.05 * k)
-    assert sorted(seen) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert sorted(seen) == [k for k in range(5) for _ in range(EXPLORE_CYCLES)]
     assert choice.choose(8, [[0.9] * 4] * 8) == 4
     assert choice.choose(6, [[0.9] * 4] * 6) == 4  # 5-8 rows share what 8 rows measured
     assert choice.choose(3, [[0.9] * 4] * 3) == 0  # 3-4 rows: not measured yet, explore
-    # at acceptance 0.1 a drafting cycle costing 3x a plain one never pays
-    for k in range(5):
-        for _ in range(40):
-            choice.observe(8, k, 1.0 if k == 0 else 3.0)
+    # drafting comes to cost 3x a plain cycle: once re-timed, at acceptance 0.1 it never pays
+    for _ in range(5 * RETIME_EVERY):
+        k = choice.choose(8, [[0.1] * 4] * 8)
+        choice.observe(8, k, 1.0 if k == 0 else 3.0)
     assert choice.choose(8, [[0.1] * 4] * 8) == 0
+
+
+def test_batch_k_prices_a_cell_by_its_warm_cycles() -> None:
+    """A cycle that first meets a shape also compiles its blocks: its K is priced by the
+    cycles after it, not held at the slow first one (nor at any one slow moment)."""
+    choice = BatchK()
+    # K=2 is the best rate when warm (2.71 tokens for 1.2, K=3 2.79 for 1.25); its first
+    # cycle compiles (3x), the other K's shapes ran before (rows with a fixed K)
+    warm = {k: 1.0 if k == 0 else 1.1 + 0.05 * k for k in range(5)}
+    compiled = False
+    for _ in range(5 * EXPLORE_CYCLES):
+        k = choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8)
+        choice.observe(8, k, warm[k] * (3.0 if k == 2 and not compiled else 1.0))
+        compiled |= k == 2
+    for _ in range(10):
+        k = choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8)
+        assert k == 2
+        choice.observe(8, k, warm[k])
+    choice.observe(8, 2, 10.0)  # one slow moment of the machine
+    assert choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8) == 2
+    # a slow spell: every K costs 1.5x; K=2, timed all along, is still priced beside K=1 and
+    # K=0, timed before it began
+    for _ in range(10):
+        k = choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8)
+        assert k == 2
+        choice.observe(8, k, 1.5 * warm[k])
+    warm = {k: 1.5 * cost for k, cost in warm.items()}
+    # the machine changes: K=3 now costs what K=0 does; a K not running is priced anew
+    warm[3] = warm[0]
+    for _ in range(5 * RETIME_EVERY):
+        k = choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8)
+        choice.observe(8, k, warm[k])
+    assert choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8) == 3
 
 
 def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) -> None:

@@ -108,10 +108,13 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     configs: list[tuple[str, int | None]] = [("serial", k) for k in fixed if k > 0]
     configs += [("serial", None)]
     configs += [("batched", k) for k in [0, *fixed]] + [("batched", None)]
-    # warm-up: compile every shape once
+    # warm-up: every batched configuration once at full length, so that the measured groups
+    # neither compile blocks for the batch sizes the rows pass through as they leave, nor learn
+    # automatic K's first prices (serial requests run one shape per K: 8 tokens compile it)
     for c in concurrency:
-        for _, k in configs:
-            run_batched(engine, _requests(engine, prompts, c, k, 8))
+        for mode, k in configs:
+            n = args.max_tokens if mode == "batched" else 8
+            run_batched(engine, _requests(engine, prompts, c, k, n))
     results: dict[str, Any] = {"concurrency": {}, "max_tokens": args.max_tokens}
     alone = {
         i: [t for e in engine.generate(r) for t in e.token_ids]

@@ -30,7 +30,9 @@ row near its max_tokens drafts no further than it may emit.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,12 +50,16 @@ from engine.scheduling.autok import MAX_AUTO_K, expected_tokens
 
 log = logging.getLogger("mtpserve.batching")
 
-#: a (rows, K) cell's cost is an exponential mean of its batched cycles' seconds
-COST_MEMORY = 0.1
-#: cycles each K runs at a new batch size before the batch picks by cost
-EXPLORE_CYCLES = 2
-#: every this many cycles at a batch size, the least recently timed K runs once
+#: cycles a K runs, interleaved with the other K being measured, each time it is priced: three,
+#: so that the median discards the first, which also compiles the cycle's blocks for new shapes
+EXPLORE_CYCLES = 3
+#: how fast the machine runs now: the median over this many latest batched cycles at a size
+SPEED_WINDOW = 5
+#: every this many cycles at a batch size, the least recently timed K is priced anew
 RETIME_EVERY = 64
+#: a row's first cycles are slower than its later ones (an 8-row K=2 group's first three: 60,
+#: 42 and 36 ms, then 29-45): only cycles of rows past them price a K
+SETTLING_CYCLES = 2
 #: prompt tokens prefilled in a step while no row is decoding (nobody waits on it), across all
 #: newcomers, each getting at most one chunk: a burst of eight chat-sized prompts joins in one
 #: or two steps instead of eight (docs/BENCHMARKS.md §13), and the first newcomer's first token
@@ -67,14 +73,28 @@ class BatchK:
     (measured seconds of a K-cycle at this batch size).
 
     Costs are measured, not modelled: each batched cycle's wall time (launch to read back) per
-    row goes to the cell (batch size class, K), the classes being 2, 3-4, 5-8, 9-16, ... rows
-    (rows join and leave all the time; per exact size, every size a batch passes through would
-    be explored anew). A class seen for the first time runs each K ``EXPLORE_CYCLES`` times
-    (real cycles, their tokens kept) before choosing, and every ``RETIME_EVERY`` cycles the
-    least recently timed K runs once, so that every price follows the machine.
+    row goes to its batch size class, 2, 3-4, 5-8, 9-16, ... rows (rows join and leave all the
+    time; per exact size, every size a batch passes through would be explored anew).
+
+    What is compared is each K's price relative to the machine's speed when it was measured.
+    This machine's speed drifts by more than neighbouring K differ (an 8-row K=2 cycle took
+    25 ms in one group and 41 ms a few seconds later, docs/BENCHMARKS.md §13), and only the K
+    in use can be timed all the time: a K last timed in a fast spell looked cheaper than the
+    running one timed in a slow spell, and the batch switched to it. So a K is priced in
+    bursts: ``EXPLORE_CYCLES`` cycles (real ones, their tokens kept) when its size class is new
+    — every K interleaved — and again every ``RETIME_EVERY`` cycles for the least recently
+    timed K; each burst cycle's seconds are divided by the machine's current speed, and the
+    K's price is their median (the first cycle at a new shape also compiles its blocks: up to
+    twice a warm cycle). Every other cycle measures that speed: its seconds over its K's price,
+    the median of the last ``SPEED_WINDOW``. The speed scales every price alike, so the choice
+    depends on the prices alone.
     """
 
-    costs: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: (size class, K) -> the per-row seconds of its last burst, each over the speed then
+    prices: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    #: size class -> the latest cycles' seconds over their K's price
+    speed: dict[int, deque[float]] = field(default_factory=dict)
+    #: (size class, K) -> cycles run in its current burst
     counts: dict[tuple[int, int], int] = field(default_factory=dict)
     last_timed: dict[tuple[int, int], int] = field(default_factory=dict)
     cycles: dict[int, int] = field(default_factory=dict)
@@ -83,38 +103,51 @@ class BatchK:
     def size_class(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
+    def price(self, rows: int, k: int) -> float:
+        """A K-cycle's seconds per row at this batch size, relative to the machine's speed."""
+        return statistics.median(self.prices[(self.size_class(rows), k)])
+
     def choose(self, rows: int, estimates: list[list[float]]) -> int:
         size = self.size_class(rows)
         ks = range(MAX_AUTO_K + 1)
-        for k in ks:
-            if self.counts.get((size, k), 0) < EXPLORE_CYCLES:
-                return k
+        measuring = [k for k in ks if self.counts.get((size, k), 0) < EXPLORE_CYCLES]
+        if measuring:  # interleaved: every K of a burst sees the same spell of the machine
+            return min(measuring, key=lambda k: (self.counts.get((size, k), 0), k))
         if self.cycles.get(size, 0) % RETIME_EVERY == RETIME_EVERY - 1:
-            return min(ks, key=lambda k: self.last_timed[(size, k)])
+            stale = min(ks, key=lambda k: self.last_timed[(size, k)])
+            self.counts[(size, stale)] = 0
+            self.prices[(size, stale)] = []
+            return stale
 
         def rate(k: int) -> float:
-            return sum(expected_tokens(a, k) for a in estimates) / self.costs[(size, k)]
+            return sum(expected_tokens(a, k) for a in estimates) / self.price(rows, k)
 
         return max(ks, key=rate)
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
         size = self.size_class(rows)
         cell, per_row = (size, k), seconds / rows
-        old = self.costs.get(cell)
-        self.costs[cell] = per_row if old is None else old + COST_MEMORY * (per_row - old)
-        self.counts[cell] = self.counts.get(cell, 0) + 1
+        if self.counts.get(cell, 0) < EXPLORE_CYCLES:
+            recent = self.speed.get(size)
+            speed = statistics.median(recent) if recent else 1.0
+            self.prices.setdefault(cell, []).append(per_row / speed)
+            self.counts[cell] = self.counts.get(cell, 0) + 1
+        else:
+            window = self.speed.setdefault(size, deque(maxlen=SPEED_WINDOW))
+            window.append(per_row / self.price(rows, k))
         self.cycles[size] = self.cycles.get(size, 0) + 1
         self.last_timed[cell] = self.cycles[size]
 
 
 @dataclass
 class CycleNeed:
-    """A batch row asking for its next cycle: K as its own policy chose it, the most it may
-    draft (``max_k``: never past max_tokens) and, for automatic K, its chooser (the batch
-    decides K for its automatic rows together, engine.scheduling.batching)."""
+    """A batch row asking for its next cycle: the K its own policy chooses (``own_k``, asked
+    only when the batch does not choose for it), the most it may draft (``max_k``: never past
+    max_tokens) and, for automatic K, its chooser (the batch decides K for its automatic rows
+    together from their estimates: ``BatchK``)."""
 
     seq: Sequence
-    k: int
+    own_k: Callable[[], int]
     max_k: int
     auto: bool
     chooser: Any = None
@@ -132,6 +165,8 @@ class _Row:
     #: prompt tokens its prefill may still run (an upper bound: the conversation cache may
     #: restore part of them)
     prompt_left: int = 0
+    #: cycles it has run
+    cycles: int = 0
 
     def next_chunk(self, chunk_tokens: int) -> int:
         """The most prompt tokens its next advance prefills: chunks end at multiples of
@@ -245,7 +280,7 @@ class BatchDecoder:
         groups: dict[int, list[_Row]] = {}
         for _, row in waiting:
             need = row.need
-            k = need.k if batch_k is None or not need.auto else min(batch_k, need.max_k)
+            k = need.own_k() if batch_k is None or not need.auto else min(batch_k, need.max_k)
             if not need.seq.can_draft:
                 k = 0
             groups.setdefault(k, []).append(row)
@@ -260,11 +295,12 @@ class BatchDecoder:
                 for row in rows:
                     row.error = exc
                 continue
-            if len(rows) > 1:
+            if len(rows) > 1 and all(row.cycles >= SETTLING_CYCLES for row in rows):
                 self.batch_k.observe(len(rows), k, time.perf_counter() - t0)
             for row, result in zip(rows, results, strict=True):
                 result.rows = len(rows)
                 row.result = result
+                row.cycles += 1
 
     def _release_if_idle(self) -> None:
         if not self.rows:
