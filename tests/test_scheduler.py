@@ -4,6 +4,7 @@ cancellation, and that one failing request never takes the worker down."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import threading
 import time
@@ -292,3 +293,59 @@ def test_a_request_cancelled_in_the_queue_leaves_it_at_once() -> None:
     run(main())
     sched.shutdown()
     assert 2 not in engine.order and 4 not in engine.order
+
+
+#: A server stopped just before its process exits: the worker thread ran mlx-compiled code (the
+#: engine's blocks, kept on the model) and ends while the interpreter finalizes.
+STOPPED_AT_EXIT = """
+import asyncio, sys, time
+import mlx.core as mx
+from engine.api import GenerationEvent, GenerationRequest
+from engine.scheduling.scheduler import Scheduler
+from sampling.params import SamplingParams
+
+block = mx.compile(lambda x: (mx.exp(x) + 1, {"half": x / 2}))  # kept, as the engine's are
+
+
+class CompilingEngine:
+    def generate(self, request, cancelled=lambda: False):
+        mx.eval(block(mx.ones(4))[0])
+        yield GenerationEvent([1], finish_reason="length")
+
+
+class BlocksInFinalization:  # releases the GIL after finalizing began, as closing files do
+    def __del__(self, sleep=time.sleep):
+        sleep(0.2)
+
+
+sys.setswitchinterval(5.0)  # the main thread keeps the GIL until it blocks
+holder = BlocksInFinalization()
+sched = Scheduler(CompilingEngine)
+sched.start()
+sched.wait_ready(10)
+
+
+async def main():
+    request = GenerationRequest([1], SamplingParams(temperature=0), 1)
+    async for _ in sched.submit([request])[0]:
+        pass
+
+
+asyncio.run(main())
+sched.shutdown()
+"""
+
+
+def test_a_server_stopped_as_its_process_exits_exits_cleanly(tmp_path: Path) -> None:
+    """mlx keeps a compile cache per thread whose entries hold Python objects; freed by the
+    worker thread's exit once the interpreter is finalizing, they aborted the process
+    ("terminate called without an active exception", status 134: 3 runs in 4 here). The
+    worker frees them itself before it ends (``engine.model.memory.release_thread``)."""
+    script = tmp_path / "stopped_at_exit.py"
+    script.write_text(STOPPED_AT_EXIT)
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr

@@ -251,6 +251,21 @@ def release_while_running() -> None:
     trim_host_heap()
 
 
+def release_thread() -> None:
+    """Free what mlx keeps per thread — its compile cache and the thread's streams — at the end
+    of a thread that ran the model (the engine's worker), from that thread.
+
+    The compile cache's entries hold Python objects. Left to the thread's exit, a C++
+    thread-local destructor releases them and must take the GIL; when that exit comes after
+    the interpreter began finalizing (a server stopped at process exit), taking the GIL ends
+    the thread by unwinding through the destructor and the process aborts ("terminate called
+    without an active exception", exit status 134). Called here, under the GIL, nothing is
+    left for the destructor. The thread's streams go with it: no other thread uses them."""
+    import mlx.core as mx
+
+    mx.clear_streams()
+
+
 # -- the host heap (glibc) --------------------------------------------------------------------
 # mlx's CPU backend allocates every array through malloc, from several threads (the caller's,
 # mlx's stream thread, BLAS threads): glibc keeps an arena per thread and holds the pages freed

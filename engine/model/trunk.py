@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -572,7 +573,8 @@ SPLIT_PRODUCT_MAX_ROWS = 64
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
 
-_product_streams: list[mx.Stream] = []
+#: each thread's streams for column parts (mlx's streams belong to the thread that made them)
+_product_streams = threading.local()
 
 
 def product_parts() -> int:
@@ -630,12 +632,11 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
 def _product(x: mx.array, weight_t: mx.array, blocks: list[mx.array]) -> mx.array:
     if not blocks or x.size // x.shape[-1] > SPLIT_PRODUCT_MAX_ROWS:
         return x @ weight_t
-    while len(_product_streams) < len(blocks):
-        _product_streams.append(
-            mx.default_stream(mx.cpu) if not _product_streams else mx.new_stream(mx.cpu)
-        )
+    streams: list[mx.Stream] = _product_streams.__dict__.setdefault("streams", [])
+    while len(streams) < len(blocks):
+        streams.append(mx.default_stream(mx.cpu) if not streams else mx.new_stream(mx.cpu))
     outs = []
-    for block, stream in zip(blocks, _product_streams, strict=False):
+    for block, stream in zip(blocks, streams, strict=False):
         with mx.stream(stream):
             outs.append(x @ block)
     return mx.concatenate(outs, axis=-1)

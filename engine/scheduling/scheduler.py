@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.api import GenerationEvent, GenerationRequest
+from engine.model.memory import release_thread
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +308,12 @@ class Scheduler:
 
     # worker --------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_thread()
+
+    def _serve(self) -> None:
         try:
             self.engine = self._engine_factory()
         except BaseException as exc:  # report, never die silently; wait_ready re-raises it
