@@ -147,3 +147,54 @@ def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
     assert priced["measured_of_best_fixed"] == pytest.approx(200 / 300)
     rows[("s", "auto")] = row("auto", 12, 0.2, 40, {2: 1, 3: 9, 4: 2})
     assert price_auto_choices(rows, "s") is None
+
+
+def test_bench_batch_writes_its_table_and_checks_every_row(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`mtpserve bench-batch` end to end: every configuration at each concurrency, the ratios,
+    the newcomer figures, the files; the command itself exits non-zero if a batched row's
+    tokens differ from the same request alone."""
+    out_dir = tmp_path / "bench-batch"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mtpserve.cli",
+            "bench-batch",
+            "--model",
+            str(tiny_checkpoint),
+            "--concurrency",
+            "1,2",
+            "--draft-tokens",
+            "2",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--newcomer-tokens",
+            "12",
+            "--out",
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={"MTPSERVE_CACHE": str(tmp_path / "cache"), **_env()},
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads((out_dir / "bench_batch.json").read_text())
+    assert (out_dir / "bench_batch.png").stat().st_size > 0
+    table = (out_dir / "bench_batch.md").read_text()
+    names = {"serial K=2", "serial K=auto", "batched K=0", "batched K=2", "batched K=auto"}
+    for c, rows in ((1, 1), (2, 2)):
+        merged = result["concurrency"][str(c)]
+        assert set(merged) == names | {"ratios"}
+        for name in names:
+            assert merged[name]["tokens"] == 6 * rows, (c, name)
+            assert merged[name]["aggregate_tps"] > 0
+        assert merged["ratios"]["auto_over_best_batched"] > 0
+    newcomer = result["newcomer"]
+    assert newcomer["steps_to_first_token"] >= 1 and newcomer["ttft_ms"] > 0
+    assert "batched best / one at a time best" in table
