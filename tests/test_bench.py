@@ -14,34 +14,12 @@ ROOT = Path(__file__).parent.parent
 
 def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "bench"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mtpserve.cli",
-            "bench",
-            "--model",
-            str(tiny_checkpoint),
-            "--draft-tokens",
-            "0,2,auto",
-            "--sampler",
-            "greedy,preset:qwen",
-            "--max-tokens",
-            "12",
-            "--limit",
-            "2",
-            "--profile-prompts",
-            "1",
-            "--out",
-            str(out_dir),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env={"MTPSERVE_CACHE": str(tmp_path / "cache"), **_env()},
+    run_cli(
+        tmp_path,
+        ["bench", "--model", str(tiny_checkpoint), "--draft-tokens", "0,2,auto"],
+        ["--sampler", "greedy,preset:qwen", "--max-tokens", "12", "--limit", "2"],
+        ["--profile-prompts", "1", "--out", str(out_dir)],
     )
-    assert run.returncode == 0, run.stderr
     result = json.loads((out_dir / "results.json").read_text())
     assert (out_dir / "speedup.png").stat().st_size > 0
     table = (out_dir / "table.txt").read_text()
@@ -75,6 +53,20 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
         factors = result["auto_calibration"][sampler]
         assert factors["plain"] > 0 and factors["drafting"] > 0 and len(factors["tilt"]) == 4
         assert f"auto K's in-run calibration ({sampler})" in table
+
+
+def run_cli(tmp_path: Path, *args: list[str]) -> None:
+    """``mtpserve ARGS`` in a subprocess with its own cost cache under ``tmp_path``; it must
+    succeed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "mtpserve.cli", *(a for part in args for a in part)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={"MTPSERVE_CACHE": str(tmp_path / "cache"), **_env()},
+    )
+    assert run.returncode == 0, run.stderr
 
 
 def _env() -> dict[str, str]:
@@ -156,34 +148,12 @@ def test_bench_batch_writes_its_table_and_checks_every_row(
     the newcomer figures, the files; the command itself exits non-zero if a batched row's
     tokens differ from the same request alone."""
     out_dir = tmp_path / "bench-batch"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mtpserve.cli",
-            "bench-batch",
-            "--model",
-            str(tiny_checkpoint),
-            "--concurrency",
-            "1,2",
-            "--draft-tokens",
-            "2",
-            "--max-tokens",
-            "6",
-            "--repeats",
-            "1",
-            "--newcomer-tokens",
-            "12",
-            "--out",
-            str(out_dir),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env={"MTPSERVE_CACHE": str(tmp_path / "cache"), **_env()},
+    run_cli(
+        tmp_path,
+        ["bench-batch", "--model", str(tiny_checkpoint), "--concurrency", "1,2"],
+        ["--draft-tokens", "2", "--max-tokens", "6", "--repeats", "1"],
+        ["--newcomer-tokens", "12", "--out", str(out_dir)],
     )
-    assert run.returncode == 0, run.stderr
     result = json.loads((out_dir / "bench_batch.json").read_text())
     assert (out_dir / "bench_batch.png").stat().st_size > 0
     table = (out_dir / "bench_batch.md").read_text()
