@@ -183,6 +183,11 @@ class Engine:
         return self.loaded.trunk
 
     @property
+    def model_dir(self) -> Path:
+        """The local folder the weights came from (a hub id resolves to its cache folder)."""
+        return self.loaded.model_dir
+
+    @property
     def has_head(self) -> bool:
         return self.loaded.head is not None
 

@@ -123,7 +123,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
         metrics.bind_prompt_cache(
             lambda: cache.describe() if (cache := getattr(loaded, "prefix_cache", None)) else None
         )
-        logger.info("serving %s as %s", getattr(loaded, "model_dir", "?"), state.names)
+        logger.info("serving %s as %s", loaded.model_dir, state.names)
         try:
             yield
         finally:
