@@ -59,9 +59,11 @@ def server(tiny_checkpoint: Path):
         yield srv
 
 
-def test_models(client: openai.OpenAI, server: LiveServer) -> None:
+def test_models(client: openai.OpenAI, server: LiveServer, tiny_checkpoint: Path) -> None:
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == server.model and "demo" in ids
+    # what the start-up log names as the weights' folder
+    assert server.engine.model_dir.resolve() == tiny_checkpoint.resolve()
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
