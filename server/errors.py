@@ -103,23 +103,31 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-p
 
 
 def _is_type_tag(part: object) -> bool:
-    """pydantic puts the union member tried ('str', 'list[int]', 'TextPart') into ``loc``;
-    those are not field names and would make ``param`` useless to a client."""
+    """pydantic puts the union member tried ('str', 'list[int]', 'TextPart', a tag such as
+    'type:text') into ``loc``; those are not field names and would make ``param`` useless to a
+    client."""
     if isinstance(part, int):
         return False
     text = str(part)
-    return text in _TYPE_NAMES or any(c in text for c in "[]-'\",") or text[:1].isupper()
+    return text in _TYPE_NAMES or any(c in text for c in "[]-'\",:") or text[:1].isupper()
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 whose ``param`` is the dotted field path."""
+    """The most specific pydantic error as a 400 whose ``param`` is the dotted field path.
+
+    Most specific: the deepest field (the first of those). A value that fails a union fails
+    every member, and the shallowest failure (``input`` is not a string) hides the one that
+    says what is wrong (``input.0.type`` is not a string)."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
+
+    def field(error: Any) -> list[str]:
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+
+    chosen = max(errors, key=lambda error: len(field(error)))
+    param = ".".join(field(chosen)) or None
+    message = chosen.get("msg", "invalid value")
     if param:
         message = f"{param}: {message}"
     return bad_request(message, param=param, code="invalid_value")

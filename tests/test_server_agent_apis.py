@@ -187,6 +187,16 @@ ANTHROPIC_BAD = [
         "messages.0.content.0",
     ),
     ("bad role", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "x"}]}, 400, None),
+    (
+        "a block whose type is not a string",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}],
+        },
+        400,
+        "invalid_request_error",
+    ),
     ("empty body", b"", 400, "invalid_request_error"),
 ]
 
@@ -343,6 +353,7 @@ def test_responses_stateless_and_errors(client: openai.OpenAI, http: httpx.Clien
             "input.0.content.0",
         ),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": MODEL, "input": [{"type": {"a": 1}, "role": "user"}]}, "input.0.type"),
     ]:
         r = http.post("/v1/responses", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

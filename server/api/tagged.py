@@ -12,6 +12,11 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, Discriminator, Tag
 
+#: Tags name union members in pydantic's error locations; the colon marks them as tags, not
+#: fields, so an error's ``param`` leaves them out (server.errors).
+TAG = "type:"
+OTHER = TAG + "*"
+
 
 def by_type(
     members: dict[str, type[BaseModel]], other: type[BaseModel], missing: str | None = None
@@ -24,8 +29,9 @@ def by_type(
             kind = value.get("type", missing)
         else:
             kind = getattr(value, "type", None)
-        return kind if kind in members else "other"
+        # a type that is not a string (a list, an object) is the catch-all's to reject
+        return TAG + kind if isinstance(kind, str) and kind in members else OTHER
 
-    options = [Annotated[model, Tag(name)] for name, model in members.items()]
-    options.append(Annotated[other, Tag("other")])
+    options = [Annotated[model, Tag(TAG + name)] for name, model in members.items()]
+    options.append(Annotated[other, Tag(OTHER)])
     return Annotated[Union[tuple(options)], Discriminator(tag)]  # noqa: UP007
