@@ -8,6 +8,7 @@ batch pass the chi-square homogeneity test against plain sampling (demo model).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue
 
-from engine.api import GenerationRequest
+from engine.api import MAX_DRAFT_TOKENS, GenerationRequest, RequestError
 from engine.runtime import Engine
 from engine.scheduling import batching as batching_module
 from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
@@ -152,6 +153,27 @@ def test_a_cancelled_row_leaves_and_changes_no_other_row(engine: Engine) -> None
     assert got[3] == []
     for i in (0, 2):
         assert got[i] == expected[i]
+
+
+def test_a_rejected_request_ends_its_row_alone_and_quietly(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request the engine refuses (here a K past the most it drafts) ends its own row with
+    the error the client gets as a 400 — logged as no fault of the server's — while the row
+    beside it emits what it emits alone."""
+    good = requests(engine, [GREEDY] * len(ROWS))[0]
+    bad = replace(good, draft_tokens=MAX_DRAFT_TOKENS + 1)
+    batch = BatchDecoder(engine, 2)
+    batch.add("bad", bad)
+    batch.add("good", good)
+    outcomes: dict[str, list] = {"bad": [], "good": []}
+    with caplog.at_level(logging.INFO):
+        while len(batch):
+            for key, item in batch.step():
+                outcomes[key].append(item)
+    assert len(outcomes["bad"]) == 1 and isinstance(outcomes["bad"][0], RequestError)
+    assert [t for event in outcomes["good"] for t in event.token_ids] == alone(engine, good)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_rows_that_left_hold_no_memory(engine: Engine) -> None:

@@ -4,6 +4,7 @@ cancellation, and that one failing request never takes the worker down."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.api import GenerationEvent, GenerationRequest, GenerationStats
+from engine.api import GenerationEvent, GenerationRequest, GenerationStats, RequestError
 from engine.scheduling.scheduler import (
     GenerationFailedError,
     QueueFullError,
@@ -21,6 +22,9 @@ from engine.scheduling.scheduler import (
     SchedulerClosedError,
 )
 from sampling.params import SamplingParams
+
+#: a prompt the counting engine refuses as the real one refuses a bad request
+REFUSED = -2
 
 
 class CountingEngine:
@@ -42,6 +46,8 @@ class CountingEngine:
         tag = request.prompt_ids[0]
         self.threads.add(threading.get_ident())
         self.order.append(tag)
+        if tag == REFUSED:
+            raise RequestError("refused by the engine", "draft_tokens")
         if tag < 0:
             raise RuntimeError(f"bad request {tag}")
         self.active += 1
@@ -222,6 +228,26 @@ def test_failure_reaches_only_its_request_and_worker_survives() -> None:
     assert run(main()) == [7000, 7001, 7002]
     assert sched.alive and sched.failed == 1
     sched.shutdown()
+
+
+def test_a_refused_request_is_logged_as_no_fault(caplog: pytest.LogCaptureFixture) -> None:
+    """A request the engine refuses reaches its client as that error (a 400 in the server),
+    and the log says so without an error or a traceback: the client's mistake is not the
+    server's fault."""
+    sched = make(CountingEngine())
+
+    async def main() -> list[int]:
+        refused, good = sched.submit([req(REFUSED), req(7)])
+        with pytest.raises(GenerationFailedError) as info:
+            await collect(refused)
+        assert isinstance(info.value.error, RequestError)
+        return await collect(good)
+
+    with caplog.at_level(logging.INFO):
+        assert run(main()) == [7000, 7001, 7002]
+    sched.shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("rejected: refused by the engine" in r.getMessage() for r in caplog.records)
 
 
 def test_abandoned_handle_does_not_block_the_worker() -> None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api import GenerationEvent, GenerationRequest
+from engine.api import GenerationEvent, GenerationRequest, RequestError
 from engine.cycle.speculative import (
     PREFILL_CHUNK,
     CycleResult,
@@ -264,7 +264,8 @@ class BatchDecoder:
         except StopIteration:
             return True
         except Exception as exc:  # this row only: the others go on
-            log.exception("a batch row failed")
+            if not isinstance(exc, RequestError):  # a request's own mistake is no fault
+                log.exception("a batch row failed")
             out.append((key, exc))
             return True
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.api import GenerationEvent, GenerationRequest
+from engine.api import GenerationEvent, GenerationRequest, RequestError
 from engine.model.memory import release_thread
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ class SerialBatch:
             except StopIteration:
                 del self.rows[key]
             except Exception as exc:
-                logger.exception("generation %s failed", key)
+                if not isinstance(exc, RequestError):  # a request's own mistake is no fault
+                    logger.exception("generation %s failed", key)
                 del self.rows[key]
                 out.append((key, exc))
         return out
@@ -388,7 +389,10 @@ class Scheduler:
         if key in batch:
             batch.drop(key)
         if error is not None:
-            logger.error("generation %d failed: %s", key, error)
+            if isinstance(error, RequestError):  # answered as a 400: the client's to fix
+                logger.info("generation %d rejected: %s", key, error)
+            else:
+                logger.error("generation %d failed: %s", key, error)
             self.failed += 1
             handle._post(_Failure(error))
         else:
