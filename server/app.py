@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.api import GenerationEvent
+from engine.api import GenerationEvent, RequestError
 from engine.scheduling.scheduler import RequestHandle, Scheduler
 from server.api import (
     anthropic_messages,
@@ -89,11 +89,10 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     ) -> None:
         if handle.started_at is not None:
             metrics.queue_seconds.observe(handle.started_at - handle.enqueued_at)
-        outcome = (
-            "error"
-            if error is not None
-            else (last.finish_reason if last is not None and last.finish_reason else "cancelled")
-        )
+        if error is None:
+            outcome = last.finish_reason if last is not None and last.finish_reason else "cancelled"
+        else:  # refused by the engine (a 400: the client's to fix), or failed
+            outcome = "rejected" if isinstance(error, RequestError) else "error"
         metrics.generations.labels(outcome).inc()
         if last is not None:
             metrics.record_stats(last.stats)

@@ -320,6 +320,20 @@ def test_malformed_then_next_request_served(
     assert ok.status_code == 200, ok.text
 
 
+def test_a_request_the_engine_refuses_counts_as_rejected(http: httpx.Client) -> None:
+    """The engine's own checks (here K past 8) answer 400 and count as ``rejected``, not as
+    the server's ``error``."""
+    rejected = 'mtpserve_generations_total{outcome="rejected"}'
+    errors = 'mtpserve_generations_total{outcome="error"}'
+    before = metric(http, rejected), metric(http, errors)
+    r = http.post("/v1/chat/completions", json=chat(draft_tokens=9))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "draft_tokens", r.text
+    deadline = time.monotonic() + 10  # counted by the worker just after it answers
+    while metric(http, rejected) < before[0] + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (metric(http, rejected), metric(http, errors)) == (before[0] + 1, before[1])
+
+
 @pytest.mark.parametrize(
     "body",
     [
