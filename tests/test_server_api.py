@@ -483,6 +483,13 @@ MALFORMED: list[tuple[str, str, Any, int, str | None]] = [
     ("invalid json", "/v1/chat/completions", b"{not json", 400, "invalid_json"),
     ("empty body", "/v1/chat/completions", b"", 400, "invalid_json"),
     ("json array", "/v1/chat/completions", [1, 2], 400, "invalid_json"),
+    (
+        "json nested past the parser's depth",
+        "/v1/chat/completions",
+        b'{"model": "fake-model", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        "invalid_json",
+    ),
     ("missing messages", "/v1/chat/completions", {"model": "fake-model"}, 400, "messages"),
     ("empty messages", "/v1/chat/completions", chat("x") | {"messages": []}, 400, "messages"),
     (
@@ -601,6 +608,29 @@ MALFORMED: list[tuple[str, str, Any, int, str | None]] = [
                             "id": "c",
                             "type": "function",
                             "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+                {"role": "user", "content": "x"},
+            ]
+        },
+        400,
+        "messages.0.tool_calls.0.function.arguments",
+    ),
+    (
+        "tool arguments nested past the parser's depth",
+        "/v1/chat/completions",
+        chat("x")
+        | {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000},
                         }
                     ],
                 },

@@ -177,3 +177,20 @@ def test_prompt_opens_reasoning() -> None:
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
     old = "<|im_start|>assistant\n<think>\nx\n</think>\n\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert not prompt_opens_reasoning(old)
+
+
+def test_a_tool_call_nested_past_the_json_parser_is_kept_as_text() -> None:
+    """A model stuck repeating "[" inside a tool call must not break the stream: the parser
+    recurses once per level, so the typed value stays the text it was, and a JSON-form block
+    is not a call at all."""
+    deep = "[" * 5000 + "]" * 5000
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=flags>\n"
+        + deep
+        + "\n</parameter>\n</function>\n</tool_call>"
+    )
+    _, parser, _ = parse(text, "whole", tools=TOOLS)
+    assert json.loads(parser.tool_calls[0].arguments) == {"flags": deep}
+    block = '<tool_call>\n{"name": "get_weather", "arguments": ' + deep + "}\n</tool_call>"
+    total, parser, _ = parse(block, "whole", tools=TOOLS)
+    assert parser.tool_calls == [] and total.content == block

@@ -87,6 +87,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # the parser recurses once per level of nesting
+        raise bad_request("invalid JSON body: nested too deeply", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return data

@@ -104,7 +104,7 @@ def parse_arguments(arguments: str | dict[str, Any], param: str) -> dict[str, An
         return arguments
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         value = None
     if not isinstance(value, dict):
         raise bad_request("tool call arguments must be a JSON object", param=param)

@@ -144,7 +144,7 @@ def _convert_value(raw: str, kind: str | None) -> Any:
         return value
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         if kind == "boolean" and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
         return value
@@ -164,14 +164,14 @@ def parse_tool_block(body: str, types: dict[str, dict[str, str]]) -> tuple[str, 
     # Qwen3 / Hermes JSON form: {"name": ..., "arguments": {...}}
     try:
         data = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if isinstance(data, dict) and isinstance(data.get("name"), str):
         args = data.get("arguments", data.get("parameters", {}))
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 args = {"value": args}
         return data["name"], args if isinstance(args, dict) else {"value": args}
     return None
