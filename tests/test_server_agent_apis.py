@@ -173,6 +173,35 @@ def test_messages_stop_sequences_limits_and_sampling(
     assert (s.temperature, s.top_k, s.top_p) == (1.0, 20, 0.95)
 
 
+def test_messages_continue_an_assistant_prefill(
+    claude: anthropic.Anthropic, engine: FakeEngine, http: httpx.Client
+) -> None:
+    """A final assistant turn of text is the start of the reply (Anthropic's prefill): the
+    prompt ends with it after the generation prompt, thinking closed, and the reply is what
+    follows it; count_tokens counts the same prompt."""
+    messages = [
+        {"role": "user", "content": "TRIGGER_PLAIN What is the answer?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Well,"}]},
+    ]
+    m = claude.messages.create(model=MODEL, max_tokens=32, messages=messages)
+    prompt = prompt_of(engine)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nWell,"), prompt
+    assert prompt.count("<|im_start|>assistant") == 1
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "The answer is 42."
+    count = claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    assert count == len(engine.requests[-1].prompt_ids)
+    r = http.post(
+        "/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": messages,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        },
+    )
+    assert r.status_code == 400 and "prefill" in r.json()["error"]["message"], r.text
+
+
 ANTHROPIC_BAD = [
     ("no max_tokens", {"model": MODEL, "messages": user("x")}, 400, "invalid_request_error"),
     ("unknown model", {"model": "claude-x", "max_tokens": 5, "messages": user("x")}, 404, None),

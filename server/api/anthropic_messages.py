@@ -1,7 +1,8 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API on the core.
 
 Requests map onto the chat template (``system``, text / ``tool_use`` / ``tool_result`` /
-``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking``); the output's
+``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking``, a final
+assistant turn of text -> a prefill the reply continues); the output's
 blocks map one to one onto Anthropic's content blocks and stream events (``message_start``,
 ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta`` with the stop reason and
 usage, ``message_stop``; ``ping`` at the start and while nothing else is sent). Errors use
@@ -108,7 +109,29 @@ def render(state: ServerState, req: CountTokensRequest) -> Prompt:
     kwargs = None
     if req.thinking is not None:
         kwargs = {"enable_thinking": req.thinking.type != "disabled"}
-    return render_chat(state, template_messages(req), tools, kwargs)
+    messages, prefill = template_messages(req), assistant_prefill(req)
+    if prefill:
+        if kwargs is not None and kwargs["enable_thinking"]:
+            raise bad_request(
+                "an assistant prefill (a final assistant turn) cannot be combined with "
+                "thinking: the reply would begin inside the reasoning",
+                param=f"messages.{len(req.messages) - 1}",
+            )
+        messages, kwargs = messages[:-1], {"enable_thinking": False}
+    return render_chat(state, messages, tools, kwargs, prefill=prefill)
+
+
+def assistant_prefill(req: CountTokensRequest) -> str:
+    """The text of a final assistant turn made of text alone: Anthropic's prefill, which the
+    reply continues ("" when the conversation does not end that way)."""
+    last = req.messages[-1] if req.messages else None
+    if last is None or last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    if not last.content or any(block.type != "text" for block in last.content):
+        return ""  # tool use or thinking: a finished turn, rendered as one
+    return "\n".join(block.text for block in last.content)
 
 
 @router.post("/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))

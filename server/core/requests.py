@@ -137,9 +137,11 @@ def render_chat(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any] | None,
     param: str = "messages",
+    prefill: str = "",
 ) -> Prompt:
     """Template messages -> prompt ids; the server's default template kwargs sit under the
-    request's. Template errors are the client's 400."""
+    request's. Template errors are the client's 400. ``prefill``: the start of the
+    assistant's reply, written after the generation prompt so that the model continues it."""
     tokenizer = state.engine.tokenizer
     merged = dict(state.settings.chat_template_kwargs) | dict(template_kwargs or {})
     kwargs = {k: v for k, v in merged.items() if k not in _RESERVED_TEMPLATE_KWARGS}
@@ -151,6 +153,7 @@ def render_chat(
         raise bad_request(f"could not apply the chat template: {exc}", param=param) from exc
     if not isinstance(text, str):
         raise bad_request("the chat template did not produce text", param=param)
+    text += prefill
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered prompt is empty", param=param)
