@@ -188,6 +188,13 @@ def run_serve(args: argparse.Namespace) -> int:
     # `mtpserve` configured logging before this (WARNING without -v), which basicConfig leaves
     # alone: the level is set here, so start-up says what it loads and measures
     logging.getLogger().setLevel(settings.log_level.upper())
+    from engine.model.location import resolve_model_dir
+
+    try:  # a missing folder or an unreachable repo: one clear line, before the server starts
+        resolve_model_dir(settings.model)
+    except Exception as exc:
+        print(f"mtpserve serve: cannot open --model {settings.model!r}: {exc}", file=sys.stderr)
+        return 2
     app = create_app(engine_factory(settings), settings)
     uvicorn.run(
         app,

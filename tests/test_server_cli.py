@@ -188,3 +188,18 @@ def test_serve_logs_start_up_at_its_log_level(
     finally:
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
+
+
+def test_a_model_that_is_not_there_is_one_line_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mtpserve serve --model <missing folder>` says so in one line and exits with status 2
+    before the server starts, instead of a traceback out of the server's start-up."""
+    import uvicorn
+
+    from mtpserve.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("the server started"))
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err

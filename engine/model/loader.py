@@ -34,6 +34,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
 from engine.model import memory
+from engine.model.location import resolve_model_dir
 from engine.model.mtp import MTPHead
 from engine.model.trunk import prepare_transposed, product_parts
 
@@ -75,24 +76,6 @@ class LoadedModel:
     @property
     def text_config(self) -> dict[str, Any]:
         return self.config.get("text_config", self.config)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """A local folder as is; anything else is a Hugging Face repo id to download."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model folder {model!r} does not exist")
-    from huggingface_hub import snapshot_download
-
-    log.info("downloading %s from the Hugging Face hub", model)
-    return Path(
-        snapshot_download(
-            model,
-            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model"],
-        )
-    )
 
 
 def _model_classes(config: dict[str, Any]) -> tuple[type, type]:
