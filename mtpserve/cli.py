@@ -263,7 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     followed = follow_if_follower(args)
     if followed is not None:
         return followed
-    status = int(args.func(args) or 0)
+    from engine.model.location import ModelNotFound
+
+    try:
+        status = int(args.func(args) or 0)
+    except ModelNotFound as exc:  # the user's --model: one line, not a traceback
+        print(f"mtpserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command in DISTRIBUTED_COMMANDS:
         from engine import distributed
 

@@ -188,12 +188,12 @@ def run_serve(args: argparse.Namespace) -> int:
     # `mtpserve` configured logging before this (WARNING without -v), which basicConfig leaves
     # alone: the level is set here, so start-up says what it loads and measures
     logging.getLogger().setLevel(settings.log_level.upper())
-    from engine.model.location import resolve_model_dir
+    from engine.model.location import ModelNotFound, resolve_model_dir
 
     try:  # a missing folder or an unreachable repo: one clear line, before the server starts
         resolve_model_dir(settings.model)
-    except Exception as exc:
-        print(f"mtpserve serve: cannot open --model {settings.model!r}: {exc}", file=sys.stderr)
+    except ModelNotFound as exc:
+        print(f"mtpserve serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine_factory(settings), settings)
     uvicorn.run(

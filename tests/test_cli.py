@@ -122,3 +122,15 @@ def test_draft_tokens_outside_the_range_is_an_error_at_start(capsys) -> None:
     assert main(["serve", "--draft-tokens", "12"]) == 2
     assert wanted in capsys.readouterr().err
     assert build_parser().parse_args(["generate", "--prompt", "x", "--draft-tokens", "auto"])
+
+
+def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
+    """`mtpserve generate` and `bench` with a --model that is not there: one line naming it and
+    exit status 2, not a traceback (`serve`: tests/test_server_cli.py)."""
+    from mtpserve.cli import main
+
+    missing = str(tmp_path / "missing")
+    for argv in (["generate", "--prompt", "x"], ["bench", "--max-tokens", "4"]):
+        assert main([*argv, "--model", missing]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and missing in err and "Traceback" not in err
