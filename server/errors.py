@@ -128,6 +128,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     chosen = max(errors, key=lambda error: len(field(error)))
     param = ".".join(field(chosen)) or None
     message = chosen.get("msg", "invalid value")
+    if chosen.get("type") == "model_type":  # "... or instance of ChatMessage": our class names
+        message = "Input should be an object"
     if param:
         message = f"{param}: {message}"
     return bad_request(message, param=param, code="invalid_value")

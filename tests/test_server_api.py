@@ -695,6 +695,14 @@ def test_malformed_request_gets_4xx_and_server_keeps_serving(
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 
 
+def test_an_error_message_names_no_class_of_the_server(http: httpx.Client) -> None:
+    """pydantic words a non-object as "a valid dictionary or instance of ChatMessage": the
+    client sees what it must send, not the server's class names."""
+    r = http.post("/v1/chat/completions", json=chat("x") | {"messages": ["hi"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "messages.0: Input should be an object"
+
+
 @pytest.mark.parametrize(
     "body",
     [
