@@ -478,6 +478,17 @@ def test_raw_sse_framing(http: httpx.Client) -> None:
 GOOD = chat("TRIGGER_PLAIN", max_tokens=8)
 BIG = "x" * (70 * 1024)
 
+
+def replaying_tool_call(arguments: str) -> dict[str, Any]:
+    """A chat request whose history holds an assistant tool call with these ``arguments``."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "x"},
+    ]
+    return chat("x") | {"messages": history}
+
+
 MALFORMED: list[tuple[str, str, Any, int, str | None]] = [
     # (name, path, body, status, param or code expected)
     ("invalid json", "/v1/chat/completions", b"{not json", 400, "invalid_json"),
@@ -597,46 +608,14 @@ MALFORMED: list[tuple[str, str, Any, int, str | None]] = [
     (
         "bad tool arguments",
         "/v1/chat/completions",
-        chat("x")
-        | {
-            "messages": [
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {
-                            "id": "c",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": "{oops"},
-                        }
-                    ],
-                },
-                {"role": "user", "content": "x"},
-            ]
-        },
+        replaying_tool_call("{oops"),
         400,
         "messages.0.tool_calls.0.function.arguments",
     ),
     (
         "tool arguments nested past the parser's depth",
         "/v1/chat/completions",
-        chat("x")
-        | {
-            "messages": [
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {
-                            "id": "c",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000},
-                        }
-                    ],
-                },
-                {"role": "user", "content": "x"},
-            ]
-        },
+        replaying_tool_call("[" * 5000 + "]" * 5000),
         400,
         "messages.0.tool_calls.0.function.arguments",
     ),
