@@ -9,7 +9,7 @@ chain of small products — T = 1..K+1 rows against each weight matrix — and t
 sgemm pays for packing the whole weight matrix and for waking its threads on every call: a
 [2, 256] x [256, 768] product costs ~46 us with OpenBLAS (2 threads) and ~22 us with BLIS on one
 thread. Big products (prefill) want every core instead. BLIS takes its thread count at run time,
-so decoding runs on one thread and ``all_cores()`` widens it around prefill
+so decoding runs on one thread and ``all_cores()`` widens it around long prefill chunks
 (docs/BENCHMARKS.md §1 has the measurements).
 
 Nothing happens on macOS (Accelerate). ``MTPSERVE_BLAS`` may name a library explicitly, or be
@@ -64,13 +64,14 @@ def use_fast_blas() -> str | None:
 
 
 @contextmanager
-def all_cores() -> Iterator[None]:
-    """Run the block's matmuls on every core (prefill); back to one thread afterwards.
+def all_cores(enabled: bool = True) -> Iterator[None]:
+    """Run the block's matmuls on every core (long prefill chunks of wide models:
+    ``engine.model.trunk.prefill_on_all_cores``); back to one thread afterwards.
 
     The block must evaluate what it builds: mlx is lazy, and the setting applies when the
-    products run. No effect unless the BLAS is BLIS.
+    products run. No effect unless the BLAS is BLIS (or when not ``enabled``).
     """
-    if _set_threads is None:
+    if _set_threads is None or not enabled:
         yield
         return
     _set_threads(os.cpu_count() or 1)

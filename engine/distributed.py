@@ -68,7 +68,7 @@ from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest
 from engine.blas import all_cores
 from engine.model import loader
 from engine.model.mtp import table_rows
-from engine.model.trunk import TrunkCache, trunk_hidden
+from engine.model.trunk import TrunkCache, prefill_on_all_cores, trunk_hidden
 from engine.runtime import Engine
 
 log = logging.getLogger("mtpserve.distributed")
@@ -607,7 +607,7 @@ def follow(trunk: Any, group: Any) -> None:
                     hidden = trunk_hidden(trunk, tokens, cache, capture=True)
                     mx.eval(hidden, cache.arrays())
                 else:
-                    with all_cores():
+                    with all_cores(prefill_on_all_cores(trunk, tokens.shape[1])):
                         hidden = trunk_hidden(trunk, tokens, cache, capture=False)
                         mx.eval(hidden, cache.arrays())
             elif code == OP_EMBED:  # the head embeds its tokens

@@ -49,6 +49,7 @@ from engine.model.trunk import (
     TrunkCache,
     leads_a_group,
     new_trunk_cache,
+    prefill_on_all_cores,
     trunk_hidden,
     trunk_hidden_rows,
 )
@@ -240,7 +241,7 @@ def prefill_steps(
     start = 0
     while start < len(body):
         end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
-        with all_cores():
+        with all_cores(prefill_on_all_cores(trunk, end - start)):
             chunk = mx.array(body[start:end])[None]
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
             if seq.head_cache is not None:

@@ -570,11 +570,28 @@ SPLIT_WEIGHT_PARAMS = 3 << 20
 #: Products of more rows than this (prefill chunks) keep one BLAS call: BLIS threads those itself
 #: (``engine.blas.all_cores``).
 SPLIT_PRODUCT_MAX_ROWS = 64
+#: A prefill chunk runs its products on every core (BLIS threads, ``engine.blas.all_cores``)
+#: only when it has more rows than this and the model is at least this wide. BLIS's threads
+#: wait for each other at spinning barriers; with mlx's own threads on the same cores a waiting
+#: thread is descheduled mid-product. On 2 cores (docs/BENCHMARKS.md §8) two BLIS threads made
+#: a 3-token chunk 10-50x slower than one thread at the demo and 0.8B shapes and a 128-token
+#: chunk of the demo model ~9x slower (median), and paid only at the 0.8B shape past 64 rows
+#: (96 rows 1.2-1.3x faster, 128 rows 1.45x); up to 64 rows the column parts below already
+#: use both cores.
+THREADED_PREFILL_MIN_ROWS = SPLIT_PRODUCT_MAX_ROWS + 1
+THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
 _product_streams = threading.local()
+
+
+def prefill_on_all_cores(trunk: Any, rows: int) -> bool:
+    """Whether a prefill chunk of ``rows`` tokens runs its products on every core."""
+    return rows >= THREADED_PREFILL_MIN_ROWS and trunk.args.hidden_size >= (
+        THREADED_PREFILL_MIN_HIDDEN
+    )
 
 
 def product_parts() -> int:
