@@ -56,6 +56,9 @@ class GenerationRequest:
     draft_tokens: int | None = AUTO_DRAFT
     #: Number of top alternatives to report per emitted token (``None``: no logprobs at all).
     top_logprobs: int | None = None
+    #: Structured output: an llguidance grammar the generated tokens must follow
+    #: (``sampling.constraint.json_schema_grammar``); None: unconstrained.
+    grammar: str | None = None
 
 
 @dataclass

@@ -52,6 +52,7 @@ from engine.model import loader
 from engine.model.memory import limit_host_arenas, release_between_requests
 from engine.scheduling.autok import DraftPolicy, EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
+from sampling.constraint import GrammarError, TokenConstraint, build_tokenizer
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -232,6 +233,20 @@ class Engine:
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
         request.sampling.validate(self.vocab_size)
+        if request.grammar is not None:
+            self.constraint(request.grammar)  # compiles, or says why not
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A fresh ``TokenConstraint`` for ``grammar``; ``RequestError`` if it does not compile
+        (the llguidance tokenizer is built on first use: ~0.1-1 s)."""
+        if "_grammar_tokenizer" not in self.__dict__:
+            self.__dict__["_grammar_tokenizer"] = build_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        try:
+            return TokenConstraint(self.__dict__["_grammar_tokenizer"], grammar, self.vocab_size)
+        except GrammarError as exc:
+            raise RequestError(f"the output grammar does not compile: {exc}", "grammar") from exc
 
     # -- the loop --------------------------------------------------------------------------------
     def generate(
@@ -285,6 +300,8 @@ class Engine:
             self.trunk, head, request.prompt_ids, request.sampling, use_head, coupled
         )
         seq.draft_confidence = self.draft_confidence
+        if request.grammar is not None:
+            seq.constraint = self.constraint(request.grammar)
         cache = self.prefix_cache
         if cache is not None:
             restored = cache.lookup(request.prompt_ids, use_head)
@@ -345,6 +362,8 @@ class Engine:
             coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
+        if request.grammar is not None:
+            seq.constraint = self.constraint(request.grammar)
         return seq
 
     def decode(
@@ -384,8 +403,11 @@ class Engine:
                 k_next = None
                 # A plain cycle's token is kept whatever it is: commit it unread, then decide
                 # the next cycle (a plain cycle reveals nothing to auto K) and, if it is plain
-                # too, launch it now, before reading this one back.
-                unread = current.k == 0 and not self.profile and remaining > 1
+                # too, launch it now, before reading this one back. (Not under a grammar: the
+                # next cycle's mask depends on this token.)
+                unread = (
+                    current.k == 0 and not self.profile and remaining > 1 and seq.constraint is None
+                )
                 if unread:
                     commit_unread(seq, current)
                     if chooser is not None:

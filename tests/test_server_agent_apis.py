@@ -518,3 +518,113 @@ def test_messages_stream_disconnect_cancels(configured: LiveServer) -> None:
         assert time.monotonic() < deadline, "generation was not cancelled"
         time.sleep(0.01)
     assert engine.cancel_seen[-1] < 3000
+
+
+# ------------------------------------------------------------------------------------------
+# structured output: each API's format field reaches the engine as one grammar
+# ------------------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+FORMATS = {
+    "/v1/chat/completions": (
+        {"messages": user("TRIGGER_PLAIN")},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "v", "schema": SCHEMA},
+            }
+        },
+    ),
+    "/v1/responses": (
+        {"input": "TRIGGER_PLAIN"},
+        {"text": {"format": {"type": "json_schema", "name": "v", "schema": SCHEMA}}},
+    ),
+    "/v1/messages": (
+        {"messages": user("TRIGGER_PLAIN"), "max_tokens": 8},
+        {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(FORMATS))
+def test_a_format_reaches_the_engine_as_its_schemas_grammar_with_thinking_off(
+    http: httpx.Client, engine: FakeEngine, path: str
+) -> None:
+    from sampling.constraint import json_schema_grammar
+
+    body, fmt = FORMATS[path]
+    r = http.post(path, json={"model": MODEL} | body | fmt)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA)
+    assert prompt_of(engine).endswith("<think>\n\n</think>\n\n")  # thinking off
+    if path == "/v1/responses":
+        assert r.json()["text"]["format"] == fmt["text"]["format"]
+    r = http.post(path, json={"model": MODEL} | body)
+    assert r.status_code == 200 and engine.requests[-1].grammar is None
+
+
+FORMAT_BAD = [
+    # (path, extra body fields, param the 400 names; Anthropic: a word of the message)
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    (
+        "/v1/chat/completions",
+        {
+            "response_format": {"type": "json_object"},
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+        "chat_template_kwargs.enable_thinking",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "response_format": {"type": "json_object"},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "response_format",
+    ),
+    (
+        "/v1/responses",
+        {"text": {"format": {"type": "json_schema", "name": "v", "schema": {"not": {}}}}},
+        "text.format.schema",
+    ),
+    (
+        "/v1/responses",
+        {"text": {"format": {"type": "json_object"}}, "reasoning": {"effort": "low"}},
+        "reasoning.effort",
+    ),
+    (
+        "/v1/messages",
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}},
+        "foo",
+    ),
+    (
+        "/v1/messages",
+        {
+            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        },
+        "thinking",
+    ),
+]
+
+
+@pytest.mark.parametrize("path,fields,what", FORMAT_BAD)
+def test_a_format_that_cannot_be_enforced_is_a_400(
+    http: httpx.Client, path: str, fields: dict[str, Any], what: str
+) -> None:
+    body = {"model": MODEL} | FORMATS[path][0] | fields
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error" and what in r.json()["error"]["message"], r.text
+    else:
+        assert r.json()["error"]["param"] == what, r.text

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import openai
+import pydantic
 import pytest
 from fake_engine import LiveServer
 
@@ -211,3 +212,51 @@ def test_responses_equal_chat_completions(server: LiveServer, client: openai.Ope
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert events[-1].response.usage.output_tokens == usage.completion_tokens
     assert responses_parts(events[-1].response.output) == expected
+
+
+class Verdict(pydantic.BaseModel):
+    """A structured reply every field of which is bounded, so even a random model finishes."""
+
+    answer: Literal["yes", "no", "maybe"]
+    #: (Anthropic's SDK moves a number's bounds into its description: a bounded number is not
+    #: bounded there.)
+    sure: bool
+
+
+def test_structured_output_through_each_sdk(
+    server: LiveServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Each SDK's own structured-output helper gets its object back: Chat Completions'
+    ``parse(response_format=)``, Responses' ``parse(text_format=)``, Messages'
+    ``parse(output_format=)``; the three replies (greedy, same conversation) are one JSON text,
+    streamed or not."""
+    messages = [{"role": "user", "content": "Is water wet? Reply in JSON."}]
+    chat = client.chat.completions.parse(
+        model=server.model, messages=messages, response_format=Verdict, temperature=0
+    )
+    verdict = chat.choices[0].message.parsed
+    assert isinstance(verdict, Verdict) and chat.choices[0].finish_reason == "stop"
+    text = chat.choices[0].message.content
+    assert not (chat.choices[0].message.model_extra or {}).get("reasoning_content")
+
+    response = client.responses.parse(
+        model=server.model, input=messages, text_format=Verdict, temperature=0
+    )
+    assert response.output_parsed == verdict and response.output_text == text
+    assert response.text.format.type == "json_schema"
+
+    message = claude.messages.parse(
+        model=server.model,
+        messages=messages,
+        max_tokens=200,
+        output_format=Verdict,
+        extra_body={"temperature": 0},
+    )
+    assert message.parsed_output == verdict and message.content[0].text == text
+
+    with client.chat.completions.stream(
+        model=server.model, messages=messages, response_format=Verdict, temperature=0
+    ) as stream:
+        chunks = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert "".join(chunks) == text and final.choices[0].message.parsed == verdict

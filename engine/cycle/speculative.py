@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
@@ -54,6 +55,7 @@ from engine.model.trunk import (
     trunk_hidden_rows,
 )
 from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
+from sampling.constraint import TokenConstraint
 from sampling.distribution import (
     PenaltyHistory,
     Truncated,
@@ -100,6 +102,8 @@ class Sequence:
     #: (seed, position), so its text does not depend on the K of each cycle (auto K follows
     #: timings); None: draws from ``key`` and rejection sampling
     coupled_seed: int | None = None
+    #: structured output: the grammar the emitted tokens follow (``sampling.constraint``)
+    constraint: TokenConstraint | None = None
 
     @property
     def next_position(self) -> int:
@@ -385,6 +389,8 @@ def launch_cycles(
                 row.draw(logits, i)
                 if overlap:
                     mx.async_eval(row.ids[-1])
+            for row in drafts:
+                row.follow()
             if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
                 break
             if i + 1 < k:
@@ -443,7 +449,13 @@ def _stack(parts: list[mx.array]) -> mx.array:
 
 
 class _RowDrafts:
-    """One row's side of a cycle: its draws from the head, then its acceptance."""
+    """One row's side of a cycle: its draws from the head, then its acceptance.
+
+    A row under a grammar (``Sequence.constraint``) masks every draw: draft i with the tokens
+    allowed after the drafts before it (its draft is read back to advance the grammar: one host
+    sync per draft step), the verify's position i with the same mask and position K with the
+    mask after every draft; the grammar is then rolled back to the committed tokens
+    (``sampling.constraint`` states why this keeps the output exact)."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
@@ -455,6 +467,13 @@ class _RowDrafts:
 
         self.drafts = mx.zeros((0,), dtype=mx.int32)
         self.q: Truncated | None = None
+        #: grammar masks of the verified positions so far (None: past a draft the grammar
+        #: forbids, never read), whether the grammar still follows the drafts, and how many
+        #: drafts it advanced over
+        self.masks: list[np.ndarray | None] = []
+        self.following = True
+        self.advanced = 0
+        self.verify_mask: mx.array | None = None
 
     def finish(self) -> None:
         """Join the draws: the drafts ``[K]`` and the distributions they came from."""
@@ -462,10 +481,18 @@ class _RowDrafts:
             self.drafts = mx.concatenate(self.ids)
         if self.rows:
             self.q = Truncated.concatenate(self.rows)
+        constraint = self.seq.constraint
+        if constraint is not None:
+            self.masks.append(constraint.allowed() if self.following else None)
+            constraint.rollback(self.advanced)
+            full = np.ones(constraint.vocab_size, dtype=bool)
+            self.verify_mask = mx.array(np.stack([full if m is None else m for m in self.masks]))
 
     def draw(self, step_logits: mx.array, i: int) -> None:
         """Draft token ``i`` from the head's logits ``[1, V]``."""
         seq, params = self.seq, self.seq.params
+        if seq.constraint is not None:
+            step_logits = self._masked_draft_logits(step_logits)
         # Penalties see the drafts so far, exactly as plain decoding would have.
         history = seq.history.row_after(self.ids) if seq.history else None
         if params.greedy:
@@ -478,6 +505,30 @@ class _RowDrafts:
             q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
             self.rows.append(q)
         self.ids.append(d)
+
+    def _masked_draft_logits(self, step_logits: mx.array) -> mx.array:
+        """The head's logits under the grammar's mask for this position; unmasked once a
+        draft was refused, or when the head's draft vocabulary holds no allowed token (such a
+        draft is rejected for certain, and q stays a distribution)."""
+        if not self.following:
+            self.masks.append(None)
+            return step_logits
+        allowed = self.seq.constraint.allowed()
+        self.masks.append(allowed)
+        masked = mx.where(mx.array(allowed), step_logits, -mx.inf)
+        return mx.where(mx.any(masked > -mx.inf), masked, step_logits)
+
+    def follow(self) -> None:
+        """Advance the grammar over the draft just drawn (a host sync), or stop following it
+        if the grammar forbids that draft."""
+        constraint = self.seq.constraint
+        if constraint is None or not self.following:
+            return
+        token = self.ids[-1].item()
+        if not self.masks[-1][token]:
+            self.following = False
+            return
+        self.advanced += constraint.consume(token)
 
     def confident_stop(self, step_logits: mx.array, i: int, k: int) -> bool:
         """Confidence cut (llama.cpp's p-min): stop drafting once the head's top probability
@@ -494,6 +545,8 @@ class _RowDrafts:
     def accept(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The accepted count and the next token from the verify logits ``[K+1, V]``."""
         seq, params, drafts = self.seq, self.seq.params, self.drafts
+        if self.verify_mask is not None:
+            logits = mx.where(self.verify_mask, logits, -mx.inf)
         # Rows for the drafts made, not the K asked for: a confidence cut may have drafted fewer.
         history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None
         if params.greedy:
@@ -543,6 +596,8 @@ def commit_unread(seq: Sequence, launched: LaunchedCycle) -> None:
     """
     if launched.k != 0:
         raise ValueError("only a plain cycle keeps its token unconditionally")
+    if seq.constraint is not None:
+        raise ValueError("a constrained sequence's next mask needs the token on the host")
     _keep_positions(seq, launched.hidden, 0, 1)
     token = launched.next_token.reshape(1)
     if seq.history is not None:
@@ -564,6 +619,8 @@ def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     seq.tokens.extend(emitted)
     if seq.history is not None:
         seq.history.extend(emitted)
+    if seq.constraint is not None:
+        seq.constraint.consume_all(emitted)
     return emitted
 
 

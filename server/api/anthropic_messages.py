@@ -29,8 +29,10 @@ from server.core.requests import (
     Prompt,
     build_requests,
     join_text,
+    output_grammar,
     render_chat,
     select_tools,
+    structured_kwargs,
 )
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
@@ -83,7 +85,8 @@ def template_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render(state: ServerState, req: CountTokensRequest) -> Prompt:
+def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | None]:
+    """The prompt, and the grammar of ``output_config.format`` (None: free text)."""
     tools = None
     if req.tools:
         for j, tool in enumerate(req.tools):
@@ -118,7 +121,18 @@ def render(state: ServerState, req: CountTokensRequest) -> Prompt:
                 param=f"messages.{len(req.messages) - 1}",
             )
         messages, kwargs = messages[:-1], {"enable_thinking": False}
-    return render_chat(state, messages, tools, kwargs, prefill=prefill)
+    fmt = req.output_config.format if req.output_config is not None else None
+    grammar = None
+    if fmt is not None:
+        grammar = output_grammar(fmt.type, fmt.schema_, "output_config.format.schema")
+        if prefill:
+            raise bad_request(
+                "an assistant prefill cannot be combined with output_config.format: the "
+                "schema covers the whole reply",
+                param=f"messages.{len(req.messages) - 1}",
+            )
+        kwargs = structured_kwargs(kwargs, tools, "output_config.format", "thinking")
+    return render_chat(state, messages, tools, kwargs, prefill=prefill), grammar
 
 
 def assistant_prefill(req: CountTokensRequest) -> str:
@@ -138,14 +152,14 @@ def assistant_prefill(req: CountTokensRequest) -> str:
 async def count_tokens(request: Request) -> JSONResponse:
     state, req = await read_body(request, CountTokensRequest)
     state.check_model(req.model)
-    return JSONResponse({"input_tokens": len(render(state, req).ids)})
+    return JSONResponse({"input_tokens": len(render(state, req)[0].ids)})
 
 
 @router.post("/messages", response_model=None, openapi_extra=json_body(MessagesRequest))
 async def messages(request: Request) -> Response:
     state, req = await read_body(request, MessagesRequest)
     model = state.check_model(req.model)
-    prompt = render(state, req)
+    prompt, grammar = render(state, req)
     params = GenerationParams(
         max_tokens=req.max_tokens,
         prompt_param="messages",
@@ -153,6 +167,7 @@ async def messages(request: Request) -> Response:
         stop=list(req.stop_sequences or []),
         stop_param="stop_sequences",
         draft_tokens=req.draft_tokens,
+        grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
     job = start_job(

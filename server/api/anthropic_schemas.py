@@ -88,6 +88,19 @@ class Thinking(_Base):
     budget_tokens: int | None = None
 
 
+class JSONOutputFormat(_Base):
+    type: Literal["json_schema"]
+    #: ``schema`` shadows a BaseModel attribute, hence the alias
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Base):
+    #: Structured output: the reply's text is JSON valid under this schema.
+    format: JSONOutputFormat | None = None
+    #: Accepted and ignored (the model has no effort setting).
+    effort: str | None = None
+
+
 class CountTokensRequest(_Base):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -95,6 +108,7 @@ class CountTokensRequest(_Base):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):

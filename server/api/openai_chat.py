@@ -25,9 +25,11 @@ from server.core.output import OutputDelta
 from server.core.requests import (
     build_requests,
     join_text,
+    output_grammar,
     parse_arguments,
     render_chat,
     select_tools,
+    structured_kwargs,
 )
 from server.core.toolcalls import ParsedDelta
 from server.errors import bad_request
@@ -72,10 +74,23 @@ async def chat_completions(request: Request) -> Response:
         named=None if choice is None or isinstance(choice, str) else choice.function.name,
     )
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    prompt = render_chat(state, messages, tools, req.chat_template_kwargs)
+    grammar, kwargs = None, req.chat_template_kwargs
+    if req.response_format is not None:
+        fmt = req.response_format
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise bad_request(
+                "response_format json_schema needs a 'json_schema' object",
+                param="response_format.json_schema",
+            )
+        grammar = output_grammar(fmt.type, schema, "response_format.json_schema.schema")
+        if grammar is not None:
+            kwargs = structured_kwargs(kwargs, tools, "response_format")
+    prompt = render_chat(state, messages, tools, kwargs)
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
+    params.grammar = grammar
     if req.max_completion_tokens is not None:
         params.max_tokens = req.max_completion_tokens
         params.max_tokens_param = "max_completion_tokens"

@@ -27,8 +27,10 @@ from server.core.requests import (
     GenerationParams,
     Prompt,
     build_requests,
+    output_grammar,
     render_chat,
     select_tools,
+    structured_kwargs,
 )
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
@@ -56,7 +58,8 @@ def _part(block: Block) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": block.text}
 
 
-def _render(state: ServerState, req: ResponsesRequest) -> Prompt:
+def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | None]:
+    """The prompt, and the grammar of ``text.format`` (None: free text)."""
     tools = [
         {
             "type": "function",
@@ -71,8 +74,16 @@ def _render(state: ServerState, req: ResponsesRequest) -> Prompt:
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs.setdefault("enable_thinking", req.reasoning.effort != "none")
+    fmt = req.text.format if req.text is not None else None
+    grammar = None
+    if fmt is not None:
+        grammar = output_grammar(fmt.type, fmt.schema_, "text.format.schema")
+    if grammar is not None:
+        asked = req.reasoning is not None and req.reasoning.effort not in (None, "none")
+        where = "reasoning.effort" if asked else "chat_template_kwargs.enable_thinking"
+        kwargs = structured_kwargs(kwargs, shown, "text.format", where)
     messages = template_messages(req)
-    return render_chat(state, messages, shown, kwargs, param="input")
+    return render_chat(state, messages, shown, kwargs, param="input"), grammar
 
 
 @router.post("/responses", response_model=None, openapi_extra=json_body(ResponsesRequest))
@@ -86,7 +97,7 @@ async def responses(request: Request) -> Response:
             param="previous_response_id",
             code="unsupported_parameter",
         )
-    prompt = _render(state, req)
+    prompt, grammar = _render(state, req)
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     params = GenerationParams(
         max_tokens=req.max_output_tokens,
@@ -94,6 +105,7 @@ async def responses(request: Request) -> Response:
         prompt_param="input",
         sampling=sampling | {"min_p": req.min_p},
         draft_tokens=req.draft_tokens,
+        grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
     job = start_job(
@@ -163,7 +175,11 @@ class ResponseView:
             else None,
             "store": False,
             "temperature": req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {
+                "format": req.text.format.model_dump(exclude_none=True, by_alias=True)
+                if req.text
+                else {"type": "text"}
+            },
             "tool_choice": _echo(req.tool_choice) or "auto",
             "tools": [
                 _echo(t) | {"strict": t.strict, "parameters": t.parameters}

@@ -73,6 +73,20 @@ class NamedToolChoice(_Base):
     function: NamedFunction
 
 
+class JSONSchemaFormat(_Base):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    #: ``schema`` shadows a BaseModel attribute, hence the alias
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    #: Accepted: every reply follows its schema whatever ``strict`` says.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class StreamOptions(_Base):
     include_usage: bool = False
 
@@ -122,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: Structured output: the reply follows a JSON schema (or is any JSON object).
+    response_format: ResponseFormat | None = None
     #: Extension (vLLM-compatible): whether to split reasoning out of the content.
     include_reasoning: bool = True
     #: Extension, opt-in: each streamed chunk carries ``choices[i].mtp_trace`` with the K of

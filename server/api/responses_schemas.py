@@ -97,6 +97,20 @@ class ReasoningConfig(_Base):
     summary: str | None = None
 
 
+class TextFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    #: ``schema`` shadows a BaseModel attribute, hence the alias
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    #: Accepted: every reply follows its schema whatever ``strict`` says.
+    strict: bool | None = None
+
+
+class TextConfig(_Base):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
 class ResponsesRequest(_Base):
     model: str
     input: str | list[InputItem]
@@ -105,6 +119,8 @@ class ResponsesRequest(_Base):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
+    #: Structured output: ``{"format": {"type": "json_schema", "schema": ...}}``.
+    text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.api import GenerationRequest
+from sampling.constraint import JSON_OBJECT_SCHEMA, GrammarError, json_schema_grammar
 from sampling.params import SamplingOverrides, SamplingParamError, SamplingParams, resolve
 from server.core.toolcalls import prompt_opens_reasoning
 from server.errors import APIError, bad_request
@@ -63,6 +64,8 @@ class GenerationParams:
     top_logprobs_param: str = "top_logprobs"
     ignore_eos: bool = False
     draft_tokens: int | None = None
+    #: structured output: the llguidance grammar of ``output_grammar`` (None: free text)
+    grammar: str | None = None
 
 
 @dataclass
@@ -129,6 +132,50 @@ def select_tools(
                 f"tool_choice names an unknown function {named!r}", param="tool_choice"
             )
     return tools
+
+
+def output_grammar(kind: str | None, schema: Any, param: str) -> str | None:
+    """A structured-output setting -> the grammar the reply must follow (None: free text).
+
+    ``kind``: ``text`` (or None), ``json_object`` (any JSON object) or ``json_schema`` (JSON
+    valid under ``schema``). A schema the grammar compiler cannot use is a 400 naming
+    ``param``: every token of the reply is drawn under the grammar, so nothing is left to a
+    schema that was only half understood."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        schema = JSON_OBJECT_SCHEMA
+    elif not isinstance(schema, dict):
+        raise bad_request("a json_schema format needs a 'schema' object", param=param)
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as exc:
+        raise bad_request(str(exc), param=param, code="invalid_json_schema") from exc
+
+
+def structured_kwargs(
+    template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    param: str,
+    thinking_param: str = "chat_template_kwargs.enable_thinking",
+) -> dict[str, Any]:
+    """The template arguments of a structured-output request: thinking off, so the reply is
+    the JSON from its first token (the grammar covers the whole reply). Asking for thinking
+    or showing tools as well is a 400: neither can be honoured under a JSON grammar."""
+    kwargs = dict(template_kwargs or {})
+    if kwargs.get("enable_thinking") is True:
+        raise bad_request(
+            "structured output cannot be combined with thinking: the grammar covers the whole "
+            "reply, which then starts with the JSON",
+            param=thinking_param,
+        )
+    if tools:
+        raise bad_request(
+            "structured output cannot be combined with tools (the grammar allows JSON only, "
+            "no tool call); send tool_choice 'none' or no tools",
+            param=param,
+        )
+    return kwargs | {"enable_thinking": False}
 
 
 def render_chat(
@@ -284,6 +331,7 @@ def build_requests(
                     ignore_eos=params.ignore_eos,
                     draft_tokens=draft,
                     top_logprobs=params.top_logprobs,
+                    grammar=params.grammar,
                 )
             )
     return out

@@ -1,0 +1,114 @@
+"""Structured output: a grammar every generated token must keep to (llguidance).
+
+A request's ``response_format`` (JSON schema or any JSON object) becomes an llguidance grammar
+(``json_schema_grammar``); the engine follows it with a ``TokenConstraint`` per sequence, which
+says which tokens may come next (``allowed``) and advances over the tokens chosen.
+
+Why this keeps speculation exact: masking a distribution is part of the target distribution.
+Plain constrained decoding samples position t from p_t restricted to the tokens the grammar
+allows after x_<t. A drafting cycle verifies position i with the mask computed after the drafts
+d_1..d_i-1 (the constraint advances over each draft and is rolled back after the cycle), so each
+verified position sees exactly the mask plain decoding would see there, and the rejection
+sampler's guarantee (output ~ p) holds for the masked p. Drafts are drawn from the head's
+distribution under the same mask (better acceptance; any q keeps the output exact). A draft the
+grammar does not allow (the head drafts over a smaller vocabulary that may hold none of the
+allowed tokens) has p = 0 under the mask, so it is rejected for certain and no later position
+of that cycle is ever used: the masks past it are never read.
+
+This module does not import mlx: the server builds and checks grammars with it before a
+request is queued.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+try:  # llguidance is a dependency; the import guard keeps the error readable if it is missing
+    from llguidance import LLMatcher, LLTokenizer
+except ImportError as exc:  # pragma: no cover
+    raise ImportError("structured output needs llguidance (pip install llguidance)") from exc
+
+#: The grammar of ``response_format: {"type": "json_object"}``: any JSON object.
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+#: JSON is written on one line with Python's separators. With free whitespace between tokens
+#: (llguidance's default) a model can spend its whole budget on spaces and newlines, which small
+#: models do; a schema's own ``x-guidance`` options still take precedence.
+JSON_LAYOUT: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(ValueError):
+    """A schema or grammar llguidance cannot compile (the client's 400)."""
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """A JSON schema -> the llguidance grammar that generates JSON valid under it.
+
+    Raises ``GrammarError`` with llguidance's message for a schema it cannot compile (an
+    unknown type, a broken ``$ref``, a keyword it does not support)."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"invalid JSON schema: {exc}") from exc
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"unsupported JSON schema: {error}")
+    return grammar
+
+
+def build_tokenizer(hf_tokenizer: Any, vocab_size: int, stop_ids: frozenset[int]) -> LLTokenizer:
+    """llguidance's view of the model's tokenizer (built once per engine: ~0.1-1 s).
+
+    ``stop_ids`` are the ids that end a generation: the grammar lets them through once the
+    output is complete, and only them."""
+    from llguidance.hf import from_tokenizer
+
+    return from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_ids))
+
+
+class TokenConstraint:
+    """One sequence's position in a grammar: the tokens allowed next, advanced token by token.
+
+    ``allowed()`` is a boolean vector over the model's vocabulary. Once the output is complete
+    the grammar allows the stop ids alone; after that nothing more is consumed (a request that
+    ignores EOS keeps drawing stop ids instead of breaking the text).
+    """
+
+    def __init__(self, tokenizer: LLTokenizer, grammar: str, vocab_size: int) -> None:
+        try:
+            self.matcher = LLMatcher(tokenizer, grammar)
+        except (TypeError, ValueError) as exc:
+            raise GrammarError(str(exc)) from exc
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> np.ndarray:
+        """``[vocab_size]`` bool: the tokens that may come next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def consume(self, token: int) -> bool:
+        """Advance over ``token``, which ``allowed()`` allowed; False when the grammar had
+        already stopped (nothing consumed, nothing to roll back)."""
+        if self.matcher.is_stopped():
+            return False
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        return True
+
+    def consume_all(self, tokens: list[int]) -> None:
+        """Advance over tokens drawn under this constraint's masks (a cycle's commit)."""
+        for token in tokens:
+            self.consume(token)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens (a cycle's drafts)."""
+        if n and not self.matcher.rollback(n):
+            raise RuntimeError(f"the grammar could not roll back {n} tokens")

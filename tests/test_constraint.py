@@ -1,0 +1,184 @@
+"""Structured output is exact under speculation: a grammar-constrained request emits what plain
+constrained decoding emits.
+
+Greedy: the same tokens for K = 0, 1, 3 and automatic K (dense and MoE test checkpoints and the
+demo model), and every output is a sentence of the grammar. Sampled: the chi-square homogeneity
+test of tests/test_sampling.py between K=3 (rejection sampling under masks) and K=0. Drafts the
+grammar forbids (the head drafting over a small vocabulary) are rejected without changing the
+output; constrained rows of a batch equal the same requests alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_batching import batched
+from test_sampling import ALPHA, _homogeneity_pvalue
+
+from engine.api import GenerationRequest, RequestError
+from engine.cycle import speculative
+from engine.runtime import Engine
+from sampling.constraint import GrammarError, TokenConstraint, json_schema_grammar
+from sampling.params import SamplingParams
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+#: bounded in every field, so that even a random model reaches the end and stops
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 99},
+        "note": {"type": "string", "maxLength": 8},
+    },
+    "required": ["answer", "score", "note"],
+    "additionalProperties": False,
+}
+GRAMMAR = json_schema_grammar(SCHEMA)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def request(engine: Engine, prompt: str, k: int | None, **kwargs: object) -> GenerationRequest:
+    fields = {"sampling": GREEDY, "max_tokens": 80, "grammar": GRAMMAR} | kwargs
+    return GenerationRequest(
+        prompt_ids=engine.tokenizer.encode(prompt),
+        stop_token_ids=engine.eos_token_ids,
+        draft_tokens=k,
+        **fields,
+    )
+
+
+def run(engine: Engine, req: GenerationRequest) -> tuple[list[int], str, object]:
+    tokens: list[int] = []
+    for event in engine.generate(req):
+        tokens += event.token_ids
+    return tokens, event.finish_reason, event.stats
+
+
+def assert_follows(engine: Engine, tokens: list[int], grammar: str = GRAMMAR) -> None:
+    """Every token was allowed where it stands (a fresh matcher takes them all)."""
+    constraint = engine.constraint(grammar)
+    for token in tokens:
+        assert constraint.allowed()[token], engine.tokenizer.decode(tokens)
+        constraint.consume(token)
+
+
+@pytest.fixture(scope="module", params=["dense-tied", "moe-tied", "demo"])
+def engine(request, load_engine) -> Engine:
+    if request.param == "demo":
+        return Engine.load(str(DEMO))
+    return load_engine(request.param)
+
+
+@pytest.fixture(scope="module")
+def demo() -> Engine:
+    """The demo model with the conversation cache on: the sampled test runs one prompt 600
+    times, prefilled once (restores are exact: tests/test_prefix_cache.py)."""
+    engine = Engine.load(str(DEMO), draft_tokens=0)
+    engine.enable_prefix_cache(64 << 20)
+    return engine
+
+
+def test_greedy_constrained_output_is_the_same_for_every_k(engine: Engine) -> None:
+    for prompt in ("Reply in JSON: is water wet?", "def add(a, b):"):
+        outputs = {k: run(engine, request(engine, prompt, k)) for k in (0, 1, 3, None)}
+        plain, finish, _ = outputs[0]
+        for k, (tokens, reason, _) in outputs.items():
+            assert tokens == plain, f"K={k}"
+            assert reason == finish
+        assert finish == "stop" and plain[-1] in engine.eos_token_ids
+        assert_follows(engine, plain)
+        value = json.loads(engine.tokenizer.decode(plain[:-1]))
+        assert value["answer"] in ("yes", "no", "maybe") and 0 <= value["score"] <= 99
+        assert outputs[3][2].accepted > 0  # drafts were verified under the masks and kept
+
+
+def test_sampled_constrained_output_is_distributed_as_plain_sampling(demo: Engine) -> None:
+    """300 seeded requests with K=3 (rejection sampling, masked draft and target) against 300
+    with K=0, the first four tokens position by position."""
+    grammar = json_schema_grammar(
+        {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 6}
+    )
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+    samples, counts = {}, [0, 0]
+    for k in (0, 3):
+        rows = []
+        for seed in range(300):
+            req = request(demo, "numbers = ", k, grammar=grammar, max_tokens=4, ignore_eos=True)
+            tokens, _, stats = run(demo, replace(req, sampling=replace(params, seed=seed)))
+            assert_follows(demo, tokens, grammar)
+            rows.append(tokens)
+            counts[0] += stats.accepted
+            counts[1] += stats.proposed
+        samples[k] = np.array(rows)
+    assert 0.1 < counts[0] / counts[1] < 0.9  # acceptances and residual draws both ran
+    for position in range(4):
+        p = _homogeneity_pvalue(samples[0][:, position], samples[3][:, position])
+        assert p > ALPHA, f"position {position + 1}: p={p:.2g}"
+
+
+def test_drafts_the_grammar_forbids_are_rejected_without_changing_the_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head drafting over 40 tokens often has no allowed token at all: it drafts unmasked,
+    the draft is rejected and the cycle's later positions are never used."""
+    engine = Engine.load(str(DEMO), draft_tokens=0, draft_vocab=40)
+    refused = []
+    follow = speculative._RowDrafts.follow
+
+    def counted(row: speculative._RowDrafts) -> None:
+        follow(row)
+        refused.append(not row.following)
+
+    monkeypatch.setattr(speculative._RowDrafts, "follow", counted)
+    plain = run(engine, request(engine, "Reply in JSON:", 0))
+    drafted = run(engine, request(engine, "Reply in JSON:", 3))
+    assert drafted[0] == plain[0] and drafted[1] == plain[1] == "stop"
+    assert any(refused) and drafted[2].accepted > 0
+
+
+def test_constrained_rows_of_a_batch_equal_each_request_alone(demo: Engine) -> None:
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    reqs = [
+        request(demo, "Reply in JSON:", 2),
+        request(demo, "The answer, as JSON:", None, sampling=sampled),
+        request(demo, "def add(a, b):", 3, grammar=None, max_tokens=30, ignore_eos=True),
+        request(demo, "JSON please:", 0),
+        request(demo, "One more:", 3, sampling=replace(sampled, seed=3)),
+    ]
+    expected = [run(demo, r)[0] for r in reqs]
+    got, finish = batched(demo, reqs, join_at={4: 2})
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i}"
+        assert finish[i] == ("length" if i == 2 else "stop")
+
+
+def test_a_grammar_that_does_not_compile_is_the_requests_error(demo: Engine) -> None:
+    with pytest.raises(GrammarError, match="foo"):
+        json_schema_grammar({"type": "foo"})
+    with pytest.raises(RequestError) as caught:
+        demo.check(request(demo, "x", 0, grammar='{"grammars": [{"lark_grammar": "start: ("}]}'))
+    assert caught.value.param == "grammar"
+
+
+def test_past_the_end_of_the_grammar_only_stop_ids_follow(demo: Engine) -> None:
+    """With EOS ignored, a complete output is followed by stop ids alone (nothing breaks)."""
+    tokens, finish, _ = run(demo, request(demo, "Reply in JSON:", 3, ignore_eos=True))
+    assert finish == "length" and len(tokens) == 80
+    end = next(i for i, t in enumerate(tokens) if t in demo.eos_token_ids)
+    assert set(tokens[end:]) <= demo.eos_token_ids
+    json.loads(demo.tokenizer.decode(tokens[:end]))
+
+
+def test_rollback_restores_the_mask(demo: Engine) -> None:
+    constraint: TokenConstraint = demo.constraint(GRAMMAR)
+    start = constraint.allowed().copy()
+    ids = demo.tokenizer.encode('{"answer": "no"', add_special_tokens=False)
+    for token in ids:
+        assert constraint.consume(token)
+    assert not np.array_equal(constraint.allowed(), start)
+    constraint.rollback(len(ids))
+    assert np.array_equal(constraint.allowed(), start)
