@@ -153,6 +153,43 @@ def test_enable_thinking_false_reaches_template(client: openai.OpenAI, engine: F
     assert extra(r.choices[0].message, "reasoning_content") is None
 
 
+def test_continue_final_message_continues_the_assistant_text(
+    client: openai.OpenAI, engine: FakeEngine, http: httpx.Client
+) -> None:
+    """vLLM's ``continue_final_message``: the final assistant message is the start of the
+    reply, after the generation prompt with thinking closed; the reply is what follows."""
+    messages = [
+        {"role": "user", "content": "TRIGGER_PLAIN What is the answer?"},
+        {"role": "assistant", "content": "Well,"},
+    ]
+    r = client.chat.completions.create(
+        model="fake-model",
+        messages=messages,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    prompt = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nWell,"), prompt
+    assert prompt.count("<|im_start|>assistant") == 1
+    assert r.choices[0].message.content == "The answer is 42."
+    for extra_fields, param in [
+        ({"continue_final_message": True}, "messages.1"),  # the last message is the user's
+        ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ]:
+        body = chat("x") | extra_fields
+        r = http.post(
+            "/v1/chat/completions", json=body | {"messages": messages[:1] + body["messages"]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    thinking = {"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": True}}
+    r = http.post("/v1/chat/completions", json=chat("x", messages=messages, **thinking))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+    fmt = {"continue_final_message": True, "response_format": {"type": "json_object"}}
+    r = http.post("/v1/chat/completions", json=chat("x", messages=messages, **fmt))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 def test_include_reasoning_false_keeps_raw_text(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="fake-model",

@@ -75,6 +75,7 @@ async def chat_completions(request: Request) -> Response:
     )
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
     grammar, kwargs = None, req.chat_template_kwargs
+    messages, prefill, kwargs = continued_message(req, messages, kwargs)
     if req.response_format is not None:
         fmt = req.response_format
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
@@ -84,9 +85,15 @@ async def chat_completions(request: Request) -> Response:
                 param="response_format.json_schema",
             )
         grammar = output_grammar(fmt.type, schema, "response_format.json_schema.schema")
+        if grammar is not None and prefill:
+            raise bad_request(
+                "continue_final_message cannot be combined with response_format: the schema "
+                "covers the whole reply",
+                param="continue_final_message",
+            )
         if grammar is not None:
             kwargs = structured_kwargs(kwargs, tools, "response_format")
-    prompt = render_chat(state, messages, tools, kwargs)
+    prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
@@ -110,6 +117,43 @@ async def chat_completions(request: Request) -> Response:
     return await respond(
         request, job, stream_with=encoder, body=lambda deltas: chat_body(job, deltas, req.logprobs)
     )
+
+
+def continued_message(
+    req: ChatCompletionRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], str, dict[str, Any] | None]:
+    """``continue_final_message``: the final assistant message's text becomes a prefill the
+    reply continues (the response holds only the continuation), with thinking off, since the
+    reply would otherwise begin inside the reasoning. Returns the messages to render, the
+    prefill ("" when not continuing) and the template arguments."""
+    if not req.continue_final_message:
+        if req.add_generation_prompt is False:
+            raise bad_request(
+                "add_generation_prompt false is supported only with continue_final_message",
+                param="add_generation_prompt",
+            )
+        return messages, "", kwargs
+    last = req.messages[-1]
+    where = f"messages.{len(req.messages) - 1}"
+    if req.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message continues the final message: add_generation_prompt must "
+            "be false",
+            param="add_generation_prompt",
+        )
+    if last.role != "assistant" or last.tool_calls or not messages[-1]["content"]:
+        raise bad_request(
+            "continue_final_message needs a final assistant message with text content",
+            param=where,
+        )
+    kwargs = dict(kwargs or {})
+    if kwargs.get("enable_thinking") is True:
+        raise bad_request(
+            "continue_final_message cannot be combined with thinking: the reply would begin "
+            "inside the reasoning",
+            param="chat_template_kwargs.enable_thinking",
+        )
+    return messages[:-1], messages[-1]["content"], kwargs | {"enable_thinking": False}
 
 
 def chat_body(job: Job, deltas: list[list[OutputDelta]], logprobs: bool) -> dict[str, Any]:

@@ -138,6 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     #: Structured output: the reply follows a JSON schema (or is any JSON object).
     response_format: ResponseFormat | None = None
+    #: Extension (vLLM-compatible): the final assistant message is the start of the reply,
+    #: which the model continues (a prefill); ``add_generation_prompt`` false goes with it.
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
     #: Extension (vLLM-compatible): whether to split reasoning out of the content.
     include_reasoning: bool = True
     #: Extension, opt-in: each streamed chunk carries ``choices[i].mtp_trace`` with the K of
