@@ -47,13 +47,26 @@ class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile (the client's 400)."""
 
 
-def json_schema_grammar(schema: dict[str, Any]) -> str:
+def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None) -> str:
     """A JSON schema -> the llguidance grammar that generates JSON valid under it.
+
+    ``reasoning_end``: the id of the token that closes a thinking model's reasoning (Qwen's
+    ``</think>``) when the reply starts inside it. The reasoning is then free text (any token
+    but the special ones: the model cannot stop before it has answered), the grammar starts
+    after that token and the blank line Qwen's template puts after it.
 
     Raises ``GrammarError`` with llguidance's message for a schema it cannot compile (an
     unknown type, a broken ``$ref``, a keyword it does not support)."""
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        if reasoning_end is None:
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        else:
+            laid_out = {"x-guidance": JSON_LAYOUT} | schema
+            grammar = LLMatcher.grammar_from_lark(
+                f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" answer\n'
+                "REASONING: /(?s:.*)/\n"
+                f"answer: %json {json.dumps(laid_out)}\n"
+            )
     except (TypeError, ValueError, RecursionError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from exc
     error = LLMatcher.validate_grammar(grammar)

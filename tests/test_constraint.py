@@ -96,6 +96,29 @@ def test_greedy_constrained_output_is_the_same_for_every_k(engine: Engine) -> No
         assert outputs[3][2].accepted > 0  # drafts were verified under the masks and kept
 
 
+def test_a_thinking_reply_reasons_freely_then_answers_in_json(demo: Engine) -> None:
+    """With the prompt's think block open, the grammar lets the reasoning run (no stop inside
+    it) and starts the schema after ``</think>``: the same tokens for every K, and the text
+    after the reasoning is the JSON."""
+    from engine.runtime import chat_prompt_ids
+
+    end = demo.tokenizer.get_vocab()["</think>"]
+    grammar = json_schema_grammar(SCHEMA, reasoning_end=end)
+    messages = [{"role": "user", "content": "Is water wet? Reply in JSON."}]
+    prompt = chat_prompt_ids(demo.tokenizer, messages, enable_thinking=True)
+    assert demo.tokenizer.decode(prompt).endswith("<think>\n")
+    outputs = {}
+    for k in (0, 1, 3, None):
+        req = replace(request(demo, "", k, grammar=grammar, max_tokens=200), prompt_ids=prompt)
+        outputs[k] = run(demo, req)[0]
+    assert all(tokens == outputs[0] for tokens in outputs.values())
+    tokens = outputs[0]
+    assert end in tokens and tokens[-1] in demo.eos_token_ids
+    assert_follows(demo, tokens, grammar)
+    answer = demo.tokenizer.decode(tokens[tokens.index(end) + 1 : -1])
+    assert answer.startswith("\n\n") and json.loads(answer)["answer"] in ("yes", "no", "maybe")
+
+
 def test_sampled_constrained_output_is_distributed_as_plain_sampling(demo: Engine) -> None:
     """300 seeded requests with K=3 (rejection sampling, masked draft and target) against 300
     with K=0, the first four tokens position by position."""

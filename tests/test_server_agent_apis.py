@@ -545,19 +545,38 @@ FORMATS = {
 }
 
 
+#: per API: the request fields that turn thinking on, and off
+THINKING = {
+    "/v1/chat/completions": (
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+    ),
+    "/v1/responses": ({"reasoning": {"effort": "low"}}, {"reasoning": {"effort": "none"}}),
+    "/v1/messages": (
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"thinking": {"type": "disabled"}},
+    ),
+}
+
+
 @pytest.mark.parametrize("path", list(FORMATS))
-def test_a_format_reaches_the_engine_as_its_schemas_grammar_with_thinking_off(
+def test_a_format_reaches_the_engine_as_its_schemas_grammar(
     http: httpx.Client, engine: FakeEngine, path: str
 ) -> None:
+    """Thinking off: the grammar is the schema's from the reply's first token. Thinking on: the
+    reasoning is free text and the schema's grammar starts after ``</think>``."""
     from sampling.constraint import json_schema_grammar
 
     body, fmt = FORMATS[path]
-    r = http.post(path, json={"model": MODEL} | body | fmt)
-    assert r.status_code == 200, r.text
-    assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA)
-    assert prompt_of(engine).endswith("<think>\n\n</think>\n\n")  # thinking off
-    if path == "/v1/responses":
-        assert r.json()["text"]["format"] == fmt["text"]["format"]
+    think_end = engine.tokenizer.get_vocab()["</think>"]
+    for thinking, end in zip(THINKING[path], (think_end, None), strict=True):
+        r = http.post(path, json={"model": MODEL} | body | fmt | thinking)
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA, reasoning_end=end)
+        opens = prompt_of(engine).endswith("<think>\n")
+        assert opens == (end is not None), prompt_of(engine)[-40:]
+        if path == "/v1/responses":
+            assert r.json()["text"]["format"] == fmt["text"]["format"]
     r = http.post(path, json={"model": MODEL} | body)
     assert r.status_code == 200 and engine.requests[-1].grammar is None
 
@@ -579,14 +598,6 @@ FORMAT_BAD = [
         "/v1/chat/completions",
         {
             "response_format": {"type": "json_object"},
-            "chat_template_kwargs": {"enable_thinking": True},
-        },
-        "chat_template_kwargs.enable_thinking",
-    ),
-    (
-        "/v1/chat/completions",
-        {
-            "response_format": {"type": "json_object"},
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
         "response_format",
@@ -597,22 +608,9 @@ FORMAT_BAD = [
         "text.format.schema",
     ),
     (
-        "/v1/responses",
-        {"text": {"format": {"type": "json_object"}}, "reasoning": {"effort": "low"}},
-        "reasoning.effort",
-    ),
-    (
         "/v1/messages",
         {"output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}},
         "foo",
-    ),
-    (
-        "/v1/messages",
-        {
-            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
-            "thinking": {"type": "enabled", "budget_tokens": 1024},
-        },
-        "thinking",
     ),
 ]
 

@@ -228,11 +228,16 @@ def test_structured_output_through_each_sdk(
 ) -> None:
     """Each SDK's own structured-output helper gets its object back: Chat Completions'
     ``parse(response_format=)``, Responses' ``parse(text_format=)``, Messages'
-    ``parse(output_format=)``; the three replies (greedy, same conversation) are one JSON text,
-    streamed or not."""
+    ``parse(output_format=)``; the three replies (greedy, same conversation, thinking off: a
+    random model need never close its reasoning) are one JSON text, streamed or not."""
     messages = [{"role": "user", "content": "Is water wet? Reply in JSON."}]
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
     chat = client.chat.completions.parse(
-        model=server.model, messages=messages, response_format=Verdict, temperature=0
+        model=server.model,
+        messages=messages,
+        response_format=Verdict,
+        temperature=0,
+        extra_body=no_think,
     )
     verdict = chat.choices[0].message.parsed
     assert isinstance(verdict, Verdict) and chat.choices[0].finish_reason == "stop"
@@ -240,7 +245,11 @@ def test_structured_output_through_each_sdk(
     assert not (chat.choices[0].message.model_extra or {}).get("reasoning_content")
 
     response = client.responses.parse(
-        model=server.model, input=messages, text_format=Verdict, temperature=0
+        model=server.model,
+        input=messages,
+        text_format=Verdict,
+        temperature=0,
+        reasoning={"effort": "none"},
     )
     assert response.output_parsed == verdict and response.output_text == text
     assert response.text.format.type == "json_schema"
@@ -250,12 +259,17 @@ def test_structured_output_through_each_sdk(
         messages=messages,
         max_tokens=200,
         output_format=Verdict,
+        thinking={"type": "disabled"},
         extra_body={"temperature": 0},
     )
     assert message.parsed_output == verdict and message.content[0].text == text
 
     with client.chat.completions.stream(
-        model=server.model, messages=messages, response_format=Verdict, temperature=0
+        model=server.model,
+        messages=messages,
+        response_format=Verdict,
+        temperature=0,
+        extra_body=no_think,
     ) as stream:
         chunks = [e.delta for e in stream if e.type == "content.delta"]
         final = stream.get_final_completion()

@@ -28,11 +28,12 @@ from server.core.requests import (
     GenerationParams,
     Prompt,
     build_requests,
+    check_structured,
     join_text,
     output_grammar,
+    output_schema,
     render_chat,
     select_tools,
-    structured_kwargs,
 )
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
@@ -122,17 +123,17 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
             )
         messages, kwargs = messages[:-1], {"enable_thinking": False}
     fmt = req.output_config.format if req.output_config is not None else None
-    grammar = None
-    if fmt is not None:
-        grammar = output_grammar(fmt.type, fmt.schema_, "output_config.format.schema")
+    schema = output_schema(fmt.type, fmt.schema_, "output_config.format.schema") if fmt else None
+    if schema is not None:
         if prefill:
             raise bad_request(
                 "an assistant prefill cannot be combined with output_config.format: the "
                 "schema covers the whole reply",
                 param=f"messages.{len(req.messages) - 1}",
             )
-        kwargs = structured_kwargs(kwargs, tools, "output_config.format", "thinking")
-    return render_chat(state, messages, tools, kwargs, prefill=prefill), grammar
+        check_structured(tools, "output_config.format")
+    prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
+    return prompt, output_grammar(state, prompt, schema)
 
 
 def assistant_prefill(req: CountTokensRequest) -> str:

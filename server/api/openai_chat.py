@@ -24,12 +24,13 @@ from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta
 from server.core.requests import (
     build_requests,
+    check_structured,
     join_text,
     output_grammar,
+    output_schema,
     parse_arguments,
     render_chat,
     select_tools,
-    structured_kwargs,
 )
 from server.core.toolcalls import ParsedDelta
 from server.errors import bad_request
@@ -74,30 +75,22 @@ async def chat_completions(request: Request) -> Response:
         named=None if choice is None or isinstance(choice, str) else choice.function.name,
     )
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    grammar, kwargs = None, req.chat_template_kwargs
+    kwargs = req.chat_template_kwargs
     messages, prefill, kwargs = continued_message(req, messages, kwargs)
-    if req.response_format is not None:
-        fmt = req.response_format
-        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-        if fmt.type == "json_schema" and fmt.json_schema is None:
-            raise bad_request(
-                "response_format json_schema needs a 'json_schema' object",
-                param="response_format.json_schema",
-            )
-        grammar = output_grammar(fmt.type, schema, "response_format.json_schema.schema")
-        if grammar is not None and prefill:
+    schema = response_schema(req)
+    if schema is not None:
+        if prefill:
             raise bad_request(
                 "continue_final_message cannot be combined with response_format: the schema "
                 "covers the whole reply",
                 param="continue_final_message",
             )
-        if grammar is not None:
-            kwargs = structured_kwargs(kwargs, tools, "response_format")
+        check_structured(tools, "response_format")
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
-    params.grammar = grammar
+    params.grammar = output_grammar(state, prompt, schema)
     if req.max_completion_tokens is not None:
         params.max_tokens = req.max_completion_tokens
         params.max_tokens_param = "max_completion_tokens"
@@ -117,6 +110,20 @@ async def chat_completions(request: Request) -> Response:
     return await respond(
         request, job, stream_with=encoder, body=lambda deltas: chat_body(job, deltas, req.logprobs)
     )
+
+
+def response_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` asks for (None: free text); 400s as it says."""
+    fmt = req.response_format
+    if fmt is None:
+        return None
+    if fmt.type == "json_schema" and fmt.json_schema is None:
+        raise bad_request(
+            "response_format json_schema needs a 'json_schema' object",
+            param="response_format.json_schema",
+        )
+    body = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    return output_schema(fmt.type, body, "response_format.json_schema.schema")
 
 
 def continued_message(

@@ -27,10 +27,11 @@ from server.core.requests import (
     GenerationParams,
     Prompt,
     build_requests,
+    check_structured,
     output_grammar,
+    output_schema,
     render_chat,
     select_tools,
-    structured_kwargs,
 )
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
@@ -75,15 +76,11 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs.setdefault("enable_thinking", req.reasoning.effort != "none")
     fmt = req.text.format if req.text is not None else None
-    grammar = None
-    if fmt is not None:
-        grammar = output_grammar(fmt.type, fmt.schema_, "text.format.schema")
-    if grammar is not None:
-        asked = req.reasoning is not None and req.reasoning.effort not in (None, "none")
-        where = "reasoning.effort" if asked else "chat_template_kwargs.enable_thinking"
-        kwargs = structured_kwargs(kwargs, shown, "text.format", where)
-    messages = template_messages(req)
-    return render_chat(state, messages, shown, kwargs, param="input"), grammar
+    schema = output_schema(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
+    if schema is not None:
+        check_structured(shown, "text.format")
+    prompt = render_chat(state, template_messages(req), shown, kwargs, param="input")
+    return prompt, output_grammar(state, prompt, schema)
 
 
 @router.post("/responses", response_model=None, openapi_extra=json_body(ResponsesRequest))

@@ -17,7 +17,7 @@ from typing import Any
 from engine.api import GenerationRequest
 from sampling.constraint import JSON_OBJECT_SCHEMA, GrammarError, json_schema_grammar
 from sampling.params import SamplingOverrides, SamplingParamError, SamplingParams, resolve
-from server.core.toolcalls import prompt_opens_reasoning
+from server.core.toolcalls import THINK_CLOSE, prompt_opens_reasoning
 from server.errors import APIError, bad_request
 from server.state import ServerState
 
@@ -134,8 +134,8 @@ def select_tools(
     return tools
 
 
-def output_grammar(kind: str | None, schema: Any, param: str) -> str | None:
-    """A structured-output setting -> the grammar the reply must follow (None: free text).
+def output_schema(kind: str | None, schema: Any, param: str) -> dict[str, Any] | None:
+    """A structured-output setting -> the JSON schema the reply must follow (None: free text).
 
     ``kind``: ``text`` (or None), ``json_object`` (any JSON object) or ``json_schema`` (JSON
     valid under ``schema``). A schema the grammar compiler cannot use is a 400 naming
@@ -144,38 +144,36 @@ def output_grammar(kind: str | None, schema: Any, param: str) -> str | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        schema = JSON_OBJECT_SCHEMA
-    elif not isinstance(schema, dict):
+        return JSON_OBJECT_SCHEMA
+    if not isinstance(schema, dict):
         raise bad_request("a json_schema format needs a 'schema' object", param=param)
     try:
-        return json_schema_grammar(schema)
+        json_schema_grammar(schema)
     except GrammarError as exc:
         raise bad_request(str(exc), param=param, code="invalid_json_schema") from exc
+    return schema
 
 
-def structured_kwargs(
-    template_kwargs: dict[str, Any] | None,
-    tools: list[dict[str, Any]] | None,
-    param: str,
-    thinking_param: str = "chat_template_kwargs.enable_thinking",
-) -> dict[str, Any]:
-    """The template arguments of a structured-output request: thinking off, so the reply is
-    the JSON from its first token (the grammar covers the whole reply). Asking for thinking
-    or showing tools as well is a 400: neither can be honoured under a JSON grammar."""
-    kwargs = dict(template_kwargs or {})
-    if kwargs.get("enable_thinking") is True:
-        raise bad_request(
-            "structured output cannot be combined with thinking: the grammar covers the whole "
-            "reply, which then starts with the JSON",
-            param=thinking_param,
-        )
+def check_structured(tools: list[dict[str, Any]] | None, param: str) -> None:
+    """Structured output and tools shown to the model exclude each other: the grammar has no
+    room for a tool call (a 400 naming ``param``)."""
     if tools:
         raise bad_request(
             "structured output cannot be combined with tools (the grammar allows JSON only, "
             "no tool call); send tool_choice 'none' or no tools",
             param=param,
         )
-    return kwargs | {"enable_thinking": False}
+
+
+def output_grammar(state: ServerState, prompt: Prompt, schema: dict[str, Any] | None) -> str | None:
+    """The grammar of a rendered prompt's reply: ``schema``'s JSON, after the reasoning when
+    the prompt leaves a think block open (reasoning stays free text)."""
+    if schema is None:
+        return None
+    end = None
+    if prompt.opens_reasoning:
+        end = state.engine.tokenizer.get_vocab().get(THINK_CLOSE)
+    return json_schema_grammar(schema, reasoning_end=end)
 
 
 def render_chat(
