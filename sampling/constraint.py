@@ -75,6 +75,61 @@ def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None
     return grammar
 
 
+def tool_call_grammar(
+    tools: list[dict[str, Any]],
+    call_ids: tuple[int, int],
+    reasoning_end: int | None = None,
+    parallel: bool = True,
+) -> str:
+    """The grammar of a reply that must call tools (``tool_choice`` required or a named
+    function): one or more Qwen XML tool calls of the tools given, and nothing else::
+
+        <tool_call>
+        <function=NAME>
+        <parameter=KEY>
+        VALUE
+        </parameter>
+        </function>
+        </tool_call>
+
+    ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function's
+    parameter names are those its JSON schema lists (any identifier when it lists none); values
+    are free text up to their closing tag. ``parallel``: several calls in a row may follow (one
+    only when false). ``reasoning_end`` as in ``json_schema_grammar``."""
+    open_id, close_id = (int(i) for i in call_ids)
+    rules = [
+        'calls: call ("\\n" call)*' if parallel else "calls: call",
+        f'call: <[{open_id}]> "\\n<function=" function "</function>\\n" <[{close_id}]>',
+        f"function: {' | '.join(f'f{i}' for i in range(len(tools)))}",
+        # a value and its closing tag in one lexeme: text ending at the first "\n</parameter>\n"
+        # (a free-text lexeme followed by the tag would be greedy and run past it; a `stop=`
+        # string cannot be rolled back, which every drafting cycle does)
+        r"VALUE: /(?s:.*\n<\/parameter>\n)/ & ~/(?s:.*\n<\/parameter>\n.+)/",
+    ]
+    for i, tool in enumerate(tools):
+        name = json.dumps(tool["function"]["name"], ensure_ascii=False)
+        properties = (tool["function"].get("parameters") or {}).get("properties")
+        if properties is None:  # no schema of its arguments: any names
+            keys = "/[A-Za-z_][A-Za-z0-9_.-]*/"
+        elif not properties:  # a schema without properties: no arguments
+            rules.append(f'f{i}: {name} ">\\n"')
+            continue
+        else:
+            keys = " | ".join(json.dumps(k, ensure_ascii=False) for k in properties)
+        rules.append(f'f{i}: {name} ">\\n" p{i}*\np{i}: "<parameter=" ({keys}) ">\\n" VALUE')
+    start = "start: calls"
+    if reasoning_end is not None:
+        start = f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" calls\nREASONING: /(?s:.*)/'
+    try:
+        grammar = LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
+    except (TypeError, ValueError) as exc:
+        raise GrammarError(f"invalid tools for a forced tool call: {exc}") from exc
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"cannot force a call of these tools: {error}")
+    return grammar
+
+
 def build_tokenizer(hf_tokenizer: Any, vocab_size: int, stop_ids: frozenset[int]) -> LLTokenizer:
     """llguidance's view of the model's tokenizer (built once per engine: ~0.1-1 s).
 
@@ -105,7 +160,11 @@ class TokenConstraint:
     def allowed(self) -> np.ndarray:
         """``[vocab_size]`` bool: the tokens that may come next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        if self.matcher.is_error() or not allowed.any():
+            # (llguidance's limits, e.g. lexer fuel): an error, never a draw from no tokens
+            raise RuntimeError(f"the grammar cannot continue: {self.matcher.get_error()}")
+        return allowed
 
     def consume(self, token: int) -> bool:
         """Advance over ``token``, which ``allowed()`` allowed; False when the grammar had

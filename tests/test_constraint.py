@@ -22,7 +22,12 @@ from test_sampling import ALPHA, _homogeneity_pvalue
 from engine.api import GenerationRequest, RequestError
 from engine.cycle import speculative
 from engine.runtime import Engine
-from sampling.constraint import GrammarError, TokenConstraint, json_schema_grammar
+from sampling.constraint import (
+    GrammarError,
+    TokenConstraint,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
@@ -117,6 +122,44 @@ def test_a_thinking_reply_reasons_freely_then_answers_in_json(demo: Engine) -> N
     assert_follows(demo, tokens, grammar)
     answer = demo.tokenizer.decode(tokens[tokens.index(end) + 1 : -1])
     assert answer.startswith("\n\n") and json.loads(answer)["answer"] in ("yes", "no", "maybe")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"properties": {}}}}
+
+
+def test_a_forced_tool_call_is_the_same_for_every_k(engine: Engine) -> None:
+    """``tool_choice`` required: the reply is Qwen XML tool calls of the tools shown, nothing
+    else, with the same tokens for every K (a value runs until its closing tag or max_tokens);
+    with one call only and a tool without arguments, the call is the whole reply."""
+    from engine.runtime import chat_prompt_ids
+
+    vocab = engine.tokenizer.get_vocab()
+    ids = (vocab["<tool_call>"], vocab["</tool_call>"])
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for tools, parallel in (([WEATHER, NOW], True), ([NOW], False)):
+        grammar = tool_call_grammar(tools, ids, parallel=parallel)
+        prompt = chat_prompt_ids(engine.tokenizer, messages, tools=tools, enable_thinking=False)
+        outputs = {}
+        for k in (0, 1, 3, None):
+            req = replace(request(engine, "", k, grammar=grammar, max_tokens=60), prompt_ids=prompt)
+            outputs[k] = run(engine, req)
+        assert all(out[:2] == outputs[0][:2] for out in outputs.values())
+        tokens, finish, _ = outputs[0]
+        assert_follows(engine, tokens, grammar)
+        assert tokens[0] == ids[0]
+        if not parallel:
+            text = engine.tokenizer.decode(tokens[:-1])
+            assert (
+                finish == "stop"
+                and text == "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+            )
 
 
 def test_sampled_constrained_output_is_distributed_as_plain_sampling(demo: Engine) -> None:

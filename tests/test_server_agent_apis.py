@@ -626,3 +626,51 @@ def test_a_format_that_cannot_be_enforced_is_a_400(
         assert r.json()["type"] == "error" and what in r.json()["error"]["message"], r.text
     else:
         assert r.json()["error"]["param"] == what, r.text
+
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+#: per API: a tool list with get_weather, tool_choice "required" one call only, and "auto"
+FORCED = {
+    "/v1/chat/completions": (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
+            ]
+        },
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": "auto"},
+    ),
+    "/v1/responses": (
+        {"tools": [{"type": "function", "name": "get_weather", "parameters": PARAMS}]},
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"tool_choice": "auto"},
+    ),
+    "/v1/messages": (
+        {"tools": [{"name": "get_weather", "input_schema": PARAMS}]},
+        {"tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+        {"tool_choice": {"type": "auto"}},
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(FORCED))
+def test_a_required_tool_call_reaches_the_engine_as_a_grammar(
+    http: httpx.Client, engine: FakeEngine, path: str
+) -> None:
+    """``tool_choice`` required (Anthropic: ``any``) with parallel calls off: the engine gets
+    the grammar of exactly one call of the tools shown; with ``auto`` no grammar."""
+    from sampling.constraint import tool_call_grammar
+
+    tools, forced, auto = FORCED[path]
+    body = {"model": MODEL} | FORMATS[path][0] | tools | THINKING[path][1]
+    vocab = engine.tokenizer.get_vocab()
+    expected = tool_call_grammar(
+        [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}],
+        (vocab["<tool_call>"], vocab["</tool_call>"]),
+        parallel=False,
+    )
+    r = http.post(path, json=body | forced)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == expected
+    r = http.post(path, json=body | auto)
+    assert r.status_code == 200 and engine.requests[-1].grammar is None

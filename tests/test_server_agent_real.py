@@ -274,3 +274,41 @@ def test_structured_output_through_each_sdk(
         chunks = [e.delta for e in stream if e.type == "content.delta"]
         final = stream.get_final_completion()
     assert "".join(chunks) == text and final.choices[0].message.parsed == verdict
+
+
+def test_a_required_tool_call_is_made_whatever_the_model(
+    server: LiveServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Neither model calls tools on its own; with the call required (one call, a tool without
+    arguments) both do, and each API reports it as its own tool call."""
+    tool = {"name": "now", "description": "The current time", "parameters": {"properties": {}}}
+    ask = [{"role": "user", "content": "What time is it?"}]
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=ask,
+        tools=[{"type": "function", "function": tool}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [c.function.name for c in choice.message.tool_calls] == ["now"]
+    message = claude.messages.create(
+        model=server.model,
+        messages=ask,
+        max_tokens=64,
+        tools=[
+            {
+                "name": "now",
+                "description": "The current time",
+                "input_schema": {"type": "object", "properties": {}},
+            }
+        ],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "tool_use"
+    assert [b.name for b in message.content if b.type == "tool_use"] == ["now"]

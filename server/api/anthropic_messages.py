@@ -133,7 +133,11 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
             )
         check_structured(tools, "output_config.format")
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
-    return prompt, output_grammar(state, prompt, schema)
+    forced = choice is not None and choice.type in ("any", "tool")
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    return prompt, output_grammar(
+        state, prompt, schema, force_tool_call=forced, parallel_tool_calls=parallel
+    )
 
 
 def assistant_prefill(req: CountTokensRequest) -> str:

@@ -18,7 +18,7 @@ from server.api.openai_common import (
     logprob_items,
     openai_params,
 )
-from server.api.openai_schemas import ChatCompletionRequest, ChatMessage
+from server.api.openai_schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta
@@ -90,7 +90,14 @@ async def chat_completions(request: Request) -> Response:
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
-    params.grammar = output_grammar(state, prompt, schema)
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    params.grammar = output_grammar(
+        state,
+        prompt,
+        schema,
+        force_tool_call=forced,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+    )
     if req.max_completion_tokens is not None:
         params.max_tokens = req.max_completion_tokens
         params.max_tokens_param = "max_completion_tokens"

@@ -80,7 +80,11 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     if schema is not None:
         check_structured(shown, "text.format")
     prompt = render_chat(state, template_messages(req), shown, kwargs, param="input")
-    return prompt, output_grammar(state, prompt, schema)
+    forced = choice == "required" or named is not None
+    parallel = req.parallel_tool_calls is not False
+    return prompt, output_grammar(
+        state, prompt, schema, force_tool_call=forced, parallel_tool_calls=parallel
+    )
 
 
 @router.post("/responses", response_model=None, openapi_extra=json_body(ResponsesRequest))

@@ -135,6 +135,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: false: a forced tool call (``tool_choice`` required or named) is exactly one call
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     #: Structured output: the reply follows a JSON schema (or is any JSON object).
     response_format: ResponseFormat | None = None

@@ -15,9 +15,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.api import GenerationRequest
-from sampling.constraint import JSON_OBJECT_SCHEMA, GrammarError, json_schema_grammar
+from sampling.constraint import (
+    JSON_OBJECT_SCHEMA,
+    GrammarError,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from sampling.params import SamplingOverrides, SamplingParamError, SamplingParams, resolve
-from server.core.toolcalls import THINK_CLOSE, prompt_opens_reasoning
+from server.core.toolcalls import (
+    THINK_CLOSE,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    prompt_opens_reasoning,
+)
 from server.errors import APIError, bad_request
 from server.state import ServerState
 
@@ -165,15 +175,35 @@ def check_structured(tools: list[dict[str, Any]] | None, param: str) -> None:
         )
 
 
-def output_grammar(state: ServerState, prompt: Prompt, schema: dict[str, Any] | None) -> str | None:
-    """The grammar of a rendered prompt's reply: ``schema``'s JSON, after the reasoning when
-    the prompt leaves a think block open (reasoning stays free text)."""
-    if schema is None:
+def output_grammar(
+    state: ServerState,
+    prompt: Prompt,
+    schema: dict[str, Any] | None,
+    force_tool_call: bool = False,
+    parallel_tool_calls: bool = True,
+) -> str | None:
+    """The grammar of a rendered prompt's reply (None: free text): ``schema``'s JSON, or with
+    ``force_tool_call`` (``tool_choice`` required, or a named function) calls of the tools the
+    prompt shows (exactly one unless ``parallel_tool_calls``); after the reasoning when the
+    prompt leaves a think block open (the reasoning stays free text)."""
+    if schema is None and not (force_tool_call and prompt.tools):
         return None
-    end = None
-    if prompt.opens_reasoning:
-        end = state.engine.tokenizer.get_vocab().get(THINK_CLOSE)
-    return json_schema_grammar(schema, reasoning_end=end)
+    vocab = state.engine.tokenizer.get_vocab()
+    end = vocab.get(THINK_CLOSE) if prompt.opens_reasoning else None
+    if schema is not None:
+        return json_schema_grammar(schema, reasoning_end=end)
+    call_ids = vocab.get(TOOL_OPEN), vocab.get(TOOL_CLOSE)
+    if None in call_ids:
+        raise bad_request(
+            "this model's tokenizer has no tool-call tokens: tool_choice cannot force a call",
+            param="tool_choice",
+        )
+    try:
+        return tool_call_grammar(
+            prompt.tools, call_ids, reasoning_end=end, parallel=parallel_tool_calls
+        )
+    except GrammarError as exc:
+        raise bad_request(str(exc), param="tools") from exc
 
 
 def render_chat(
