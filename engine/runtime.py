@@ -233,8 +233,8 @@ class Engine:
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
         request.sampling.validate(self.vocab_size)
-        if request.grammar is not None:
-            self.constraint(request.grammar)  # compiles, or says why not
+        # (a grammar is compiled once, when the sequence starts: ``constraint`` raises the
+        # RequestError there, before the first event)
 
     def constraint(self, grammar: str) -> TokenConstraint:
         """A fresh ``TokenConstraint`` for ``grammar``; ``RequestError`` if it does not compile

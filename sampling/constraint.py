@@ -82,15 +82,8 @@ def tool_call_grammar(
     parallel: bool = True,
 ) -> str:
     """The grammar of a reply that must call tools (``tool_choice`` required or a named
-    function): one or more Qwen XML tool calls of the tools given, and nothing else::
-
-        <tool_call>
-        <function=NAME>
-        <parameter=KEY>
-        VALUE
-        </parameter>
-        </function>
-        </tool_call>
+    function): one or more of Qwen's XML tool calls (REFERENCE §5; the blocks
+    ``server.core.toolcalls`` parses) of the tools given, and nothing else.
 
     ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function's
     parameter names are those its JSON schema lists (any identifier when it lists none); values

@@ -225,8 +225,9 @@ def test_constrained_rows_of_a_batch_equal_each_request_alone(demo: Engine) -> N
 def test_a_grammar_that_does_not_compile_is_the_requests_error(demo: Engine) -> None:
     with pytest.raises(GrammarError, match="foo"):
         json_schema_grammar({"type": "foo"})
+    bad = request(demo, "x", 0, grammar='{"grammars": [{"lark_grammar": "start: ("}]}')
     with pytest.raises(RequestError) as caught:
-        demo.check(request(demo, "x", 0, grammar='{"grammars": [{"lark_grammar": "start: ("}]}'))
+        next(demo.generate(bad))  # before the first event
     assert caught.value.param == "grammar"
 
 

@@ -135,9 +135,15 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    return prompt, output_grammar(
-        state, prompt, schema, force_tool_call=forced, parallel_tool_calls=parallel
+    grammar = output_grammar(
+        state,
+        prompt,
+        schema,
+        "output_config.format.schema",
+        force_tool_call=forced,
+        parallel_tool_calls=parallel,
     )
+    return prompt, grammar
 
 
 def assistant_prefill(req: CountTokensRequest) -> str:

@@ -95,6 +95,7 @@ async def chat_completions(request: Request) -> Response:
         state,
         prompt,
         schema,
+        "response_format.json_schema.schema",
         force_tool_call=forced,
         parallel_tool_calls=req.parallel_tool_calls is not False,
     )

@@ -82,9 +82,15 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     prompt = render_chat(state, template_messages(req), shown, kwargs, param="input")
     forced = choice == "required" or named is not None
     parallel = req.parallel_tool_calls is not False
-    return prompt, output_grammar(
-        state, prompt, schema, force_tool_call=forced, parallel_tool_calls=parallel
+    grammar = output_grammar(
+        state,
+        prompt,
+        schema,
+        "text.format.schema",
+        force_tool_call=forced,
+        parallel_tool_calls=parallel,
     )
+    return prompt, grammar
 
 
 @router.post("/responses", response_model=None, openapi_extra=json_body(ResponsesRequest))

@@ -148,19 +148,13 @@ def output_schema(kind: str | None, schema: Any, param: str) -> dict[str, Any] |
     """A structured-output setting -> the JSON schema the reply must follow (None: free text).
 
     ``kind``: ``text`` (or None), ``json_object`` (any JSON object) or ``json_schema`` (JSON
-    valid under ``schema``). A schema the grammar compiler cannot use is a 400 naming
-    ``param``: every token of the reply is drawn under the grammar, so nothing is left to a
-    schema that was only half understood."""
+    valid under ``schema``, which ``output_grammar`` compiles once the prompt is rendered)."""
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return JSON_OBJECT_SCHEMA
     if not isinstance(schema, dict):
         raise bad_request("a json_schema format needs a 'schema' object", param=param)
-    try:
-        json_schema_grammar(schema)
-    except GrammarError as exc:
-        raise bad_request(str(exc), param=param, code="invalid_json_schema") from exc
     return schema
 
 
@@ -179,19 +173,27 @@ def output_grammar(
     state: ServerState,
     prompt: Prompt,
     schema: dict[str, Any] | None,
+    schema_param: str = "response_format",
     force_tool_call: bool = False,
     parallel_tool_calls: bool = True,
 ) -> str | None:
     """The grammar of a rendered prompt's reply (None: free text): ``schema``'s JSON, or with
     ``force_tool_call`` (``tool_choice`` required, or a named function) calls of the tools the
     prompt shows (exactly one unless ``parallel_tool_calls``); after the reasoning when the
-    prompt leaves a think block open (the reasoning stays free text)."""
+    prompt leaves a think block open (the reasoning stays free text).
+
+    A schema the grammar compiler cannot use is a 400 naming ``schema_param``: every token of
+    the reply is drawn under the grammar, so nothing is left to a schema that was only half
+    understood."""
     if schema is None and not (force_tool_call and prompt.tools):
         return None
     vocab = state.engine.tokenizer.get_vocab()
     end = vocab.get(THINK_CLOSE) if prompt.opens_reasoning else None
     if schema is not None:
-        return json_schema_grammar(schema, reasoning_end=end)
+        try:
+            return json_schema_grammar(schema, reasoning_end=end)
+        except GrammarError as exc:
+            raise bad_request(str(exc), param=schema_param, code="invalid_json_schema") from exc
     call_ids = vocab.get(TOOL_OPEN), vocab.get(TOOL_CLOSE)
     if None in call_ids:
         raise bad_request(
