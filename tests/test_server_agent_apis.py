@@ -581,7 +581,28 @@ def test_a_format_reaches_the_engine_as_its_schemas_grammar(
     assert r.status_code == 200 and engine.requests[-1].grammar is None
 
 
+def test_messages_take_the_structured_outputs_betas_output_format(
+    http: httpx.Client, engine: FakeEngine
+) -> None:
+    """Older anthropic SDKs send the beta's top-level ``output_format``: the same grammar."""
+    from sampling.constraint import json_schema_grammar
+
+    body = {"model": MODEL, "max_tokens": 8, "messages": user("TRIGGER_PLAIN")}
+    body |= {
+        "output_format": {"type": "json_schema", "schema": SCHEMA},
+        "thinking": {"type": "disabled"},
+    }
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA)
+
+
 FORMAT_BAD = [
+    (
+        "/v1/messages",
+        {"output_format": {"type": "json_schema", "schema": {"type": "foo"}}},
+        "output_format.schema",
+    ),
     # (path, extra body fields, param the 400 names; Anthropic: a word of the message)
     (
         "/v1/chat/completions",

@@ -122,16 +122,20 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
                 param=f"messages.{len(req.messages) - 1}",
             )
         messages, kwargs = messages[:-1], {"enable_thinking": False}
-    fmt = req.output_config.format if req.output_config is not None else None
-    schema = output_schema(fmt.type, fmt.schema_, "output_config.format.schema") if fmt else None
+    fmt, where = None, "output_config.format"
+    if req.output_config is not None and req.output_config.format is not None:
+        fmt = req.output_config.format
+    elif req.output_format is not None:
+        fmt, where = req.output_format, "output_format"
+    schema = output_schema(fmt.type, fmt.schema_, f"{where}.schema") if fmt else None
     if schema is not None:
         if prefill:
             raise bad_request(
-                "an assistant prefill cannot be combined with output_config.format: the "
-                "schema covers the whole reply",
+                f"an assistant prefill cannot be combined with {where}: the schema covers "
+                "the whole reply",
                 param=f"messages.{len(req.messages) - 1}",
             )
-        check_structured(tools, "output_config.format")
+        check_structured(tools, where)
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
@@ -139,7 +143,7 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         state,
         prompt,
         schema,
-        "output_config.format.schema",
+        f"{where}.schema",
         force_tool_call=forced,
         parallel_tool_calls=parallel,
     )

@@ -109,6 +109,8 @@ class CountTokensRequest(_Base):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    #: The structured-outputs beta's name for ``output_config.format`` (older SDKs send it).
+    output_format: JSONOutputFormat | None = None
 
 
 class MessagesRequest(CountTokensRequest):
