@@ -22,6 +22,7 @@ request is queued.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,22 +58,18 @@ def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None
 
     Raises ``GrammarError`` with llguidance's message for a schema it cannot compile (an
     unknown type, a broken ``$ref``, a keyword it does not support)."""
-    try:
+
+    def build() -> str:
         if reasoning_end is None:
-            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
-        else:
-            laid_out = {"x-guidance": JSON_LAYOUT} | schema
-            grammar = LLMatcher.grammar_from_lark(
-                f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" answer\n'
-                "REASONING: /(?s:.*)/\n"
-                f"answer: %json {json.dumps(laid_out)}\n"
-            )
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise GrammarError(f"invalid JSON schema: {exc}") from exc
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(f"unsupported JSON schema: {error}")
-    return grammar
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        laid_out = {"x-guidance": JSON_LAYOUT} | schema
+        return LLMatcher.grammar_from_lark(
+            f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" answer\n'
+            "REASONING: /(?s:.*)/\n"
+            f"answer: %json {json.dumps(laid_out)}\n"
+        )
+
+    return _checked(build, "unsupported JSON schema")
 
 
 def tool_call_grammar(
@@ -113,13 +110,24 @@ def tool_call_grammar(
     start = "start: calls"
     if reasoning_end is not None:
         start = f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" calls\nREASONING: /(?s:.*)/'
+    lark = "\n".join([start, *rules]) + "\n"
+    return _checked(lambda: LLMatcher.grammar_from_lark(lark), "cannot force a call of these tools")
+
+
+def _checked(build: Callable[[], str], what: str) -> str:
+    """``build()``'s grammar once llguidance has validated it; ``GrammarError`` (prefixed with
+    ``what``) for anything it refuses, including a panic in its Rust code."""
     try:
-        grammar = LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
-    except (TypeError, ValueError) as exc:
-        raise GrammarError(f"invalid tools for a forced tool call: {exc}") from exc
-    error = LLMatcher.validate_grammar(grammar)
+        grammar = build()
+        error = LLMatcher.validate_grammar(grammar)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"{what}: {exc}") from exc
+    except BaseException as exc:  # pyo3's PanicException derives from BaseException
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise GrammarError(f"{what}: {exc}") from exc
     if error:
-        raise GrammarError(f"cannot force a call of these tools: {error}")
+        raise GrammarError(f"{what}: {error}")
     return grammar
 
 
