@@ -32,6 +32,7 @@ from server.core.requests import (
     join_text,
     output_grammar,
     output_schema,
+    prefill_kwargs,
     render_chat,
     select_tools,
 )
@@ -114,14 +115,9 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
     if req.thinking is not None:
         kwargs = {"enable_thinking": req.thinking.type != "disabled"}
     messages, prefill = template_messages(req), assistant_prefill(req)
+    last = f"messages.{len(req.messages) - 1}"
     if prefill:
-        if kwargs is not None and kwargs["enable_thinking"]:
-            raise bad_request(
-                "an assistant prefill (a final assistant turn) cannot be combined with "
-                "thinking: the reply would begin inside the reasoning",
-                param=f"messages.{len(req.messages) - 1}",
-            )
-        messages, kwargs = messages[:-1], {"enable_thinking": False}
+        messages, kwargs = messages[:-1], prefill_kwargs(kwargs, last)
     fmt, where = None, "output_config.format"
     if req.output_config is not None and req.output_config.format is not None:
         fmt = req.output_config.format
@@ -129,13 +125,7 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         fmt, where = req.output_format, "output_format"
     schema = output_schema(fmt.type, fmt.schema_, f"{where}.schema") if fmt else None
     if schema is not None:
-        if prefill:
-            raise bad_request(
-                f"an assistant prefill cannot be combined with {where}: the schema covers "
-                "the whole reply",
-                param=f"messages.{len(req.messages) - 1}",
-            )
-        check_structured(tools, where)
+        check_structured(tools, where, last if prefill else None)
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     parallel = not (choice is not None and choice.disable_parallel_tool_use)

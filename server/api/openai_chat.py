@@ -29,6 +29,7 @@ from server.core.requests import (
     output_grammar,
     output_schema,
     parse_arguments,
+    prefill_kwargs,
     render_chat,
     select_tools,
 )
@@ -79,13 +80,7 @@ async def chat_completions(request: Request) -> Response:
     messages, prefill, kwargs = continued_message(req, messages, kwargs)
     schema = response_schema(req)
     if schema is not None:
-        if prefill:
-            raise bad_request(
-                "continue_final_message cannot be combined with response_format: the schema "
-                "covers the whole reply",
-                param="continue_final_message",
-            )
-        check_structured(tools, "response_format")
+        check_structured(tools, "response_format", "continue_final_message" if prefill else None)
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
@@ -161,14 +156,8 @@ def continued_message(
             "continue_final_message needs a final assistant message with text content",
             param=where,
         )
-    kwargs = dict(kwargs or {})
-    if kwargs.get("enable_thinking") is True:
-        raise bad_request(
-            "continue_final_message cannot be combined with thinking: the reply would begin "
-            "inside the reasoning",
-            param="chat_template_kwargs.enable_thinking",
-        )
-    return messages[:-1], messages[-1]["content"], kwargs | {"enable_thinking": False}
+    kwargs = prefill_kwargs(kwargs, "chat_template_kwargs.enable_thinking")
+    return messages[:-1], messages[-1]["content"], kwargs
 
 
 def chat_body(job: Job, deltas: list[list[OutputDelta]], logprobs: bool) -> dict[str, Any]:

@@ -158,15 +158,38 @@ def output_schema(kind: str | None, schema: Any, param: str) -> dict[str, Any] |
     return schema
 
 
-def check_structured(tools: list[dict[str, Any]] | None, param: str) -> None:
-    """Structured output and tools shown to the model exclude each other: the grammar has no
-    room for a tool call (a 400 naming ``param``)."""
+def check_structured(
+    tools: list[dict[str, Any]] | None, param: str, prefill_param: str | None = None
+) -> None:
+    """What structured output (named by ``param``) cannot go with, each a 400: tools shown to
+    the model (the grammar has no room for a tool call) and a prefill (``prefill_param``: the
+    field holding the continued text; the schema covers the whole reply)."""
+    if prefill_param is not None:
+        raise bad_request(
+            f"a prefill (a continued final assistant message) cannot be combined with {param}: "
+            "the schema covers the whole reply",
+            param=prefill_param,
+        )
     if tools:
         raise bad_request(
             "structured output cannot be combined with tools (the grammar allows JSON only, "
             "no tool call); send tool_choice 'none' or no tools",
             param=param,
         )
+
+
+def prefill_kwargs(template_kwargs: dict[str, Any] | None, param: str) -> dict[str, Any]:
+    """The template arguments of a reply that continues a final assistant message (a
+    prefill): thinking off, since the reply would otherwise begin inside the reasoning;
+    thinking asked for as well is a 400 naming ``param``."""
+    kwargs = dict(template_kwargs or {})
+    if kwargs.get("enable_thinking") is True:
+        raise bad_request(
+            "a prefill (a continued final assistant message) cannot be combined with "
+            "thinking: the reply would begin inside the reasoning",
+            param=param,
+        )
+    return kwargs | {"enable_thinking": False}
 
 
 def output_grammar(
@@ -187,14 +210,14 @@ def output_grammar(
     understood."""
     if schema is None and not (force_tool_call and prompt.tools):
         return None
-    vocab = state.engine.tokenizer.get_vocab()
-    end = vocab.get(THINK_CLOSE) if prompt.opens_reasoning else None
+    tokenizer = state.engine.tokenizer
+    end = token_id(tokenizer, THINK_CLOSE) if prompt.opens_reasoning else None
     if schema is not None:
         try:
             return json_schema_grammar(schema, reasoning_end=end)
         except GrammarError as exc:
             raise bad_request(str(exc), param=schema_param, code="invalid_json_schema") from exc
-    call_ids = vocab.get(TOOL_OPEN), vocab.get(TOOL_CLOSE)
+    call_ids = token_id(tokenizer, TOOL_OPEN), token_id(tokenizer, TOOL_CLOSE)
     if None in call_ids:
         raise bad_request(
             "this model's tokenizer has no tool-call tokens: tool_choice cannot force a call",
@@ -206,6 +229,15 @@ def output_grammar(
         )
     except GrammarError as exc:
         raise bad_request(str(exc), param="tools") from exc
+
+
+def token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the single token spelled ``text`` (None if the vocabulary has none); a lookup,
+    not ``get_vocab()``, which builds a dict of the whole vocabulary on every call."""
+    found = tokenizer.convert_tokens_to_ids(text)
+    if isinstance(found, int) and tokenizer.convert_ids_to_tokens(found) == text:
+        return found
+    return None
 
 
 def render_chat(
