@@ -82,10 +82,15 @@ def tool_call_grammar(
     function): one or more of Qwen's XML tool calls (REFERENCE §5; the blocks
     ``server.core.toolcalls`` parses) of the tools given, and nothing else.
 
-    ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function's
-    parameter names are those its JSON schema lists (any identifier when it lists none); values
-    are free text up to their closing tag. ``parallel``: several calls in a row may follow (one
-    only when false). ``reasoning_end`` as in ``json_schema_grammar``."""
+    ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function whose
+    JSON schema lists properties takes them in the schema's order, each at most once, every
+    required one present; a value is written in the form the tool-call parser reads
+    (``value_is_json``): text for a string (one of its ``enum`` when it has one; otherwise
+    free text up to the closing tag) and JSON valid under the property's schema for every
+    other type (free text where llguidance cannot enforce that schema). A function
+    without a schema takes any parameter names with free-text values. ``parallel``: several
+    calls in a row may follow (one only when false). ``reasoning_end`` as in
+    ``json_schema_grammar``."""
     open_id, close_id = (int(i) for i in call_ids)
     rules = [
         'calls: call ("\\n" call)*' if parallel else "calls: call",
@@ -94,24 +99,100 @@ def tool_call_grammar(
         # a value and its closing tag in one lexeme: text ending at the first "\n</parameter>\n"
         # (a free-text lexeme followed by the tag would be greedy and run past it; a `stop=`
         # string cannot be rolled back, which every drafting cycle does)
-        r"VALUE: /(?s:.*\n<\/parameter>\n)/ & ~/(?s:.*\n<\/parameter>\n.+)/",
+        r"TEXT_VALUE: /(?s:.*\n<\/parameter>\n)/ & ~/(?s:.*\n<\/parameter>\n.+)/",
     ]
+    # JSON values: (rule, its parameter's opening tag, the property's schema on its own)
+    typed: list[tuple[str, str, dict[str, Any]]] = []
     for i, tool in enumerate(tools):
         name = json.dumps(tool["function"]["name"], ensure_ascii=False)
-        properties = (tool["function"].get("parameters") or {}).get("properties")
-        if properties is None:  # no schema of its arguments: any names
-            keys = "/[A-Za-z_][A-Za-z0-9_.-]*/"
-        elif not properties:  # a schema without properties: no arguments
-            rules.append(f'f{i}: {name} ">\\n"')
+        parameters = tool["function"].get("parameters") or {}
+        properties = parameters.get("properties")
+        if not isinstance(properties, dict):  # no schema of its arguments: any names
+            rules.append(
+                f'f{i}: {name} ">\\n" p{i}*\n'
+                f'p{i}: "<parameter=" /[A-Za-z_][A-Za-z0-9_.-]*/ ">\\n" TEXT_VALUE'
+            )
             continue
-        else:
-            keys = " | ".join(json.dumps(k, ensure_ascii=False) for k in properties)
-        rules.append(f'f{i}: {name} ">\\n" p{i}*\np{i}: "<parameter=" ({keys}) ">\\n" VALUE')
+        required = set(parameters.get("required") or ())
+        body = []
+        for j, (key, schema) in enumerate(properties.items()):
+            rule = f"p{i}_{j}"
+            tag = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)
+            schema = schema if isinstance(schema, dict) else {}
+            if value_is_json(schema):
+                typed.append((rule, tag, _standalone(schema, parameters)))
+            elif _string_choices(schema):
+                choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in schema["enum"])
+                rules.append(f'{rule}: {tag} ({choices}) "\\n</parameter>\\n"')
+            else:
+                rules.append(f"{rule}: {tag} TEXT_VALUE")
+            body.append(rule if key in required else f"{rule}?")
+        rules.append(f'f{i}: {name} ">\\n" {" ".join(body)}'.rstrip())
     start = "start: calls"
     if reasoning_end is not None:
         start = f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" calls\nREASONING: /(?s:.*)/'
-    lark = "\n".join([start, *rules]) + "\n"
-    return _checked(lambda: LLMatcher.grammar_from_lark(lark), "cannot force a call of these tools")
+
+    def lark(free: set[str]) -> str:
+        """The grammar with the JSON values of the rules in ``free`` written as free text."""
+        values = []
+        for rule, tag, schema in typed:
+            if rule in free:
+                values.append(f"{rule}: {tag} TEXT_VALUE")
+            else:
+                values.append(f'{rule}: {tag} j{rule} "\\n</parameter>\\n"')
+                values.append(f"j{rule}: %json {json.dumps(schema)}")
+        return "\n".join([start, *rules, *values]) + "\n"
+
+    what = "cannot force a call of these tools"
+    try:
+        return _checked(lambda: LLMatcher.grammar_from_lark(lark(set())), what)
+    except GrammarError:
+        # a property schema llguidance cannot enforce is free text, as it is without a forced
+        # call; the other values stay typed
+        free = {rule for rule, _, schema in typed if not _compiles(schema)}
+        return _checked(lambda: LLMatcher.grammar_from_lark(lark(free)), what)
+
+
+def value_is_json(schema: dict[str, Any]) -> bool:
+    """Whether a tool-call parameter with this schema is written as JSON (True) or as text:
+    Qwen's tool calls carry a string argument as it is and anything else as JSON (a template
+    may write a boolean as ``True``; the parser reads both)."""
+    return declared_type(schema) not in ("", "string")
+
+
+def declared_type(schema: dict[str, Any]) -> str:
+    """A tool parameter's type as the tool-call grammar and parser read it: the schema's
+    ``type``, the first that is not ``"null"`` when it lists several; "" when it names none
+    (such a value is read as text)."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else ""
+
+
+def _string_choices(schema: dict[str, Any]) -> bool:
+    """A text value that must be one of its ``enum`` strings (a single line each)."""
+    choices = schema.get("enum")
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, str) and "\n" not in c for c in choices)
+    )
+
+
+def _standalone(schema: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema compiled on its own: the function's ``$defs`` / ``definitions``
+    carried along (its ``$ref``s point at the root) and the JSON laid out on one line."""
+    shared = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    return {"x-guidance": JSON_LAYOUT} | shared | schema
+
+
+def _compiles(schema: dict[str, Any]) -> bool:
+    try:
+        _checked(lambda: LLMatcher.grammar_from_json_schema(json.dumps(schema)), "")
+    except GrammarError:
+        return False
+    return True
 
 
 def _checked(build: Callable[[], str], what: str) -> str:

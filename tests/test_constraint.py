@@ -162,6 +162,75 @@ def test_a_forced_tool_call_is_the_same_for_every_k(engine: Engine) -> None:
             )
 
 
+ALARM_ARGUMENTS = {
+    "type": "object",
+    "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "loud": {"type": "boolean"},
+        "days": {"type": "array", "items": {"$ref": "#/$defs/day"}, "maxItems": 2},
+        "tone": {"type": "string", "enum": ["bell", "chime"]},
+        "snooze": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+    },
+    "required": ["hour", "loud", "tone"],
+    "additionalProperties": False,
+    "$defs": {"day": {"enum": ["mon", "tue"]}},
+}
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM_ARGUMENTS}}
+
+
+def test_a_forced_calls_arguments_are_valid_under_its_schema(engine: Engine) -> None:
+    """A forced call's values follow their parameters' schemas: JSON of the declared type for
+    integers, booleans, arrays (through ``$defs``) and a nullable integer, one of the ``enum``
+    strings for a string; every required parameter present. The same tokens for every K, and
+    the arguments the server's parser reads back are valid under the function's schema."""
+    import jsonschema_rs
+
+    from engine.runtime import chat_prompt_ids
+    from server.core.toolcalls import ChatOutputParser
+
+    vocab = engine.tokenizer.get_vocab()
+    grammar = tool_call_grammar(
+        [ALARM], (vocab["<tool_call>"], vocab["</tool_call>"]), parallel=False
+    )
+    messages = [{"role": "user", "content": "Wake me at seven."}]
+    prompt = chat_prompt_ids(engine.tokenizer, messages, tools=[ALARM], enable_thinking=False)
+    outputs = {}
+    for k in (0, 1, 3, None):
+        req = replace(request(engine, "", k, grammar=grammar, max_tokens=300), prompt_ids=prompt)
+        outputs[k] = run(engine, req)
+    assert all(out[:2] == outputs[0][:2] for out in outputs.values())
+    tokens, finish, _ = outputs[0]
+    assert finish == "stop", engine.tokenizer.decode(tokens)
+    assert_follows(engine, tokens, grammar)
+    parser = ChatOutputParser(tools=[ALARM])
+    parsed = parser.feed(engine.tokenizer.decode(tokens[:-1]))
+    parsed.extend(parser.finish())
+    (call,) = [delta for delta in parsed.tool_calls if delta.arguments is not None]
+    arguments = json.loads(call.arguments)
+    jsonschema_rs.validate(ALARM_ARGUMENTS, arguments)
+    assert isinstance(arguments["hour"], int) and isinstance(arguments["loud"], bool)
+
+
+def test_a_property_schema_llguidance_cannot_enforce_is_free_text() -> None:
+    """``uniqueItems`` is beyond llguidance: that value alone falls back to free text (as
+    without a forced call); the request is not refused and the other values stay typed."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {
+                "properties": {
+                    "labels": {"type": "array", "uniqueItems": True},
+                    "count": {"type": "integer"},
+                }
+            },
+        },
+    }
+    grammar = tool_call_grammar([tool], (1, 2))
+    assert '"<parameter=labels>\\n" TEXT_VALUE' in grammar
+    assert "%json" in grammar and '"type": "integer"' in grammar
+
+
 def test_sampled_constrained_output_is_distributed_as_plain_sampling(demo: Engine) -> None:
     """300 seeded requests with K=3 (rejection sampling, masked draft and target) against 300
     with K=0, the first four tokens position by position."""

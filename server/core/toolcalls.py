@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sampling.constraint import declared_type
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 TOOL_OPEN = "<tool_call>"
@@ -122,12 +124,10 @@ def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]
     for tool in tools or []:
         fn = tool.get("function") or {}
         props = ((fn.get("parameters") or {}).get("properties")) or {}
-        types: dict[str, str] = {}
-        for key, schema in props.items():
-            kind = schema.get("type") if isinstance(schema, dict) else None
-            if isinstance(kind, list):  # e.g. ["integer", "null"]
-                kind = next((k for k in kind if k != "null"), None)
-            types[key] = kind if isinstance(kind, str) else ""
+        types = {
+            key: declared_type(schema) if isinstance(schema, dict) else ""
+            for key, schema in props.items()
+        }
         if isinstance(fn.get("name"), str):
             out[fn["name"]] = types
     return out
