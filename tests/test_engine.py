@@ -564,6 +564,46 @@ def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> N
     assert continued == fresh
 
 
+def _unsplit(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` as an unsplit weight multiplies it: row by row for 2 to
+    ``ROWWISE_MAX_ROWS`` rows on a CPU, one product otherwise."""
+    from engine.model import trunk
+
+    if 2 <= x.shape[0] <= trunk.ROWWISE_MAX_ROWS:
+        return mx.concatenate([x[i : i + 1] @ weight.T for i in range(x.shape[0])])
+    return x @ weight.T
+
+
+def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
+    """On a CPU a product of 2 to ``ROWWISE_MAX_ROWS`` rows (a verify pass's K+1 positions, a
+    batch's rows) gives every row bit for bit what that row alone gives, as plain decoding
+    multiplies it, for 2-D and 3-D inputs and for a tied embedding's vocabulary projection;
+    past that many rows the product is one matrix-matrix product."""
+    import mlx.nn as nn
+
+    from engine.model import trunk
+
+    mx.random.seed(1)
+    layer, table = nn.Linear(96, 160, bias=False), nn.Embedding(300, 96)
+    mx.eval(layer.parameters(), table.parameters())
+    holder = nn.Module()
+    holder.layer, holder.table = layer, table
+    trunk.prepare_transposed(holder)
+    for rows in (2, 3, 5, trunk.ROWWISE_MAX_ROWS):
+        x = mx.random.normal((rows, 96))
+        whole = trunk.linear(layer, x)
+        for i in range(rows):
+            assert mx.array_equal(whole[i : i + 1], trunk.linear(layer, x[i : i + 1])).item()
+        h = x.reshape(1, rows, 96)
+        vocab = trunk.product(table, h)
+        assert vocab.shape == (1, rows, 300)
+        for i in range(rows):
+            alone = trunk.product(table, h[:, i : i + 1])
+            assert mx.array_equal(vocab[:, i : i + 1], alone).item()
+    many = mx.random.normal((trunk.ROWWISE_MAX_ROWS + 1, 96))
+    assert mx.array_equal(trunk.linear(layer, many), many @ layer.weight.T).item()
+
+
 def test_a_product_split_across_streams_is_bit_identical() -> None:
     """``trunk.product`` over column parts on two CPU streams equals the whole product bit for
     bit, for a linear layer and a tied embedding's vocabulary projection, 2-D and 3-D inputs,
@@ -587,12 +627,12 @@ def test_a_product_split_across_streams_is_bit_identical() -> None:
     assert mx.get_active_memory() - before < layer.weight.nbytes // 4
     for rows in (1, 5, 24, 64, 65):
         x = mx.random.normal((rows, 192))
-        whole = x @ layer.weight.T
-        assert mx.array_equal(trunk.linear(layer, x), whole).item(), rows
+        assert mx.array_equal(trunk.linear(layer, x), _unsplit(x, layer.weight)).item(), rows
         h = x.reshape(1, rows, 192)
-        assert mx.array_equal(trunk.product(table, h), h @ table.weight.T).item(), rows
+        whole = _unsplit(x, table.weight).reshape(1, rows, -1)
+        assert mx.array_equal(trunk.product(table, h), whole).item(), rows
     x = mx.random.normal((3, 192))
-    split = mx.concatenate([x @ b for b in trunk._prepared(layer)[1]], axis=-1)
+    split = mx.concatenate([x @ b for b in trunk._prepared(layer).block_views], axis=-1)
     assert mx.array_equal(split, x @ layer.weight.T).item()
 
 
@@ -610,7 +650,7 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
         split = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
     finally:
         trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = old
-    assert trunk._prepared(split.trunk.lm_head)[1], "the vocabulary projection was not split"
+    assert trunk._prepared(split.trunk.lm_head).blocks, "the vocabulary projection was not split"
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
     for prompt in PROMPTS[:2]:
         ids = whole.tokenizer.encode(prompt)

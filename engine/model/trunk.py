@@ -582,6 +582,9 @@ THREADED_PREFILL_MIN_ROWS = SPLIT_PRODUCT_MAX_ROWS + 1
 THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
+#: On a CPU a product of up to this many rows runs row by row (``_times``): measured with BLIS
+#: on this project's 2-core machine, row by row is faster up to 16 rows and ties at 24.
+ROWWISE_MAX_ROWS = 16
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
 _product_streams = threading.local()
@@ -605,8 +608,8 @@ def product_parts() -> int:
 def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     """Give every float ``nn.Linear`` and ``nn.Embedding`` under ``model`` its weight's
     transpose, evaluated once: a view of the same buffer (no copy), so ``linear`` and
-    ``project_to_vocab`` multiply by it directly; with ``parts`` > 1 also the transposes of
-    ``parts`` row blocks of each weight of ``SPLIT_WEIGHT_PARAMS`` or more (views too), for
+    ``project_to_vocab`` multiply by it directly; with ``parts`` > 1 also ``parts`` row blocks
+    of each weight of ``SPLIT_WEIGHT_PARAMS`` or more and their transposes (views too), for
     products split across streams (``product``).
 
     Why: ``nn.Linear`` computes ``x @ weight.T``, and a compiled block replays that transpose
@@ -614,6 +617,7 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     ~60 of a plain demo-model step's ~800, each costing as much to dispatch as a small product.
     Call it once the weights are final (``engine.model.loader.load``); a weight replaced later
     is noticed and multiplied as before."""
+    rowwise = ROWWISE_MAX_ROWS if mx.default_device().type == mx.DeviceType.cpu else 1
     for module in model.modules():
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
@@ -621,42 +625,72 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
             rows = weight.shape[0]
             split = parts > 1 and weight.size >= SPLIT_WEIGHT_PARAMS
             bounds = [rows * i // parts for i in range(parts + 1)] if split else []
-            blocks = [weight[a:b].T for a, b in itertools.pairwise(bounds)]
-            mx.eval(view, *blocks)
-            module.__dict__[_TRANSPOSED] = (weight, view, blocks)
+            blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
+            block_views = [block.T for block in blocks]
+            mx.eval(view, *blocks, *block_views)
+            module.__dict__[_TRANSPOSED] = _Prepared(weight, view, blocks, block_views, rowwise)
 
 
-def _prepared(module: nn.Module) -> tuple[mx.array, list[mx.array]] | None:
+@dataclass(frozen=True)
+class _Prepared:
+    """A linear layer's weight with the views its products use (``prepare_transposed``)."""
+
+    weight: mx.array  # [out, in], as loaded
+    view: mx.array  # its transpose [in, out]
+    blocks: list[mx.array]  # row blocks of ``weight``, one per column part (or none)
+    block_views: list[mx.array]  # their transposes
+    #: products of 2 .. this many rows run row by row (``_rowwise``); 1: never
+    rowwise_max_rows: int
+
+
+def _prepared(module: nn.Module) -> _Prepared | None:
     cached = module.__dict__.get(_TRANSPOSED)
-    if cached is None or cached[0] is not module.get("weight"):
+    if cached is None or cached.weight is not module.get("weight"):
         return None
-    return cached[1], cached[2]
+    return cached
 
 
 def transposed_weight(module: nn.Module) -> mx.array | None:
     """The view ``prepare_transposed`` made, if the module still holds that weight."""
     prepared = _prepared(module)
-    return None if prepared is None else prepared[0]
+    return None if prepared is None else prepared.view
 
 
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ weight.T`` by the module's prepared views (None when it has none): one product, or
     for a large weight and few rows one per column part, each on its own CPU stream, joined."""
     prepared = _prepared(module)
-    return None if prepared is None else _product(x, *prepared)
+    return None if prepared is None else _product(x, prepared)
 
 
-def _product(x: mx.array, weight_t: mx.array, blocks: list[mx.array]) -> mx.array:
-    if not blocks or x.size // x.shape[-1] > SPLIT_PRODUCT_MAX_ROWS:
-        return x @ weight_t
+def _product(x: mx.array, prepared: _Prepared) -> mx.array:
+    rows = x.size // x.shape[-1]
+    if not prepared.blocks or rows > SPLIT_PRODUCT_MAX_ROWS:
+        return _times(x, prepared.weight, prepared.view, rows, prepared.rowwise_max_rows)
     streams: list[mx.Stream] = _product_streams.__dict__.setdefault("streams", [])
-    while len(streams) < len(blocks):
+    while len(streams) < len(prepared.blocks):
         streams.append(mx.default_stream(mx.cpu) if not streams else mx.new_stream(mx.cpu))
     outs = []
-    for block, stream in zip(blocks, streams, strict=False):
+    parts = zip(prepared.blocks, prepared.block_views, streams, strict=False)
+    for block, view, stream in parts:
         with mx.stream(stream):
-            outs.append(x @ block)
+            outs.append(_times(x, block, view, rows, prepared.rowwise_max_rows))
     return mx.concatenate(outs, axis=-1)
+
+
+def _times(x: mx.array, weight: mx.array, view: mx.array, rows: int, rowwise_max: int) -> mx.array:
+    """``x @ view`` (``view`` = ``weight.T``); a product of 2 .. ``rowwise_max`` rows as one
+    matrix-vector product per row, batched in one op (``weight[None] @ x[..., None]``).
+
+    Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
+    product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
+    row, 28 µs row by row; row by row wins up to ~16 rows, ties at 24: docs/BENCHMARKS.md §15),
+    and row by row each row's result is bit for bit the one-row product's, so a verify
+    position or a batch row multiplies exactly as plain decoding of that row alone does."""
+    if not 2 <= rows <= rowwise_max:
+        return x @ view
+    flat = x.reshape(rows, x.shape[-1], 1)
+    return (weight[None] @ flat).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
@@ -666,7 +700,7 @@ def linear(module: nn.Module, x: mx.array) -> mx.array:
     if prepared is None:
         return module(x)
     bias = module.get("bias")
-    return _product(x, *prepared) if bias is None else mx.addmm(bias, x, prepared[0])
+    return _product(x, prepared) if bias is None else mx.addmm(bias, x, prepared.view)
 
 
 def mlp(layer: nn.Module, x: mx.array) -> mx.array:
