@@ -564,32 +564,37 @@ def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> N
     assert continued == fresh
 
 
-def _unsplit(x: mx.array, weight: mx.array) -> mx.array:
+def _unsplit(x: mx.array, weight: mx.array, rowwise_max_rows: int) -> mx.array:
     """``x @ weight.T`` as an unsplit weight multiplies it: row by row for 2 to
-    ``ROWWISE_MAX_ROWS`` rows on a CPU, one product otherwise."""
-    from engine.model import trunk
-
-    if 2 <= x.shape[0] <= trunk.ROWWISE_MAX_ROWS:
+    ``rowwise_max_rows`` rows, one product otherwise."""
+    if 2 <= x.shape[0] <= rowwise_max_rows:
         return mx.concatenate([x[i : i + 1] @ weight.T for i in range(x.shape[0])])
     return x @ weight.T
 
 
 def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
-    """On a CPU a product of 2 to ``ROWWISE_MAX_ROWS`` rows (a verify pass's K+1 positions, a
-    batch's rows) gives every row bit for bit what that row alone gives, as plain decoding
-    multiplies it, for 2-D and 3-D inputs and for a tied embedding's vocabulary projection;
-    past that many rows the product is one matrix-matrix product."""
+    """On a CPU a float32 product of 2 to ``rowwise_max_rows`` rows (a verify pass's K+1
+    positions, a batch's rows) gives every row bit for bit what that row alone gives, as plain
+    decoding multiplies it, for 2-D and 3-D inputs and for a tied embedding's vocabulary
+    projection; past that many rows the product is one matrix-matrix product. The limit falls
+    with the weight's size (``ROWWISE_LIMITS``) and half-precision weights keep one product."""
     import mlx.nn as nn
 
     from engine.model import trunk
 
     mx.random.seed(1)
     layer, table = nn.Linear(96, 160, bias=False), nn.Embedding(300, 96)
-    mx.eval(layer.parameters(), table.parameters())
+    large, half = nn.Linear(1024, 4200, bias=False), nn.Linear(96, 160, bias=False)
+    half.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters(), table.parameters(), large.parameters(), half.parameters())
     holder = nn.Module()
-    holder.layer, holder.table = layer, table
+    holder.layer, holder.table, holder.large, holder.half = layer, table, large, half
     trunk.prepare_transposed(holder)
-    for rows in (2, 3, 5, trunk.ROWWISE_MAX_ROWS):
+    limit = trunk._prepared(layer).rowwise_max_rows
+    assert limit == 16 and trunk._prepared(table).rowwise_max_rows == 16
+    assert trunk._prepared(large).rowwise_max_rows == 2  # 16.4 MiB
+    assert trunk._prepared(half).rowwise_max_rows == 1
+    for rows in (2, 3, 5, limit):
         x = mx.random.normal((rows, 96))
         whole = trunk.linear(layer, x)
         for i in range(rows):
@@ -600,7 +605,7 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
         for i in range(rows):
             alone = trunk.product(table, h[:, i : i + 1])
             assert mx.array_equal(vocab[:, i : i + 1], alone).item()
-    many = mx.random.normal((trunk.ROWWISE_MAX_ROWS + 1, 96))
+    many = mx.random.normal((limit + 1, 96))
     assert mx.array_equal(trunk.linear(layer, many), many @ layer.weight.T).item()
 
 
@@ -627,9 +632,10 @@ def test_a_product_split_across_streams_is_bit_identical() -> None:
     assert mx.get_active_memory() - before < layer.weight.nbytes // 4
     for rows in (1, 5, 24, 64, 65):
         x = mx.random.normal((rows, 192))
-        assert mx.array_equal(trunk.linear(layer, x), _unsplit(x, layer.weight)).item(), rows
+        limit = trunk._prepared(layer).rowwise_max_rows
+        assert mx.array_equal(trunk.linear(layer, x), _unsplit(x, layer.weight, limit)).item()
         h = x.reshape(1, rows, 192)
-        whole = _unsplit(x, table.weight).reshape(1, rows, -1)
+        whole = _unsplit(x, table.weight, limit).reshape(1, rows, -1)
         assert mx.array_equal(trunk.product(table, h), whole).item(), rows
     x = mx.random.normal((3, 192))
     split = mx.concatenate([x @ b for b in trunk._prepared(layer).block_views], axis=-1)

@@ -582,9 +582,15 @@ THREADED_PREFILL_MIN_ROWS = SPLIT_PRODUCT_MAX_ROWS + 1
 THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
-#: On a CPU a product of up to this many rows runs row by row (``_times``): measured with BLIS
-#: on this project's 2-core machine, row by row is faster up to 16 rows and ties at 24.
-ROWWISE_MAX_ROWS = 16
+#: On a CPU a float32 product of 2 to this many rows runs row by row (``_times``), by the size
+#: of the weight (or column part) in bytes: (most bytes, most rows), first match; larger: never.
+#: Row by row reads the weight once per row, which costs nothing while it stays in cache and
+#: everything once it streams from memory. Measured with BLIS on this project's machine (2
+#: cores, 32 MiB L3; docs/BENCHMARKS.md §15): row by row over one product, at 16 MiB 0.29x
+#: (2 rows), 0.49x (5), 0.73x (9), 1.23x (16); at 32-256 MiB 0.59-0.76x (2 rows), 0.90-1.12x
+#: (3), 1.16-1.34x (5); at 8 MiB and less faster up to 16 rows, even at 24. Half-precision
+#: products are slower row by row at every size (2-4x): they keep one product.
+ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8), (1 << 62, 2))
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
 _product_streams = threading.local()
@@ -617,7 +623,7 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     ~60 of a plain demo-model step's ~800, each costing as much to dispatch as a small product.
     Call it once the weights are final (``engine.model.loader.load``); a weight replaced later
     is noticed and multiplied as before."""
-    rowwise = ROWWISE_MAX_ROWS if mx.default_device().type == mx.DeviceType.cpu else 1
+    cpu = mx.default_device().type == mx.DeviceType.cpu
     for module in model.modules():
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
@@ -628,6 +634,10 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
             blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
             block_views = [block.T for block in blocks]
             mx.eval(view, *blocks, *block_views)
+            rowwise = 1
+            if cpu and weight.dtype == mx.float32:
+                part_bytes = weight.nbytes // max(1, len(blocks))
+                rowwise = next(n for most, n in ROWWISE_LIMITS if part_bytes <= most)
             module.__dict__[_TRANSPOSED] = _Prepared(weight, view, blocks, block_views, rowwise)
 
 
@@ -684,9 +694,9 @@ def _times(x: mx.array, weight: mx.array, view: mx.array, rows: int, rowwise_max
 
     Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
     product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
-    row, 28 µs row by row; row by row wins up to ~16 rows, ties at 24: docs/BENCHMARKS.md §15),
-    and row by row each row's result is bit for bit the one-row product's, so a verify
-    position or a batch row multiplies exactly as plain decoding of that row alone does."""
+    row, 28 µs row by row; ``ROWWISE_LIMITS``), and row by row each row's result is bit for
+    bit the one-row product's, so a verify position or a batch row multiplies exactly as plain
+    decoding of that row alone does."""
     if not 2 <= rows <= rowwise_max:
         return x @ view
     flat = x.reshape(rows, x.shape[-1], 1)
