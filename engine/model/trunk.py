@@ -631,14 +631,20 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
             rows = weight.shape[0]
             split = parts > 1 and weight.size >= SPLIT_WEIGHT_PARAMS
             bounds = [rows * i // parts for i in range(parts + 1)] if split else []
-            blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
-            block_views = [block.T for block in blocks]
+            parts_of = [weight[a:b] for a, b in itertools.pairwise(bounds)]
+            # as [1, rows, in]: the operand of ``_times``'s row-by-row product (views, no copy)
+            blocks = [part[None] for part in parts_of]
+            block_views = [part.T for part in parts_of]
             mx.eval(view, *blocks, *block_views)
             rowwise = 1
             if cpu and weight.dtype == mx.float32:
                 part_bytes = weight.nbytes // max(1, len(blocks))
                 rowwise = next(n for most, n in ROWWISE_LIMITS if part_bytes <= most)
-            module.__dict__[_TRANSPOSED] = _Prepared(weight, view, blocks, block_views, rowwise)
+            stacked = weight[None]
+            mx.eval(stacked)
+            module.__dict__[_TRANSPOSED] = _Prepared(
+                weight, stacked, view, blocks, block_views, rowwise
+            )
 
 
 @dataclass(frozen=True)
@@ -646,9 +652,10 @@ class _Prepared:
     """A linear layer's weight with the views its products use (``prepare_transposed``)."""
 
     weight: mx.array  # [out, in], as loaded
+    stacked: mx.array  # the same as [1, out, in] (a view)
     view: mx.array  # its transpose [in, out]
-    blocks: list[mx.array]  # row blocks of ``weight``, one per column part (or none)
-    block_views: list[mx.array]  # their transposes
+    blocks: list[mx.array]  # row blocks of ``stacked``, one per column part (or none)
+    block_views: list[mx.array]  # their transposes, [in, part]
     #: products of 2 .. this many rows run row by row (``_rowwise``); 1: never
     rowwise_max_rows: int
 
@@ -676,7 +683,7 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
 def _product(x: mx.array, prepared: _Prepared) -> mx.array:
     rows = x.size // x.shape[-1]
     if not prepared.blocks or rows > SPLIT_PRODUCT_MAX_ROWS:
-        return _times(x, prepared.weight, prepared.view, rows, prepared.rowwise_max_rows)
+        return _times(x, prepared.stacked, prepared.view, rows, prepared.rowwise_max_rows)
     streams: list[mx.Stream] = _product_streams.__dict__.setdefault("streams", [])
     while len(streams) < len(prepared.blocks):
         streams.append(mx.default_stream(mx.cpu) if not streams else mx.new_stream(mx.cpu))
@@ -688,9 +695,9 @@ def _product(x: mx.array, prepared: _Prepared) -> mx.array:
     return mx.concatenate(outs, axis=-1)
 
 
-def _times(x: mx.array, weight: mx.array, view: mx.array, rows: int, rowwise_max: int) -> mx.array:
-    """``x @ view`` (``view`` = ``weight.T``); a product of 2 .. ``rowwise_max`` rows as one
-    matrix-vector product per row, batched in one op (``weight[None] @ x[..., None]``).
+def _times(x: mx.array, stacked: mx.array, view: mx.array, rows: int, rowwise_max: int) -> mx.array:
+    """``x @ view`` (``view`` = ``stacked[0].T``); a product of 2 .. ``rowwise_max`` rows as
+    one matrix-vector product per row, batched in one op (``stacked @ x[..., None]``).
 
     Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
     product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
@@ -700,7 +707,7 @@ def _times(x: mx.array, weight: mx.array, view: mx.array, rows: int, rowwise_max
     if not 2 <= rows <= rowwise_max:
         return x @ view
     flat = x.reshape(rows, x.shape[-1], 1)
-    return (weight[None] @ flat).reshape(*x.shape[:-1], weight.shape[0])
+    return (stacked @ flat).reshape(*x.shape[:-1], stacked.shape[1])
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
