@@ -583,13 +583,13 @@ THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
 #: On a CPU a float32 product of 2 to this many rows runs row by row (``_times``), by the size
-#: of the weight (or column part) in bytes: (most bytes, most rows), first match; larger: never.
-#: Row by row reads the weight once per row, which costs nothing while it stays in cache and
-#: everything once it streams from memory. Measured with BLIS on this project's machine (2
-#: cores, 32 MiB L3; docs/BENCHMARKS.md §15): row by row over one product, at 16 MiB 0.29x
-#: (2 rows), 0.49x (5), 0.73x (9), 1.23x (16); at 32-256 MiB 0.59-0.76x (2 rows), 0.90-1.12x
-#: (3), 1.16-1.34x (5); at 8 MiB and less faster up to 16 rows, even at 24. Half-precision
-#: products are slower row by row at every size (2-4x): they keep one product.
+#: of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by row
+#: reads the weight once per row, which costs little while it stays in cache and much once it
+#: streams from memory. Measured with BLIS on this project's machine (2 cores, 32 MiB L3;
+#: ``scripts/rowwise_products.py``, docs/BENCHMARKS.md §15), row by row over one product: up to
+#: 8 MiB 0.3-0.7x for 2-9 rows and 0.9-1.0x at 16; at 14 MiB 0.3-0.6x for 2-9 rows; at 32-256
+#: MiB 0.6x for 2 rows, 0.8-1.1x for 3 and 1.0-1.3x for 5. Half-precision products are slower
+#: row by row at every size (1.3-2x): they keep one product.
 ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8), (1 << 62, 2))
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
