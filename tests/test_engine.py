@@ -638,7 +638,7 @@ def test_a_product_split_across_streams_is_bit_identical() -> None:
         whole = _unsplit(x, table.weight, limit).reshape(1, rows, -1)
         assert mx.array_equal(trunk.product(table, h), whole).item(), rows
     x = mx.random.normal((3, 192))
-    split = mx.concatenate([x @ b for b in trunk._prepared(layer).block_views], axis=-1)
+    split = mx.concatenate([x @ p.view for p in trunk._prepared(layer).parts], axis=-1)
     assert mx.array_equal(split, x @ layer.weight.T).item()
 
 
@@ -656,7 +656,7 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
         split = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
     finally:
         trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = old
-    assert trunk._prepared(split.trunk.lm_head).blocks, "the vocabulary projection was not split"
+    assert trunk._prepared(split.trunk.lm_head).parts, "the vocabulary projection was not split"
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
     for prompt in PROMPTS[:2]:
         ids = whole.tokenizer.encode(prompt)

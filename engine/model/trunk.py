@@ -627,24 +627,34 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     for module in model.modules():
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
-            view = weight.T
             rows = weight.shape[0]
             split = parts > 1 and weight.size >= SPLIT_WEIGHT_PARAMS
             bounds = [rows * i // parts for i in range(parts + 1)] if split else []
-            parts_of = [weight[a:b] for a, b in itertools.pairwise(bounds)]
-            # as [1, rows, in]: the operand of ``_times``'s row-by-row product (views, no copy)
-            blocks = [part[None] for part in parts_of]
-            block_views = [part.T for part in parts_of]
-            mx.eval(view, *blocks, *block_views)
-            rowwise = 1
+            blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
+            most_rows = 1
             if cpu and weight.dtype == mx.float32:
                 part_bytes = weight.nbytes // max(1, len(blocks))
-                rowwise = next(n for most, n in ROWWISE_LIMITS if part_bytes <= most)
-            stacked = weight[None]
-            mx.eval(stacked)
-            module.__dict__[_TRANSPOSED] = _Prepared(
-                weight, stacked, view, blocks, block_views, rowwise
-            )
+                most_rows = next(n for most, n in ROWWISE_LIMITS if part_bytes <= most)
+            whole, *split_parts = (_Operand.of(w, most_rows) for w in (weight, *blocks))
+            module.__dict__[_TRANSPOSED] = _Prepared(weight, whole, split_parts)
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """A weight ``[out, in]`` (or a row block of one) as products use it: views, no copies."""
+
+    view: mx.array  # the transpose [in, out]: ``x @ view``
+    #: for ``_times``'s row-by-row product of r = 2, 3, ... rows: the weight broadcast to
+    #: ``[r, out, in]`` (stride 0; made once so that no product dispatches the broadcast)
+    by_rows: tuple[mx.array, ...]
+
+    @classmethod
+    def of(cls, weight: mx.array, most_rows: int) -> _Operand:
+        shape = weight.shape
+        by_rows = tuple(mx.broadcast_to(weight[None], (r, *shape)) for r in range(2, most_rows + 1))
+        operand = cls(weight.T, by_rows)
+        mx.eval(operand.view, *by_rows)
+        return operand
 
 
 @dataclass(frozen=True)
@@ -652,12 +662,13 @@ class _Prepared:
     """A linear layer's weight with the views its products use (``prepare_transposed``)."""
 
     weight: mx.array  # [out, in], as loaded
-    stacked: mx.array  # the same as [1, out, in] (a view)
-    view: mx.array  # its transpose [in, out]
-    blocks: list[mx.array]  # row blocks of ``stacked``, one per column part (or none)
-    block_views: list[mx.array]  # their transposes, [in, part]
-    #: products of 2 .. this many rows run row by row (``_rowwise``); 1: never
-    rowwise_max_rows: int
+    whole: _Operand
+    parts: list[_Operand]  # one per column part (none: the weight is multiplied whole)
+
+    @property
+    def rowwise_max_rows(self) -> int:
+        """Products of 2 .. this many rows run row by row (``_times``); 1: never."""
+        return len(self.whole.by_rows) + 1
 
 
 def _prepared(module: nn.Module) -> _Prepared | None:
@@ -670,7 +681,7 @@ def _prepared(module: nn.Module) -> _Prepared | None:
 def transposed_weight(module: nn.Module) -> mx.array | None:
     """The view ``prepare_transposed`` made, if the module still holds that weight."""
     prepared = _prepared(module)
-    return None if prepared is None else prepared.view
+    return None if prepared is None else prepared.whole.view
 
 
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
@@ -682,32 +693,31 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
 
 def _product(x: mx.array, prepared: _Prepared) -> mx.array:
     rows = x.size // x.shape[-1]
-    if not prepared.blocks or rows > SPLIT_PRODUCT_MAX_ROWS:
-        return _times(x, prepared.stacked, prepared.view, rows, prepared.rowwise_max_rows)
+    if not prepared.parts or rows > SPLIT_PRODUCT_MAX_ROWS:
+        return _times(x, prepared.whole, rows)
     streams: list[mx.Stream] = _product_streams.__dict__.setdefault("streams", [])
-    while len(streams) < len(prepared.blocks):
+    while len(streams) < len(prepared.parts):
         streams.append(mx.default_stream(mx.cpu) if not streams else mx.new_stream(mx.cpu))
     outs = []
-    parts = zip(prepared.blocks, prepared.block_views, streams, strict=False)
-    for block, view, stream in parts:
+    for operand, stream in zip(prepared.parts, streams, strict=False):
         with mx.stream(stream):
-            outs.append(_times(x, block, view, rows, prepared.rowwise_max_rows))
+            outs.append(_times(x, operand, rows))
     return mx.concatenate(outs, axis=-1)
 
 
-def _times(x: mx.array, stacked: mx.array, view: mx.array, rows: int, rowwise_max: int) -> mx.array:
-    """``x @ view`` (``view`` = ``stacked[0].T``); a product of 2 .. ``rowwise_max`` rows as
-    one matrix-vector product per row, batched in one op (``stacked @ x[..., None]``).
+def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
+    """``x @ operand.view``; a product of 2 .. ``rowwise_max_rows`` rows as one matrix-vector
+    product per row, batched in one op (``weight[None] @ x[..., None]``).
 
     Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
     product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
     row, 28 µs row by row; ``ROWWISE_LIMITS``), and row by row each row's result is bit for
     bit the one-row product's, so a verify position or a batch row multiplies exactly as plain
     decoding of that row alone does."""
-    if not 2 <= rows <= rowwise_max:
-        return x @ view
-    flat = x.reshape(rows, x.shape[-1], 1)
-    return (stacked @ flat).reshape(*x.shape[:-1], stacked.shape[1])
+    if not 2 <= rows < len(operand.by_rows) + 2:
+        return x @ operand.view
+    weights = operand.by_rows[rows - 2]
+    return (weights @ x.reshape(rows, x.shape[-1], 1)).reshape(*x.shape[:-1], weights.shape[1])
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
@@ -717,7 +727,7 @@ def linear(module: nn.Module, x: mx.array) -> mx.array:
     if prepared is None:
         return module(x)
     bias = module.get("bias")
-    return _product(x, prepared) if bias is None else mx.addmm(bias, x, prepared.view)
+    return _product(x, prepared) if bias is None else mx.addmm(bias, x, prepared.whole.view)
 
 
 def mlp(layer: nn.Module, x: mx.array) -> mx.array:
