@@ -52,8 +52,9 @@ class GenerationRequest:
     #: Token ids that end generation (every id of generation_config's ``eos_token_id``).
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    #: Speculative draft length K; 0 = plain decoding; ``None`` = automatic.
-    draft_tokens: int | None = AUTO_DRAFT
+    #: Speculative draft length K; 0 = plain decoding; ``None``: the engine's default (automatic
+    #: unless it was loaded with a fixed K); ``"auto"``: automatic whatever that default is.
+    draft_tokens: int | Literal["auto"] | None = AUTO_DRAFT
     #: Number of top alternatives to report per emitted token (``None``: no logprobs at all).
     top_logprobs: int | None = None
     #: Structured output: an llguidance grammar the generated tokens must follow

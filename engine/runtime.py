@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -200,12 +200,15 @@ class Engine:
     def context_length(self) -> int:
         return int(self.loaded.text_config.get("max_position_embeddings", 32768))
 
-    def policy(self, draft_tokens: int | None, params: SamplingParams | None = None) -> DraftPolicy:
+    def policy(
+        self, draft_tokens: int | Literal["auto"] | None, params: SamplingParams | None = None
+    ) -> DraftPolicy:
+        """How a request's cycles choose K: ``draft_tokens`` as ``GenerationRequest`` has it."""
         if not self.has_head:
             return DraftPolicy(fixed=0)
         if draft_tokens is None:
             draft_tokens = self.default_draft_tokens
-        if draft_tokens is None:
+        if draft_tokens is None or draft_tokens == "auto":
             if self.autok is None:
                 self.autok = EngineAutoK(self)
             params = params or SamplingParams(temperature=0.0)

@@ -151,7 +151,7 @@ class FakeEngine:
         self, request: GenerationRequest, prompt: str, cancelled: Callable[[], bool]
     ) -> Iterator[GenerationEvent]:
         reply = self._reply(request, prompt)
-        k = request.draft_tokens if request.draft_tokens is not None else 2
+        k = request.draft_tokens if isinstance(request.draft_tokens, int) else 2
         stats = GenerationStats(
             prompt_tokens=len(request.prompt_ids), cached_tokens=self.cached_tokens, draft_tokens=k
         )

@@ -243,6 +243,21 @@ def test_confidence_cut_with_penalties_runs(load_engine) -> None:
         engine.draft_confidence = None
 
 
+def test_a_request_asks_for_automatic_k_whatever_the_engines_default(load_engine) -> None:
+    """``draft_tokens="auto"`` is automatic K on an engine loaded with a fixed K (None is
+    that default): the cycles choose K themselves, and the text is what auto K gives on an
+    engine whose default is automatic."""
+    fixed = load_engine("dense-tied", draft_tokens=2)
+    assert fixed.policy(None).fixed == 2
+    assert fixed.policy("auto").fixed is None and fixed.policy("auto").chooser is not None
+    prompt = fixed.tokenizer.encode(PROMPTS[0])
+    tokens, event = run(fixed, GenerationRequest(prompt, GREEDY, 24, draft_tokens="auto"))
+    auto, _ = run(load_engine("dense-tied"), GenerationRequest(prompt, GREEDY, 24))
+    assert tokens == auto
+    histogram = event.stats.k_histogram
+    assert histogram[2] < sum(histogram)  # not the engine's fixed K=2 in every cycle
+
+
 def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> None:
     """Auto K follows the machine's timings, so a seeded request's K differ from run to run: its
     draws are coupled to (seed, position) and its text is the same whatever K each cycle

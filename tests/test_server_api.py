@@ -190,6 +190,32 @@ def test_continue_final_message_continues_the_assistant_text(
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
+def test_draft_tokens_auto_asks_for_automatic_k_on_every_api(
+    http: httpx.Client, engine: FakeEngine
+) -> None:
+    """``draft_tokens: "auto"`` reaches the engine as "auto" (automatic K even when the server
+    runs a fixed K), an integer as itself, null as the server's default; anything else is a
+    400 naming the field, on chat completions, responses and messages alike."""
+    bodies = {
+        "/v1/chat/completions": chat("TRIGGER_PLAIN hi"),
+        "/v1/responses": {"model": "fake-model", "input": "TRIGGER_PLAIN hi"},
+        "/v1/messages": {
+            "model": "fake-model",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "TRIGGER_PLAIN hi"}],
+        },
+    }
+    for path, body in bodies.items():
+        for value, expected in (("auto", "auto"), (3, 3), (None, engine.default_draft_tokens)):
+            r = http.post(path, json=body | {"draft_tokens": value})
+            assert r.status_code == 200, (path, r.text)
+            assert engine.requests[-1].draft_tokens == expected, (path, value)
+        for bad in ("fast", -1, 33):
+            r = http.post(path, json=body | {"draft_tokens": bad})
+            assert r.status_code == 400, (path, bad, r.text)
+            assert "draft_tokens" in r.text, (path, r.text)
+
+
 def test_include_reasoning_false_keeps_raw_text(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="fake-model",

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.extensions import DraftTokens
 from server.api.tagged import by_type
 
 
@@ -122,5 +123,4 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    #: Extension: per-request speculative draft length K (0 = plain decoding).
-    draft_tokens: int | None = Field(None, ge=0, le=32)
+    draft_tokens: DraftTokens = None

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server.api.extensions import DraftTokens
+
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -113,8 +115,7 @@ class SamplingFields(_Base):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    #: Extension: per-request speculative draft length K (0 = plain decoding).
-    draft_tokens: int | None = Field(None, ge=0, le=32)
+    draft_tokens: DraftTokens = None
 
     @field_validator("top_k", mode="before")
     @classmethod

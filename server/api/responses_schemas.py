@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.api.extensions import DraftTokens
 from server.api.tagged import by_type
 from server.core.requests import join_text, parse_arguments
 from server.errors import bad_request
@@ -133,7 +134,7 @@ class ResponsesRequest(_Base):
     #: Extensions (not in OpenAI's schema).
     top_k: int | None = None
     min_p: float | None = None
-    draft_tokens: int | None = Field(None, ge=0, le=32)
+    draft_tokens: DraftTokens = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

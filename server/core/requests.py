@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from engine.api import GenerationRequest
 from sampling.constraint import (
@@ -73,7 +73,7 @@ class GenerationParams:
     top_logprobs: int | None = None
     top_logprobs_param: str = "top_logprobs"
     ignore_eos: bool = False
-    draft_tokens: int | None = None
+    draft_tokens: int | Literal["auto"] | None = None
     #: structured output: the llguidance grammar of ``output_grammar`` (None: free text)
     grammar: str | None = None
 

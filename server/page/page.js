@@ -390,7 +390,7 @@ function readSettings() {
     if (v !== undefined && !Number.isNaN(v)) body[id] = v;
   }
   const k = $('draft_tokens').value;
-  if (k !== '') body.draft_tokens = Number(k);
+  if (k !== '') body.draft_tokens = k === 'auto' ? 'auto' : Number(k);
   body.chat_template_kwargs = { enable_thinking: $('thinking').checked };
   const extra = $('extra').value.trim();
   if (extra) {
