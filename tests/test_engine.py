@@ -592,7 +592,8 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
     positions, a batch's rows) gives every row bit for bit what that row alone gives, as plain
     decoding multiplies it, for 2-D and 3-D inputs and for a tied embedding's vocabulary
     projection; past that many rows the product is one matrix-matrix product. The limit falls
-    with the weight's size (``ROWWISE_LIMITS``) and half-precision weights keep one product."""
+    with the weight's size (``ROWWISE_LIMITS``), a weight too large for the cache runs in row
+    blocks, and half-precision weights keep one product."""
     import mlx.nn as nn
 
     from engine.model import trunk
@@ -607,7 +608,9 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
     trunk.prepare_transposed(holder)
     limit = trunk._prepared(layer).rowwise_max_rows
     assert limit == 16 and trunk._prepared(table).rowwise_max_rows == 16
-    assert trunk._prepared(large).rowwise_max_rows == 2  # 16.4 MiB
+    blocked = trunk._prepared(large)  # 16.4 MiB: row by row in row blocks of 4 MiB
+    assert blocked.rowwise_max_rows == trunk.BLOCKED_MAX_ROWS
+    assert len(blocked.whole.by_rows[0]) == 5
     assert trunk._prepared(half).rowwise_max_rows == 1
     for rows in (2, 3, 5, limit):
         x = mx.random.normal((rows, 96))
@@ -620,6 +623,12 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
         for i in range(rows):
             alone = trunk.product(table, h[:, i : i + 1])
             assert mx.array_equal(vocab[:, i : i + 1], alone).item()
+    for rows in (2, trunk.BLOCKED_MAX_ROWS):
+        x = mx.random.normal((rows, 1024))
+        whole = trunk.linear(large, x)
+        assert whole.shape == (rows, 4200)
+        for i in range(rows):
+            assert mx.array_equal(whole[i : i + 1], trunk.linear(large, x[i : i + 1])).item()
     many = mx.random.normal((limit + 1, 96))
     assert mx.array_equal(trunk.linear(layer, many), many @ layer.weight.T).item()
 

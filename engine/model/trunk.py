@@ -584,13 +584,18 @@ THREADED_PREFILL_MIN_HIDDEN = 1024
 MAX_PRODUCT_PARTS = 4
 #: On a CPU a float32 product of 2 to this many rows runs row by row (``_times``), by the size
 #: of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by row
-#: reads the weight once per row, which costs little while it stays in cache and much once it
-#: streams from memory. Measured with BLIS on this project's machine (2 cores, 32 MiB L3;
-#: ``scripts/rowwise_products.py``, docs/BENCHMARKS.md §15), row by row over one product: up to
-#: 8 MiB 0.3-0.7x for 2-9 rows and 0.9-1.0x at 16; at 14 MiB 0.3-0.6x for 2-9 rows; at 32-256
-#: MiB 0.6x for 2 rows, 0.8-1.1x for 3 and 1.0-1.3x for 5. Half-precision products are slower
-#: row by row at every size (1.3-2x): they keep one product.
-ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8), (1 << 62, 2))
+#: reads the weight once per row: cheap while it stays in cache. Measured with BLIS on this
+#: project's machine (2 cores, 32 MiB L3; ``scripts/rowwise_products.py``, docs/BENCHMARKS.md
+#: §15), row by row over one product: up to 8 MiB 0.3-0.7x for 2-9 rows and 0.9-1.0x at 16; at
+#: 14 MiB 0.3-0.6x for 2-9 rows. Half-precision products are slower row by row at every size
+#: (1.3-2x): they keep one product.
+ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
+#: A larger weight streams from memory, and whole it would be read once per row: it runs row by
+#: row in row blocks of at most this many bytes, each read from memory once and from cache for
+#: the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (at 500 MiB: 2 rows 0.6x, 5 rows 0.6x,
+#: 9 rows 0.85x of one product).
+ROWWISE_BLOCK_BYTES = 4 << 20
+BLOCKED_MAX_ROWS = 8
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
 _product_streams = threading.local()
@@ -631,29 +636,39 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
             split = parts > 1 and weight.size >= SPLIT_WEIGHT_PARAMS
             bounds = [rows * i // parts for i in range(parts + 1)] if split else []
             blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
-            most_rows = 1
-            if cpu and weight.dtype == mx.float32:
-                part_bytes = weight.nbytes // max(1, len(blocks))
-                most_rows = next(n for most, n in ROWWISE_LIMITS if part_bytes <= most)
-            whole, *split_parts = (_Operand.of(w, most_rows) for w in (weight, *blocks))
+            rowwise = cpu and weight.dtype == mx.float32
+            whole, *split_parts = (_Operand.of(w, rowwise) for w in (weight, *blocks))
             module.__dict__[_TRANSPOSED] = _Prepared(weight, whole, split_parts)
 
 
 @dataclass(frozen=True)
 class _Operand:
-    """A weight ``[out, in]`` (or a row block of one) as products use it: views, no copies."""
+    """A weight ``[out, in]`` (or a column part of one) as products use it: views, no copies."""
 
     view: mx.array  # the transpose [in, out]: ``x @ view``
     #: for ``_times``'s row-by-row product of r = 2, 3, ... rows: the weight broadcast to
-    #: ``[r, out, in]`` (stride 0; made once so that no product dispatches the broadcast)
-    by_rows: tuple[mx.array, ...]
+    #: ``[r, out, in]`` (stride 0; made once so that no product dispatches the broadcast), as
+    #: one block or, for a weight that streams from memory, as row blocks
+    by_rows: tuple[tuple[mx.array, ...], ...]
 
     @classmethod
-    def of(cls, weight: mx.array, most_rows: int) -> _Operand:
-        shape = weight.shape
-        by_rows = tuple(mx.broadcast_to(weight[None], (r, *shape)) for r in range(2, most_rows + 1))
+    def of(cls, weight: mx.array, rowwise: bool) -> _Operand:
+        """``rowwise``: a float32 weight on a CPU (``ROWWISE_LIMITS``)."""
+        most_rows, blocks = 1, [weight]
+        if rowwise:
+            fits = [n for most, n in ROWWISE_LIMITS if weight.nbytes <= most]
+            if fits:
+                most_rows = fits[0]
+            else:
+                most_rows = BLOCKED_MAX_ROWS
+                step = max(1, ROWWISE_BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
+                blocks = [weight[i : i + step] for i in range(0, weight.shape[0], step)]
+        by_rows = tuple(
+            tuple(mx.broadcast_to(block[None], (r, *block.shape)) for block in blocks)
+            for r in range(2, most_rows + 1)
+        )
         operand = cls(weight.T, by_rows)
-        mx.eval(operand.view, *by_rows)
+        mx.eval(operand.view, *(b for row in by_rows for b in row))
         return operand
 
 
@@ -707,7 +722,8 @@ def _product(x: mx.array, prepared: _Prepared) -> mx.array:
 
 def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
     """``x @ operand.view``; a product of 2 .. ``rowwise_max_rows`` rows as one matrix-vector
-    product per row, batched in one op (``weight[None] @ x[..., None]``).
+    product per row, batched in one op (``weight[None] @ x[..., None]``), or in one op per
+    row block of a weight that streams from memory, the columns joined.
 
     Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
     product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
@@ -716,8 +732,11 @@ def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
     decoding of that row alone does."""
     if not 2 <= rows < len(operand.by_rows) + 2:
         return x @ operand.view
-    weights = operand.by_rows[rows - 2]
-    return (weights @ x.reshape(rows, x.shape[-1], 1)).reshape(*x.shape[:-1], weights.shape[1])
+    columns = x.reshape(rows, x.shape[-1], 1)
+    blocks = operand.by_rows[rows - 2]
+    products = [block @ columns for block in blocks]
+    out = products[0] if len(products) == 1 else mx.concatenate(products, axis=1)
+    return out.reshape(*x.shape[:-1], operand.view.shape[1])
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
