@@ -8,9 +8,12 @@ the best of three chains of products (evaluated together) per way:
   (``engine.model.trunk._times``), whose rows equal the one-row product bit for bit.
 
 Prints microseconds per product and the ratio row by row / one product (below 1: row by row
-is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md §15)::
+is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md §15);
+``--blocks``: a weight too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
+(``ROWWISE_BLOCK_BYTES``)::
 
     python scripts/rowwise_products.py
+    python scripts/rowwise_products.py --blocks --rows 1,2,5,9
 """
 
 from __future__ import annotations
@@ -53,11 +56,43 @@ def row(out_dim: int, in_dim: int, dtype: mx.Dtype, rows: list[int]) -> str:
     return f"| {out_dim} x {in_dim} {name} ({mib:.1f} MiB) | " + " | ".join(cells) + " |"
 
 
+def blocked(rows_list: list[int]) -> None:
+    """One column part of the 0.8B shape's vocabulary: one product against row by row in row
+    blocks of 4, 8 and 16 MiB (milliseconds)."""
+    weight = mx.random.normal((124160, 1024))
+    view = weight.T
+    mx.eval(weight, view)
+    print("| rows | one product | " + " | ".join(f"in {m} MiB blocks" for m in (4, 8, 16)) + " |")
+    print("|---" * 5 + "|")
+    for m in rows_list:
+        x = mx.random.normal((m, 1024))
+        mx.eval(x)
+        cells = [per_product_us(lambda x: x @ view, x, 3) / 1e3]
+        for mib in (4, 8, 16):
+            step = (mib << 20) // (1024 * 4)
+            parts = [weight[i : i + step] for i in range(0, weight.shape[0], step)]
+            stacked = [mx.broadcast_to(part[None], (m, *part.shape)) for part in parts]
+            mx.eval(*stacked)
+
+            def product(x: mx.array, stacked: list[mx.array] = stacked) -> mx.array:
+                columns = x.reshape(*x.shape, 1)
+                return mx.concatenate([block @ columns for block in stacked], axis=1)
+
+            cells.append(per_product_us(product, x, 3) / 1e3)
+        print(f"| {m} | " + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="1,2,3,5,9,16,24,32")
+    p.add_argument(
+        "--blocks", action="store_true", help="the 0.8B vocabulary part in row blocks instead"
+    )
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if args.blocks:
+        blocked([r for r in rows if r <= 9] or rows)
+        return 0
     print("| weight | " + " | ".join(f"{m} rows: µs one / row by row (ratio)" for m in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for out_dim, in_dim in SHAPES:
