@@ -610,7 +610,7 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
     assert limit == 16 and trunk._prepared(table).rowwise_max_rows == 16
     blocked = trunk._prepared(large)  # 16.4 MiB: row by row in row blocks of 4 MiB
     assert blocked.rowwise_max_rows == trunk.BLOCKED_MAX_ROWS
-    assert len(blocked.whole.by_rows[0]) == 5
+    assert len(blocked.whole.blocks) == 5
     assert trunk._prepared(half).rowwise_max_rows == 1
     for rows in (2, 3, 5, limit):
         x = mx.random.normal((rows, 96))

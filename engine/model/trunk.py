@@ -637,7 +637,9 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
             bounds = [rows * i // parts for i in range(parts + 1)] if split else []
             blocks = [weight[a:b] for a, b in itertools.pairwise(bounds)]
             rowwise = cpu and weight.dtype == mx.float32
-            whole, *split_parts = (_Operand.of(w, rowwise) for w in (weight, *blocks))
+            # with column parts the whole weight multiplies only inputs of many rows
+            whole = _Operand.of(weight, rowwise and not blocks)
+            split_parts = [_Operand.of(block, rowwise) for block in blocks]
             module.__dict__[_TRANSPOSED] = _Prepared(weight, whole, split_parts)
 
 
@@ -646,29 +648,31 @@ class _Operand:
     """A weight ``[out, in]`` (or a column part of one) as products use it: views, no copies."""
 
     view: mx.array  # the transpose [in, out]: ``x @ view``
-    #: for ``_times``'s row-by-row product of r = 2, 3, ... rows: the weight broadcast to
-    #: ``[r, out, in]`` (stride 0; made once so that no product dispatches the broadcast), as
-    #: one block or, for a weight that streams from memory, as row blocks
-    by_rows: tuple[tuple[mx.array, ...], ...]
+    #: ``_times`` multiplies 2 .. this many rows row by row (1: never)
+    most_rows: int
+    #: a weight that stays in cache: for r = 2 .. ``most_rows`` rows, the weight broadcast to
+    #: ``[r, out, in]`` (stride 0; made once, so that no product dispatches the broadcast)
+    by_rows: tuple[mx.array, ...] = ()
+    #: a weight that streams from memory: its row blocks as ``[1, rows, in]``
+    blocks: tuple[mx.array, ...] = ()
 
     @classmethod
     def of(cls, weight: mx.array, rowwise: bool) -> _Operand:
         """``rowwise``: a float32 weight on a CPU (``ROWWISE_LIMITS``)."""
-        most_rows, blocks = 1, [weight]
-        if rowwise:
-            fits = [n for most, n in ROWWISE_LIMITS if weight.nbytes <= most]
-            if fits:
-                most_rows = fits[0]
-            else:
-                most_rows = BLOCKED_MAX_ROWS
-                step = max(1, ROWWISE_BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
-                blocks = [weight[i : i + step] for i in range(0, weight.shape[0], step)]
-        by_rows = tuple(
-            tuple(mx.broadcast_to(block[None], (r, *block.shape)) for block in blocks)
-            for r in range(2, most_rows + 1)
-        )
-        operand = cls(weight.T, by_rows)
-        mx.eval(operand.view, *(b for row in by_rows for b in row))
+        fits = [n for most, n in ROWWISE_LIMITS if weight.nbytes <= most]
+        if not rowwise:
+            operand = cls(weight.T, 1)
+        elif fits:
+            stacked = weight[None]
+            by_rows = tuple(
+                mx.broadcast_to(stacked, (r, *weight.shape)) for r in range(2, fits[0] + 1)
+            )
+            operand = cls(weight.T, fits[0], by_rows=by_rows)
+        else:
+            step = max(1, ROWWISE_BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
+            blocks = tuple(weight[None, i : i + step] for i in range(0, weight.shape[0], step))
+            operand = cls(weight.T, BLOCKED_MAX_ROWS, blocks=blocks)
+        mx.eval(operand.view, *operand.by_rows, *operand.blocks)
         return operand
 
 
@@ -683,7 +687,7 @@ class _Prepared:
     @property
     def rowwise_max_rows(self) -> int:
         """Products of 2 .. this many rows run row by row (``_times``); 1: never."""
-        return len(self.whole.by_rows) + 1
+        return (self.parts[0] if self.parts else self.whole).most_rows
 
 
 def _prepared(module: nn.Module) -> _Prepared | None:
@@ -730,12 +734,13 @@ def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
     row, 28 µs row by row; ``ROWWISE_LIMITS``), and row by row each row's result is bit for
     bit the one-row product's, so a verify position or a batch row multiplies exactly as plain
     decoding of that row alone does."""
-    if not 2 <= rows < len(operand.by_rows) + 2:
+    if not 2 <= rows <= operand.most_rows:
         return x @ operand.view
     columns = x.reshape(rows, x.shape[-1], 1)
-    blocks = operand.by_rows[rows - 2]
-    products = [block @ columns for block in blocks]
-    out = products[0] if len(products) == 1 else mx.concatenate(products, axis=1)
+    if operand.blocks:
+        out = mx.concatenate([block @ columns for block in operand.blocks], axis=1)
+    else:
+        out = operand.by_rows[rows - 2] @ columns
     return out.reshape(*x.shape[:-1], operand.view.shape[1])
 
 
