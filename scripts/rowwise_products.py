@@ -9,7 +9,7 @@ the best of three chains of products (evaluated together) per way:
 
 Prints microseconds per product and the ratio row by row / one product (below 1: row by row
 is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md §15);
-``--blocks``: a weight too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
+``--blocks``: weights too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
 (``ROWWISE_BLOCK_BYTES``)::
 
     python scripts/rowwise_products.py
@@ -56,20 +56,31 @@ def row(out_dim: int, in_dim: int, dtype: mx.Dtype, rows: list[int]) -> str:
     return f"| {out_dim} x {in_dim} {name} ({mib:.1f} MiB) | " + " | ".join(cells) + " |"
 
 
+#: weights too large for the cache: one column part of the 0.8B shape's vocabulary, and an MLP
+#: projection of a 4B-class model (hidden 2,560)
+BLOCKED_SHAPES = [(124160, 1024), (9728, 2560)]
+
+
 def blocked(rows_list: list[int]) -> None:
-    """One column part of the 0.8B shape's vocabulary: one product against row by row in row
-    blocks of 4, 8 and 16 MiB (milliseconds)."""
-    weight = mx.random.normal((124160, 1024))
+    """For each of ``BLOCKED_SHAPES``: one product against row by row in row blocks of 4, 8 and
+    16 MiB (milliseconds)."""
+    for out_dim, in_dim in BLOCKED_SHAPES:
+        blocked_table(out_dim, in_dim, rows_list)
+
+
+def blocked_table(out_dim: int, in_dim: int, rows_list: list[int]) -> None:
+    weight = mx.random.normal((out_dim, in_dim))
     view = weight.T
     mx.eval(weight, view)
+    print(f"\n{out_dim} x {in_dim} fp32 ({weight.nbytes / 2**20:.0f} MiB)\n")
     print("| rows | one product | " + " | ".join(f"in {m} MiB blocks" for m in (4, 8, 16)) + " |")
     print("|---" * 5 + "|")
     for m in rows_list:
-        x = mx.random.normal((m, 1024))
+        x = mx.random.normal((m, in_dim))
         mx.eval(x)
         cells = [per_product_us(lambda x: x @ view, x, 3) / 1e3]
         for mib in (4, 8, 16):
-            step = (mib << 20) // (1024 * 4)
+            step = (mib << 20) // (in_dim * 4)
             parts = [weight[i : i + step] for i in range(0, weight.shape[0], step)]
             stacked = [mx.broadcast_to(part[None], (m, *part.shape)) for part in parts]
             mx.eval(*stacked)
