@@ -592,8 +592,8 @@ MAX_PRODUCT_PARTS = 4
 ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
 #: A larger weight streams from memory, and whole it would be read once per row: it runs row by
 #: row in row blocks of at most this many bytes, each read from memory once and from cache for
-#: the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (at 500 MiB: 2 rows 0.6x, 5 rows 0.6x,
-#: 9 rows 0.85x of one product).
+#: the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (in 4 MiB blocks against one product, at
+#: 95 and 485 MiB: 0.6x for 2 and 5 rows, 0.75-0.8x for 9; ``rowwise_products.py --blocks``).
 ROWWISE_BLOCK_BYTES = 4 << 20
 BLOCKED_MAX_ROWS = 8
 
