@@ -134,6 +134,21 @@ WEATHER = {
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"properties": {}}}}
 
 
+def forced_call_for_every_k(
+    engine: Engine, grammar: str, prompt: list[int], max_tokens: int
+) -> tuple[list[int], str]:
+    """A constrained reply to ``prompt`` at K = 0, 1, 3 and auto: the same tokens and finish
+    for every K, each token allowed where it stands; returns them."""
+    outputs = {}
+    for k in (0, 1, 3, None):
+        req = request(engine, "", k, grammar=grammar, max_tokens=max_tokens)
+        outputs[k] = run(engine, replace(req, prompt_ids=prompt))
+    assert all(out[:2] == outputs[0][:2] for out in outputs.values())
+    tokens, finish, _ = outputs[0]
+    assert_follows(engine, tokens, grammar)
+    return tokens, finish
+
+
 def test_a_forced_tool_call_is_the_same_for_every_k(engine: Engine) -> None:
     """``tool_choice`` required: the reply is Qwen XML tool calls of the tools shown, nothing
     else, with the same tokens for every K (a value runs until its closing tag or max_tokens);
@@ -146,13 +161,7 @@ def test_a_forced_tool_call_is_the_same_for_every_k(engine: Engine) -> None:
     for tools, parallel in (([WEATHER, NOW], True), ([NOW], False)):
         grammar = tool_call_grammar(tools, ids, parallel=parallel)
         prompt = chat_prompt_ids(engine.tokenizer, messages, tools=tools, enable_thinking=False)
-        outputs = {}
-        for k in (0, 1, 3, None):
-            req = replace(request(engine, "", k, grammar=grammar, max_tokens=60), prompt_ids=prompt)
-            outputs[k] = run(engine, req)
-        assert all(out[:2] == outputs[0][:2] for out in outputs.values())
-        tokens, finish, _ = outputs[0]
-        assert_follows(engine, tokens, grammar)
+        tokens, finish = forced_call_for_every_k(engine, grammar, prompt, max_tokens=60)
         assert tokens[0] == ids[0]
         if not parallel:
             text = engine.tokenizer.decode(tokens[:-1])
@@ -194,14 +203,8 @@ def test_a_forced_calls_arguments_are_valid_under_its_schema(engine: Engine) -> 
     )
     messages = [{"role": "user", "content": "Wake me at seven."}]
     prompt = chat_prompt_ids(engine.tokenizer, messages, tools=[ALARM], enable_thinking=False)
-    outputs = {}
-    for k in (0, 1, 3, None):
-        req = replace(request(engine, "", k, grammar=grammar, max_tokens=300), prompt_ids=prompt)
-        outputs[k] = run(engine, req)
-    assert all(out[:2] == outputs[0][:2] for out in outputs.values())
-    tokens, finish, _ = outputs[0]
+    tokens, finish = forced_call_for_every_k(engine, grammar, prompt, max_tokens=300)
     assert finish == "stop", engine.tokenizer.decode(tokens)
-    assert_follows(engine, tokens, grammar)
     parser = ChatOutputParser(tools=[ALARM])
     parsed = parser.feed(engine.tokenizer.decode(tokens[:-1]))
     parsed.extend(parser.finish())
