@@ -15,7 +15,8 @@ from sampling.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
-#: ``draft_tokens=None`` asks the engine to choose K per cycle from measured costs.
+#: ``draft_tokens=None``: the engine's default, which chooses K per cycle from measured costs
+#: unless the engine was loaded with a fixed K (a request's ``"auto"`` chooses whatever it was).
 AUTO_DRAFT = None
 #: Largest K a request or a command-line flag may ask for (the verify pass's compiled shapes).
 MAX_DRAFT_TOKENS = 8

@@ -697,12 +697,6 @@ def _prepared(module: nn.Module) -> _Prepared | None:
     return cached
 
 
-def transposed_weight(module: nn.Module) -> mx.array | None:
-    """The view ``prepare_transposed`` made, if the module still holds that weight."""
-    prepared = _prepared(module)
-    return None if prepared is None else prepared.whole.view
-
-
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ weight.T`` by the module's prepared views (None when it has none): one product, or
     for a large weight and few rows one per column part, each on its own CPU stream, joined."""
