@@ -587,17 +587,20 @@ def _unsplit(x: mx.array, weight: mx.array, rowwise_max_rows: int) -> mx.array:
     return x @ weight.T
 
 
-def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
+def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     """On a CPU a float32 product of 2 to ``rowwise_max_rows`` rows (a verify pass's K+1
-    positions, a batch's rows) gives every row bit for bit what that row alone gives, as plain
-    decoding multiplies it, for 2-D and 3-D inputs and for a tied embedding's vocabulary
-    projection; past that many rows the product is one matrix-matrix product. The limit falls
-    with the weight's size (``ROWWISE_LIMITS``), a weight too large for the cache runs in row
-    blocks, and half-precision weights keep one product."""
+    positions, a batch's rows), where row by row pays, gives every row bit for bit what that
+    row alone gives, as plain decoding multiplies it, for 2-D and 3-D inputs and for a tied
+    embedding's vocabulary projection; past that many rows the product is one matrix-matrix
+    product. The most rows fall with the weight's size (``ROWWISE_LIMITS``), a weight too large
+    for the cache runs in row blocks, and half-precision weights keep one product. Whether row
+    by row pays is measured per machine: here it is taken to pay at every trial."""
     import mlx.nn as nn
 
     from engine.model import trunk
 
+    monkeypatch.setattr(trunk, "_rowwise_rows", {})
+    monkeypatch.setattr(trunk, "last_paying_rows", lambda trials, seconds: trials[-1])
     mx.random.seed(1)
     layer, table = nn.Linear(96, 160, bias=False), nn.Embedding(300, 96)
     large, half = nn.Linear(1024, 4200, bias=False), nn.Linear(96, 160, bias=False)
@@ -631,6 +634,57 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product() -> None:
             assert mx.array_equal(whole[i : i + 1], trunk.linear(large, x[i : i + 1])).item()
     many = mx.random.normal((limit + 1, 96))
     assert mx.array_equal(trunk.linear(layer, many), many @ layer.weight.T).item()
+
+
+def test_row_by_row_is_kept_up_to_the_last_row_count_that_pays() -> None:
+    """``last_paying_rows`` keeps row by row up to the last trial row count at and below which
+    it took at most ``ROWWISE_PAYS`` of one product's time, never past one that did not pay, 1
+    when 2 rows do not pay, and times no trial past the first that does not pay."""
+    from engine.model import trunk
+
+    def timings(by_row_share: dict[int, float]):
+        timed: list[int] = []
+
+        def seconds(rows: int) -> tuple[float, float]:
+            timed.append(rows)
+            return 1e-3, by_row_share[rows] * 1e-3
+
+        return seconds, timed
+
+    trials = [2, 4, 8, 16]
+    seconds, timed = timings({2: 0.4, 4: 0.5, 8: 0.8, 16: 0.95})
+    assert trunk.last_paying_rows(trials, seconds) == 8 and timed == [2, 4, 8, 16]
+    seconds, timed = timings({2: 0.4, 4: 1.2, 8: 0.5, 16: 0.5})
+    assert trunk.last_paying_rows(trials, seconds) == 2 and timed == [2, 4]
+    seconds, timed = timings({2: 1.5, 4: 0.5, 8: 0.5, 16: 0.5})
+    assert trunk.last_paying_rows(trials, seconds) == 1 and timed == [2]
+    seconds, _ = timings({2: trunk.ROWWISE_PAYS, 4: 0.1, 8: 0.1, 16: 0.1})
+    assert trunk.last_paying_rows(trials, seconds) == 16
+
+
+def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engine) -> None:
+    """Every prepared float32 weight of a loaded engine multiplies row by row up to exactly the
+    row count measured for its shape on this machine (``rowwise_rows``), within its size's
+    limit."""
+    from engine.model import trunk
+
+    engine = load_engine("dense-untied-sharded", draft_tokens=0)
+    seen = 0
+    for module in engine.loaded.model.modules():
+        prepared = trunk._prepared(module)
+        if prepared is None:
+            continue
+        operand = prepared.parts[0] if prepared.parts else prepared.whole
+        if operand.view.dtype != mx.float32:
+            assert operand.most_rows == 1
+            continue
+        key = (tuple(operand.view.shape), operand.view.dtype, bool(operand.blocks))
+        fits = [n for most, n in trunk.ROWWISE_LIMITS if operand.view.nbytes <= most]
+        cap = fits[0] if fits else trunk.BLOCKED_MAX_ROWS
+        assert operand.most_rows == min(trunk._rowwise_rows[key], cap)
+        assert len(operand.by_rows) == max(0, operand.most_rows - 1)
+        seen += 1
+    assert seen > 0
 
 
 def test_a_product_split_across_streams_is_bit_identical() -> None:

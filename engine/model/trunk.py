@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -582,20 +583,34 @@ THREADED_PREFILL_MIN_ROWS = SPLIT_PRODUCT_MAX_ROWS + 1
 THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
-#: On a CPU a float32 product of 2 to this many rows runs row by row (``_times``), by the size
-#: of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by row
-#: reads the weight once per row: cheap while it stays in cache. Measured with BLIS on this
-#: project's machine (2 cores, 32 MiB L3; ``scripts/rowwise_products.py``, docs/BENCHMARKS.md
-#: §15), row by row over one product: up to 8 MiB 0.3-0.7x for 2-9 rows and 0.9-1.0x at 16; at
-#: 14 MiB 0.3-0.6x for 2-9 rows. Half-precision products are slower row by row at every size
-#: (1.3-2x): they keep one product.
+#: On a CPU a float32 product of 2 to this many rows may run row by row (``_times``), by the
+#: size of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by
+#: row reads the weight once per row: it can pay only while the weight stays in cache. Whether
+#: it pays is the CPU's and its BLAS's business, so it is measured (``rowwise_rows``): with BLIS
+#: on a 2-core CPU with 32 MiB of L3 row by row took 0.3-0.7x of one product for 2-9 rows and
+#: 0.9-1.0x at 16; on a 2-core AVX-512 CPU with 105 MiB of L3 it took 1.25-4x for 2-16 rows
+#: (``scripts/rowwise_products.py``, docs/BENCHMARKS.md §15). Half-precision products were
+#: slower row by row on both (1.3-2x): they keep one product unmeasured.
 ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
-#: A larger weight streams from memory, and whole it would be read once per row: it runs row by
-#: row in row blocks of at most this many bytes, each read from memory once and from cache for
-#: the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (in 4 MiB blocks against one product, at
-#: 95 and 485 MiB: 0.6x for 2 and 5 rows, 0.75-0.8x for 9; ``rowwise_products.py --blocks``).
+#: A larger weight streams from memory, and whole it would be read once per row: it may run row
+#: by row in row blocks of at most this many bytes, each read from memory once and from cache
+#: for the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (in 4 MiB blocks against one product,
+#: at 95 and 485 MiB on the 32 MiB-L3 CPU: 0.6x for 2 and 5 rows, 0.75-0.8x for 9;
+#: ``rowwise_products.py --blocks``).
 ROWWISE_BLOCK_BYTES = 4 << 20
 BLOCKED_MAX_ROWS = 8
+#: Row counts at which ``rowwise_rows`` times row by row against one product, smallest first.
+ROWWISE_TRIAL_ROWS = (2, 4, 8, 16)
+#: Row by row is kept at a row count only when it takes at most this share of one product's
+#: time: a clear win, so that timing noise at load rarely flips the choice between runs.
+ROWWISE_PAYS = 0.85
+#: Each timing multiplies about this many weight parameters (up to ``ROWWISE_TRIAL_PRODUCTS``
+#: products of a small weight, one of a large one), best of three rounds.
+ROWWISE_TRIAL_PARAMS = 1 << 22
+ROWWISE_TRIAL_PRODUCTS = 8
+
+#: measured ``rowwise_rows`` per (shape, dtype, blocked): one measurement per process
+_rowwise_rows: dict[tuple[tuple[int, ...], mx.Dtype, bool], int] = {}
 
 #: each thread's streams for column parts (mlx's streams belong to the thread that made them)
 _product_streams = threading.local()
@@ -658,7 +673,8 @@ class _Operand:
 
     @classmethod
     def of(cls, weight: mx.array, rowwise: bool) -> _Operand:
-        """``rowwise``: a float32 weight on a CPU (``ROWWISE_LIMITS``)."""
+        """``rowwise``: a float32 weight on a CPU; it multiplies 2 .. ``rowwise_rows`` rows
+        row by row (``ROWWISE_LIMITS``)."""
         fits = [n for most, n in ROWWISE_LIMITS if weight.nbytes <= most]
         if not rowwise:
             operand = cls(weight.T, 1)
@@ -673,7 +689,58 @@ class _Operand:
             blocks = tuple(weight[None, i : i + step] for i in range(0, weight.shape[0], step))
             operand = cls(weight.T, BLOCKED_MAX_ROWS, blocks=blocks)
         mx.eval(operand.view, *operand.by_rows, *operand.blocks)
+        if operand.most_rows > 1:
+            operand = operand.up_to(rowwise_rows(operand))
         return operand
+
+    def up_to(self, most_rows: int) -> _Operand:
+        """This operand multiplying at most ``most_rows`` rows row by row."""
+        if most_rows <= 1:
+            return _Operand(self.view, 1)
+        return _Operand(self.view, most_rows, self.by_rows[: most_rows - 1], self.blocks)
+
+
+def rowwise_rows(operand: _Operand) -> int:
+    """The most rows ``operand`` multiplies row by row on this machine: the largest of
+    ``ROWWISE_TRIAL_ROWS`` (up to ``operand.most_rows``) at and below which row by row took at
+    most ``ROWWISE_PAYS`` of one product's time; 1 (never) when it does not pay at 2 rows.
+    Measured once per weight shape and process (a few ms for the demo model's shapes, ~1 s
+    for the 0.8B shape's vocabulary)."""
+    weight = operand.view
+    key = (tuple(weight.shape), weight.dtype, bool(operand.blocks))
+    if key not in _rowwise_rows:
+        trials = [r for r in ROWWISE_TRIAL_ROWS if r <= operand.most_rows]
+        _rowwise_rows[key] = last_paying_rows(trials, lambda r: _time_both_ways(operand, r))
+    return min(_rowwise_rows[key], operand.most_rows)
+
+
+def last_paying_rows(trials: list[int], seconds: Callable[[int], tuple[float, float]]) -> int:
+    """The largest of ``trials`` (ascending) up to which every trial's ``seconds(rows)`` —
+    (one product, row by row) — has row by row at most ``ROWWISE_PAYS`` of one product; 1 if
+    the first does not. Stops timing at the first trial that does not pay."""
+    most = 1
+    for rows in trials:
+        one, by_row = seconds(rows)
+        if by_row > ROWWISE_PAYS * one:
+            break
+        most = rows
+    return most
+
+
+def _time_both_ways(operand: _Operand, rows: int) -> tuple[float, float]:
+    """Seconds per product of ``rows`` random rows by ``operand``: one product and row by
+    row, best of three rounds that alternate the two."""
+    x = mx.random.normal((rows, operand.view.shape[0])).astype(operand.view.dtype)
+    mx.eval(x)
+    count = max(1, min(ROWWISE_TRIAL_PRODUCTS, ROWWISE_TRIAL_PARAMS // operand.view.size))
+    ways = (lambda: x @ operand.view, lambda: _times(x, operand, rows))
+    best = [float("inf"), float("inf")]
+    for _ in range(3):
+        for i, way in enumerate(ways):
+            start = time.perf_counter()
+            mx.eval([way() for _ in range(count)])
+            best[i] = min(best[i], (time.perf_counter() - start) / count)
+    return best[0], best[1]
 
 
 @dataclass(frozen=True)
@@ -723,11 +790,12 @@ def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
     product per row, batched in one op (``weight[None] @ x[..., None]``), or in one op per
     row block of a weight that streams from memory, the columns joined.
 
-    Why: BLAS's matrix-matrix product of a few rows costs several times the matrix-vector
-    product of one (BLIS on a CPU: a [2, 256] x [256, 768] product 83 µs against 14 µs for one
-    row, 28 µs row by row; ``ROWWISE_LIMITS``), and row by row each row's result is bit for
-    bit the one-row product's, so a verify position or a batch row multiplies exactly as plain
-    decoding of that row alone does."""
+    Why: on some CPUs BLAS's matrix-matrix product of a few rows costs several times the
+    matrix-vector product of one (BLIS on a 2-core CPU with 32 MiB of L3: a [2, 256] x
+    [256, 768] product 83 µs against 14 µs for one row, 28 µs row by row; ``rowwise_rows``
+    measures it), and row by row each row's result is bit for bit the one-row product's, so a
+    verify position or a batch row multiplies exactly as plain decoding of that row alone
+    does."""
     if not 2 <= rows <= operand.most_rows:
         return x @ operand.view
     columns = x.reshape(rows, x.shape[-1], 1)
