@@ -17,24 +17,14 @@ import argparse
 import statistics
 import time
 
-# engine first: its __init__ preloads the fast BLAS before anything imports mlx
+# the same eight prompts and sampler as the 8-row cycle of scripts/cycle_cost.py, which
+# imports engine first (its __init__ preloads the fast BLAS before anything imports mlx)
+from cycle_cost import GREEDY, ROWS
+
 from engine.api import DEMO_MODEL
 from engine.cycle.speculative import Sequence, commit, launch_cycles, read_cycles, start_sequence
 from engine.model import trunk
 from engine.runtime import Engine
-from sampling.params import SamplingParams
-
-ROWS = [
-    "def add(a, b):\n    return",
-    "The quick brown fox",
-    "class Point:",
-    "import os\nimport sys",
-    "for i in range(10):",
-    "Once upon a time",
-    "x = [1, 2, 3]\nprint(",
-    "def fib(n):",
-]
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def load(model: str, rowwise: bool) -> Engine:

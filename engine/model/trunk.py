@@ -730,7 +730,9 @@ def last_paying_rows(trials: list[int], seconds: Callable[[int], tuple[float, fl
 def _time_both_ways(operand: _Operand, rows: int) -> tuple[float, float]:
     """Seconds per product of ``rows`` random rows by ``operand``: one product and row by
     row, best of three rounds that alternate the two."""
-    x = mx.random.normal((rows, operand.view.shape[0])).astype(operand.view.dtype)
+    # its own key: loading a model leaves the global random state as it was
+    x = mx.random.normal((rows, operand.view.shape[0]), key=mx.random.key(rows))
+    x = x.astype(operand.view.dtype)
     mx.eval(x)
     count = max(1, min(ROWWISE_TRIAL_PRODUCTS, ROWWISE_TRIAL_PARAMS // operand.view.size))
     ways = (lambda: x @ operand.view, lambda: _times(x, operand, rows))
