@@ -704,10 +704,11 @@ def rowwise_rows(operand: _Operand) -> int:
     """The most rows ``operand`` multiplies row by row on this machine: the largest of
     ``ROWWISE_TRIAL_ROWS`` (up to ``operand.most_rows``) at and below which row by row took at
     most ``ROWWISE_PAYS`` of one product's time; 1 (never) when it does not pay at 2 rows.
-    Measured once per weight shape and process (a few ms for the demo model's shapes, ~1 s
-    for the 0.8B shape's vocabulary)."""
-    weight = operand.view
-    key = (tuple(weight.shape), weight.dtype, bool(operand.blocks))
+    Measured once per weight shape and process (on a CPU where row by row loses at 2 rows:
+    40-110 ms more to load the demo model, within the noise of the 0.8B shape's ~3 s load;
+    docs/BENCHMARKS.md §15)."""
+    view = operand.view
+    key = (tuple(view.shape), view.dtype, bool(operand.blocks))
     if key not in _rowwise_rows:
         trials = [r for r in ROWWISE_TRIAL_ROWS if r <= operand.most_rows]
         _rowwise_rows[key] = last_paying_rows(trials, lambda r: _time_both_ways(operand, r))
