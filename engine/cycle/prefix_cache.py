@@ -48,6 +48,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from engine.cycle.speculative import PREFILL_CHUNK, _absorb_pending
+from engine.model.attention import RowKVCache
 from engine.model.trunk import GDNLayerState
 
 log = logging.getLogger("mtpserve.prefix_cache")
@@ -615,7 +616,7 @@ def _chain(parent: str, tokens: tuple[int, ...], kind: str = "block") -> str:
 
 
 def _kv_cache(keys: list[mx.array], values: list[mx.array], offset: int) -> KVCache:
-    cache = KVCache()
+    cache = RowKVCache()
     keys = [k for k in keys if k.shape[2]]
     values = [v for v in values if v.shape[2]]
     if keys:

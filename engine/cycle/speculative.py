@@ -45,6 +45,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
+from engine.model.attention import RowKVCache
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import (
     TrunkCache,
@@ -205,7 +206,7 @@ def new_sequence(
         tokens=list(prompt_ids),
         params=params,
         trunk_cache=new_trunk_cache(trunk),
-        head_cache=KVCache() if (head is not None and use_head) else None,
+        head_cache=RowKVCache() if (head is not None and use_head) else None,
         history=history,
         key=mx.random.key(seed),
         coupled_seed=params.seed if coupled and not params.greedy else None,

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from engine.model.activations import exp, gated_rms_norm, sigmoid, silu
+from engine.model.attention import RowKVCache, attend_rows
 
 
 def delta_rule_chunk(
@@ -351,7 +352,7 @@ class TrunkCache:
     def __init__(self, trunk: Any) -> None:
         self.kernel = trunk.args.linear_conv_kernel_dim
         self.layers: list[KVCache | GDNLayerState] = [
-            GDNLayerState() if layer.is_linear else KVCache() for layer in trunk.layers
+            GDNLayerState() if layer.is_linear else RowKVCache() for layer in trunk.layers
         ]
 
     @property
@@ -404,7 +405,9 @@ class TrunkCache:
         """Every array the next cycle will read (for evaluation together with a cycle)."""
         out: list[mx.array] = []
         for c in self.layers:
-            if isinstance(c, KVCache):
+            if isinstance(c, RowKVCache):
+                out += c.buffers()
+            elif isinstance(c, KVCache):
                 if c.keys is not None:
                     out += [c.keys, c.values]
             elif c.batch is not None and c.batch.recurrent is None:  # a batched verify's
@@ -876,7 +879,8 @@ def gdn_block_captured(
 
 
 def _attention_in(layer: nn.Module) -> Callable[..., Any]:
-    """mlx-lm's gated attention up to the cache update (q_proj emits [query | gate] per head);
+    """mlx-lm's gated attention up to the cache update (q_proj emits [query | gate] per head),
+    the queries scaled by 1/sqrt(head_dim) here (fused into the block, one op less per layer);
     RoPE takes the offset as an array so the block does not recompile at every position."""
     a = layer.self_attn
 
@@ -887,7 +891,7 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
         queries, gate = mx.split(queries, 2, -1)
         keys = linear(a.k_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
         values = linear(a.v_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
-        queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+        queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset) * a.scale
         keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
 
@@ -954,21 +958,17 @@ def attention_block_rows(
     if last_only and length > 1:
         # the last query sees every cached key: no mask
         x, queries, gate = x[:, -1:], queries[:, :, -1:], gate[:, -1:]
-    mask = "causal" if queries.shape[2] > 1 else None
-    scale = layer.self_attn.scale
-    attended = []
-    for b, cache in enumerate(caches):
-        if len(caches) == 1 and lengths is None:
-            row, new_keys, new_values = slice(None), keys, values
-        else:
-            row = slice(b, b + 1)
-            real = slice(length - lengths[b], None) if lengths is not None else slice(None)
-            new_keys, new_values = keys[row, :, real], values[row, :, real]
-        row_keys, row_values = cache.update_and_fetch(new_keys, new_values)
-        attended.append(
-            mx.fast.scaled_dot_product_attention(
-                queries[row], row_keys, row_values, scale=scale, mask=mask
+    if length <= MAX_COMPILED_T or last_only:
+        # a cycle's positions or a head step: the same numbers alone and in a batch
+        out = attend_rows(queries, keys, values, caches, lengths)
+    else:  # a prompt chunk (one row)
+        attended = []
+        for b, cache in enumerate(caches):
+            row_keys, row_values = cache.update_and_fetch(keys[b : b + 1], values[b : b + 1])
+            attended.append(
+                mx.fast.scaled_dot_product_attention(
+                    queries[b : b + 1], row_keys, row_values, scale=1.0, mask="causal"
+                )
             )
-        )
-    out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
+        out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
     return block(layer, "attn_out", _attention_out, x.shape[1])(x, out, gate)

@@ -1,0 +1,284 @@
+"""Attention over KV caches during decoding: one set of ops for every row of a batch, and for
+each row exactly the numbers it gets alone.
+
+A batch's rows have caches of different lengths. Attending row by row costs ~35 dispatched mlx
+ops per row and layer (slices, the cache write, the attention and its mask); on a CPU, where a
+decode step is bound by per-op dispatch, that was most of what an 8-row cycle added over a
+one-row cycle. Here the rows' keys and values live in one stacked buffer between cycles
+(``BatchKV``, ``[B, H_kv, P, D]``, P the longest row rounded up to ``KV_BLOCK``), every row's
+new positions are written with one scatter, and one masked attention runs over all rows.
+
+Exactness. A row's result must not depend on its neighbours, so every decode-time attention —
+a row alone too — is ``attend``: over the cache padded to a multiple of ``KV_BLOCK`` positions,
+the positions past the row's length masked out. Padding then changes nothing, bit for bit:
+
+* the scores are dot products over the head dimension, the same whatever the number of keys;
+* the softmax's masked terms are exp(-inf) = 0, added after the real ones;
+* ``probs @ values`` runs per block of ``KV_BLOCK`` keys (the same product shapes for a row
+  alone and in a batch), and the blocks are summed in order: a block past the row's length
+  adds exact zeros.
+
+(A product over all P keys at once would not do: a BLAS blocks and vectorises its inner
+dimension by its length, so a longer padded product rounds differently.)
+``tests/test_attention.py`` checks a row alone against the same row in batches of other
+lengths, bit for bit.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from engine.model.activations import exp
+
+#: keys per block of ``attend``'s value product; caches are padded to a multiple of it
+KV_BLOCK = 256
+
+
+def padded(length: int) -> int:
+    """``length`` rounded up to a whole number of blocks (at least one)."""
+    return max(1, -(-length // KV_BLOCK)) * KV_BLOCK
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, visible: mx.array) -> mx.array:
+    """Attention of T positions of each row over its cache.
+
+    ``queries [B, Hq, T, D]``, already scaled; ``keys``, ``values [B, Hkv, P, D]`` with P a
+    multiple of ``KV_BLOCK`` (Hq a multiple of Hkv: grouped-query attention); ``visible``:
+    which keys each query sees (``visibility``: 0 or -inf to add to a score). Returns
+    ``[B, Hq, T, D]``.
+    """
+    rows, q_heads, t, dim = queries.shape
+    kv_heads, width = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    # a KV head's queries side by side: [B, Hkv, group * T, D]
+    grouped = queries.reshape(rows, kv_heads, group * t, dim)
+    probs = _masked_softmax(grouped @ keys.swapaxes(-1, -2), visible)  # [B, Hkv, gT, P]
+    blocks = width // KV_BLOCK
+    probs = probs.reshape(rows, kv_heads, group * t, blocks, KV_BLOCK).swapaxes(2, 3)
+    parts = probs @ values.reshape(rows, kv_heads, blocks, KV_BLOCK, values.shape[-1])
+    return parts.sum(axis=2).reshape(rows, q_heads, t, -1)
+
+
+def _softmax_of_visible(scores: mx.array, visible: mx.array) -> mx.array:
+    scores = scores + visible
+    weights = exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+#: compiled without shapes: the key count grows with the context, and a recompile costs ~1 s
+_masked_softmax = mx.compile(_softmax_of_visible, shapeless=True)
+
+
+def visibility(ends: tuple[int, ...], t: int, group: int, width: int) -> mx.array:
+    """What to add to each query's scores, ``[B, 1, group * T, P]``: 0 where it sees the key,
+    -inf elsewhere. Row b's cache holds ``ends[b]`` positions, its T queries the last of them,
+    each seeing the keys up to its own position. Made on the host: no dispatched ops (and not
+    kept: a cache of arrays would hold memory between requests)."""
+    last = np.asarray(ends)[:, None] - t + np.arange(t)[None]  # [B, T]
+    seen = np.arange(width)[None, None] <= last[..., None]  # [B, T, P]
+    seen = np.broadcast_to(seen[:, None], (len(ends), group, t, width))
+    bias = np.where(seen, np.float32(0), np.float32(-np.inf))
+    return mx.array(bias.reshape(len(ends), 1, group * t, width))
+
+
+class RowKVCache(KVCache):
+    """mlx-lm's ``KVCache`` whose buffers may live in a batch's stacked buffers (``BatchKV``)
+    between batched cycles. Reading ``keys`` or ``values`` (a row alone again, the conversation
+    cache saving it) takes the row's part out first, so every reader sees an ordinary cache."""
+
+    def __init__(self) -> None:
+        self._batch: BatchKV | None = None
+        self._row = 0
+        super().__init__()
+
+    @property
+    def keys(self) -> mx.array | None:
+        if self._batch is not None:
+            self._batch.release(self)
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        if self._batch is not None:
+            self._batch.release(self)
+        self._keys = value
+
+    @property
+    def values(self) -> mx.array | None:
+        if self._batch is not None:
+            self._batch.release(self)
+        return self._values
+
+    @values.setter
+    def values(self, value: mx.array | None) -> None:
+        if self._batch is not None:
+            self._batch.release(self)
+        self._values = value
+
+    def buffers(self) -> list[mx.array]:
+        """What the next cycle reads of this cache (its batch's buffers while it has one)."""
+        if self._batch is not None:
+            return [self._batch.keys, self._batch.values]
+        return [] if self._keys is None else [self._keys, self._values]
+
+
+def reserve(cache: KVCache, length: int) -> None:
+    """Make room in a row's own buffers for ``length`` positions, a multiple of ``KV_BLOCK``
+    (new positions are zeros)."""
+    width = padded(length)
+    keys, values = cache.keys, cache.values
+    if keys is not None and keys.shape[2] >= width and keys.shape[2] % KV_BLOCK == 0:
+        return
+    if keys is None:
+        raise ValueError("reserve needs the cache's first positions (its shapes)")
+    kept = min(cache.offset, keys.shape[2])
+    grow = (*keys.shape[:2], width - kept)
+    cache.keys = mx.concatenate(
+        [keys[..., :kept, :], mx.zeros((*grow, keys.shape[3]), keys.dtype)], axis=2
+    )
+    cache.values = mx.concatenate(
+        [values[..., :kept, :], mx.zeros((*grow, values.shape[3]), values.dtype)], axis=2
+    )
+
+
+def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCache) -> mx.array:
+    """One row: write its T new positions (``keys``, ``values [1, Hkv, T, D]``) into ``cache``
+    and ``attend`` with its scaled queries ``[1, Hq, Tq, D]`` (the last Tq of the T
+    positions)."""
+    new = keys.shape[2]
+    if cache.keys is None:
+        width = padded(new)
+        zeros = (1, keys.shape[1], width, keys.shape[3])
+        cache.keys = mx.zeros(zeros, keys.dtype)
+        cache.values = mx.zeros((*zeros[:3], values.shape[3]), values.dtype)
+    start = cache.offset
+    reserve(cache, start + new)
+    cache.keys[..., start : start + new, :] = keys
+    cache.values[..., start : start + new, :] = values
+    cache.offset = start + new
+    width = padded(cache.offset)
+    row_keys, row_values = cache.keys, cache.values
+    if row_keys.shape[2] != width:
+        row_keys, row_values = row_keys[..., :width, :], row_values[..., :width, :]
+    seen = visibility((cache.offset,), queries.shape[2], _group(queries, keys), width)
+    return attend(queries, row_keys, row_values, seen)
+
+
+class BatchKV:
+    """One attention layer's KV caches of a batch's rows, stacked: ``keys``, ``values [B, Hkv,
+    P, D]``. Formed when a batched cycle runs rows whose caches are not stacked together, and
+    kept while the same rows in the same order run again; each row's ``offset`` stays its own.
+
+    The rows refer to it and it refers back only weakly (a finished row's cache dies with its
+    sequence); a row read alone takes its part out (``release``) and leaves the batch, and the
+    next batched cycle stacks anew."""
+
+    def __init__(self, caches: list[RowKVCache], width: int, like: tuple[mx.array, ...]) -> None:
+        """``like``: new keys and values of the rows (the shapes of an empty row's buffers)."""
+        keys, values = [], []
+        for cache in caches:
+            k, v = cache.keys, cache.values  # out of any other batch
+            if k is None:
+                k, v = (a[:1, :, :0] for a in like)
+            kept = min(k.shape[2], width)
+            pad = (1, k.shape[1], width - kept)
+            keys.append(k[..., :kept, :])
+            values.append(v[..., :kept, :])
+            if kept < width:
+                keys[-1] = mx.concatenate([keys[-1], mx.zeros((*pad, k.shape[3]), k.dtype)], 2)
+                values[-1] = mx.concatenate([values[-1], mx.zeros((*pad, v.shape[3]), v.dtype)], 2)
+        self.keys = mx.concatenate(keys)
+        self.values = mx.concatenate(values)
+        self.rows = [weakref.ref(cache) for cache in caches]
+        for row, cache in enumerate(caches):
+            cache._keys = cache._values = None
+            cache._batch, cache._row = self, row
+
+    @classmethod
+    def of(cls, caches: list[RowKVCache], length: int, like: tuple[mx.array, ...]) -> BatchKV:
+        """The rows' stacked caches with room for ``length`` positions."""
+        batch = caches[0]._batch
+        if batch is None or not batch.holds(caches):
+            return cls(caches, padded(length), like)
+        if batch.keys.shape[2] < length:
+            grow = padded(length) - batch.keys.shape[2]
+            k, v = batch.keys, batch.values
+            batch.keys = mx.concatenate(
+                [k, mx.zeros((*k.shape[:2], grow, k.shape[3]), k.dtype)], axis=2
+            )
+            batch.values = mx.concatenate(
+                [v, mx.zeros((*v.shape[:2], grow, v.shape[3]), v.dtype)], axis=2
+            )
+        return batch
+
+    def holds(self, caches: list[RowKVCache]) -> bool:
+        """Whether ``caches`` are exactly this batch's rows, in order."""
+        if len(caches) != len(self.rows):
+            return False
+        return all(c._batch is self and c._row == b for b, c in enumerate(caches))
+
+    def write(self, positions: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Row b's new keys and values ``[B, Hkv, T, D]`` at its positions ``positions[b]``
+        (one scatter each; the old buffers are donated when nothing else holds them)."""
+        index = positions[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(index, values.shape), values, axis=2
+        )
+
+    def release(self, cache: RowKVCache) -> None:
+        """Give ``cache`` its own copy of its row and take it out of the batch."""
+        row = mx.array([cache._row])
+        cache._batch = None
+        cache._keys = mx.take(self.keys, row, axis=0)
+        cache._values = mx.take(self.values, row, axis=0)
+
+
+def attend_rows(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    caches: list[KVCache],
+    lengths: list[int] | None = None,
+) -> mx.array:
+    """B rows at once: write row b's new positions (``keys``, ``values [B, Hkv, T, D]``; with
+    ``lengths``, only its last ``lengths[b]`` columns are real, the earlier ones padding that
+    its cache never keeps) and ``attend`` with ``queries [B, Hq, Tq, D]`` (scaled)."""
+    t = keys.shape[2]
+    real = lengths if lengths is not None else [t] * len(caches)
+    if len(caches) == 1 or not all(isinstance(c, RowKVCache) for c in caches):
+        out = []
+        for b, cache in enumerate(caches):
+            cols = slice(t - real[b], None)
+            out.append(
+                attend_row(
+                    queries[b : b + 1],
+                    keys[b : b + 1, :, cols],
+                    values[b : b + 1, :, cols],
+                    cache,
+                )
+            )
+        return out[0] if len(out) == 1 else mx.concatenate(out)
+    starts = [c.offset for c in caches]
+    batch = BatchKV.of(caches, max(starts) + t, (keys, values))
+    # Row b's real columns go to its next positions; its padding columns (before them) go past
+    # its new length, where they are masked now and overwritten later.
+    pad = [t - n for n in real]
+    positions = [
+        [s + n + j if j < p else s + j - p for j in range(t)]
+        for s, n, p in zip(starts, real, pad, strict=True)
+    ]
+    batch.write(mx.array(positions), keys, values)
+    for cache, n in zip(caches, real, strict=True):
+        cache.offset += n
+    ends = tuple(c.offset for c in caches)
+    seen = visibility(ends, queries.shape[2], _group(queries, keys), batch.keys.shape[2])
+    return attend(queries, batch.keys, batch.values, seen)
+
+
+def _group(queries: mx.array, keys: mx.array) -> int:
+    return queries.shape[1] // keys.shape[1]
