@@ -78,10 +78,10 @@ def visibility(ends: tuple[int, ...], t: int, group: int, width: int) -> mx.arra
     -inf elsewhere. Row b's cache holds ``ends[b]`` positions, its T queries the last of them,
     each seeing the keys up to its own position. Made on the host: no dispatched ops (and not
     kept: a cache of arrays would hold memory between requests)."""
-    last = np.asarray(ends)[:, None] - t + np.arange(t)[None]  # [B, T]
-    seen = np.arange(width)[None, None] <= last[..., None]  # [B, T, P]
-    seen = np.broadcast_to(seen[:, None], (len(ends), group, t, width))
-    bias = np.where(seen, np.float32(0), np.float32(-np.inf))
+    bias = np.full((len(ends), 1, group, t, width), -np.inf, dtype=np.float32)
+    for b, end in enumerate(ends):
+        for j in range(t):
+            bias[b, 0, :, j, : end - t + j + 1] = 0.0
     return mx.array(bias.reshape(len(ends), 1, group * t, width))
 
 
