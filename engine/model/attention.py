@@ -120,6 +120,18 @@ class RowKVCache(KVCache):
         return [] if self._keys is None else [self._keys, self._values]
 
 
+def _widened(buffer: mx.array, kept: int, width: int) -> mx.array:
+    """The first ``kept`` positions of a ``[B, H, P, D]`` buffer, zeros after them up to
+    ``width``."""
+    if kept == buffer.shape[2] == width:
+        return buffer
+    head = buffer[..., :kept, :]
+    if kept == width:
+        return head
+    zeros = mx.zeros((*buffer.shape[:2], width - kept, buffer.shape[3]), buffer.dtype)
+    return mx.concatenate([head, zeros], axis=2)
+
+
 def reserve(cache: KVCache, length: int) -> None:
     """Make room in a row's own buffers for ``length`` positions, a multiple of ``KV_BLOCK``
     (new positions are zeros)."""
@@ -130,13 +142,7 @@ def reserve(cache: KVCache, length: int) -> None:
     if keys is None:
         raise ValueError("reserve needs the cache's first positions (its shapes)")
     kept = min(cache.offset, keys.shape[2])
-    grow = (*keys.shape[:2], width - kept)
-    cache.keys = mx.concatenate(
-        [keys[..., :kept, :], mx.zeros((*grow, keys.shape[3]), keys.dtype)], axis=2
-    )
-    cache.values = mx.concatenate(
-        [values[..., :kept, :], mx.zeros((*grow, values.shape[3]), values.dtype)], axis=2
-    )
+    cache.keys, cache.values = _widened(keys, kept, width), _widened(values, kept, width)
 
 
 def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCache) -> mx.array:
@@ -145,10 +151,7 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCac
     positions)."""
     new = keys.shape[2]
     if cache.keys is None:
-        width = padded(new)
-        zeros = (1, keys.shape[1], width, keys.shape[3])
-        cache.keys = mx.zeros(zeros, keys.dtype)
-        cache.values = mx.zeros((*zeros[:3], values.shape[3]), values.dtype)
+        cache.keys, cache.values = _widened(keys, 0, padded(new)), _widened(values, 0, padded(new))
     start = cache.offset
     reserve(cache, start + new)
     cache.keys[..., start : start + new, :] = keys
@@ -179,12 +182,8 @@ class BatchKV:
             if k is None:
                 k, v = (a[:1, :, :0] for a in like)
             kept = min(k.shape[2], width)
-            pad = (1, k.shape[1], width - kept)
-            keys.append(k[..., :kept, :])
-            values.append(v[..., :kept, :])
-            if kept < width:
-                keys[-1] = mx.concatenate([keys[-1], mx.zeros((*pad, k.shape[3]), k.dtype)], 2)
-                values[-1] = mx.concatenate([values[-1], mx.zeros((*pad, v.shape[3]), v.dtype)], 2)
+            keys.append(_widened(k, kept, width))
+            values.append(_widened(v, kept, width))
         self.keys = mx.concatenate(keys)
         self.values = mx.concatenate(values)
         self.rows = [weakref.ref(cache) for cache in caches]
@@ -199,14 +198,9 @@ class BatchKV:
         if batch is None or not batch.holds(caches):
             return cls(caches, padded(length), like)
         if batch.keys.shape[2] < length:
-            grow = padded(length) - batch.keys.shape[2]
-            k, v = batch.keys, batch.values
-            batch.keys = mx.concatenate(
-                [k, mx.zeros((*k.shape[:2], grow, k.shape[3]), k.dtype)], axis=2
-            )
-            batch.values = mx.concatenate(
-                [v, mx.zeros((*v.shape[:2], grow, v.shape[3]), v.dtype)], axis=2
-            )
+            kept, width = batch.keys.shape[2], padded(length)
+            batch.keys = _widened(batch.keys, kept, width)
+            batch.values = _widened(batch.values, kept, width)
         return batch
 
     def holds(self, caches: list[RowKVCache]) -> bool:
