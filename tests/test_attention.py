@@ -127,3 +127,24 @@ def test_a_finished_rows_stacked_cache_is_freed_with_it() -> None:
     del caches  # every row finished
     gc.collect()
     assert mx.get_active_memory() < before
+
+
+def test_rows_left_in_a_stack_go_on_bit_for_bit() -> None:
+    lengths = [30, 280, 100]
+    caches = [_cache(n, seed=40 + b) for b, n in enumerate(lengths)]
+    alone = [_cache(n, seed=40 + b) for b, n in enumerate(lengths)]
+    queries, keys, values = _step(3, 3, seed=11)
+    attend_rows(queries, keys, values, caches)
+    for b in range(3):
+        attend_row(queries[b : b + 1], keys[b : b + 1], values[b : b + 1], alone[b])
+    old = caches[0]._batch
+    del caches[1], alone[1]  # the middle row finished
+    queries, keys, values = _step(2, 3, seed=12)
+    together = attend_rows(queries, keys, values, caches)
+    assert caches[0]._batch is not old and caches[0]._batch is caches[1]._batch
+    for b in range(2):
+        one = attend_row(queries[b : b + 1], keys[b : b + 1], values[b : b + 1], alone[b])
+        assert mx.array_equal(together[b : b + 1], one).item(), f"row {b}"
+        assert caches[b].offset == alone[b].offset
+        width = alone[b].offset
+        assert mx.array_equal(caches[b].keys[..., :width, :], alone[b].keys[..., :width, :]).item()

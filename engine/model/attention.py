@@ -176,6 +176,15 @@ class BatchKV:
 
     def __init__(self, caches: list[RowKVCache], width: int, like: tuple[mx.array, ...]) -> None:
         """``like``: new keys and values of the rows (the shapes of an empty row's buffers)."""
+        old = caches[0]._batch
+        if old is not None and all(c._batch is old for c in caches):
+            # rows of one earlier stack (some left it): one gather, not a copy out per row
+            rows = mx.array([c._row for c in caches])
+            kept = min(old.keys.shape[2], width)
+            self.keys = _widened(mx.take(old.keys, rows, axis=0), kept, width)
+            self.values = _widened(mx.take(old.values, rows, axis=0), kept, width)
+            self._attach(caches)
+            return
         keys, values = [], []
         for cache in caches:
             k, v = cache.keys, cache.values  # out of any other batch
@@ -186,6 +195,9 @@ class BatchKV:
             values.append(_widened(v, kept, width))
         self.keys = mx.concatenate(keys)
         self.values = mx.concatenate(values)
+        self._attach(caches)
+
+    def _attach(self, caches: list[RowKVCache]) -> None:
         self.rows = [weakref.ref(cache) for cache in caches]
         for row, cache in enumerate(caches):
             cache._keys = cache._values = None
