@@ -470,8 +470,10 @@ class Engine:
         (``BatchDecoder``) instead of running its own cycles — ``None`` after each prefill
         chunk but the last, a ``CycleNeed`` when it wants a cycle, whose result
         the batch sends back — so that many rows share each cycle and a newcomer's prefill
-        runs between the running rows' cycles. Every cycle is read back before the next one
-        is launched (no look-ahead: rows are committed after reading)."""
+        runs between the running rows' cycles. A row commits each cycle's result itself,
+        except a plain cycle the batch committed unread to launch the next one ahead
+        (``CycleResult.committed``, ``BatchDecoder``'s look-ahead): the row then only reads
+        its token."""
         self.check(request)
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
@@ -498,14 +500,19 @@ class Engine:
                 result = yield need
                 n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
-                emitted = commit(seq, result, n_keep)
-                if chooser is not None:
-                    chooser.observe(len(result.draft_ids), result.n_accepted)
+                if result.committed:  # the batch committed it and told auto K (look-ahead)
+                    emitted = finish_unread(seq, result)
+                else:
+                    emitted = commit(seq, result, n_keep)
+                    if chooser is not None:
+                        chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
                 if timed is not None:
                     # Auto K's single-sequence table calibrates on cycles a row ran alone;
-                    # batched cycles are priced by the batch (BatchK).
+                    # batched cycles are priced by the batch (BatchK). A plain cycle committed
+                    # unread with nothing launched behind it is not timed (``decode``).
                     alone = result.rows == 1 and last_end is not None
+                    alone = alone and (result.followed or not result.committed)
                     since = end - last_end if alone else None
                     timed.observe_seconds(len(result.draft_ids), len(emitted), since)
                     last_end = end if result.rows == 1 else None

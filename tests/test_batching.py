@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -247,6 +248,83 @@ def test_batch_k_prices_a_cell_by_its_warm_cycles() -> None:
         k = choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8)
         choice.observe(8, k, warm[k])
     assert choice.choose(8, [[0.9, 0.9, 0.1, 0.1]] * 8) == 3
+
+
+def test_plain_rows_run_one_cycle_ahead_and_equal_each_request_alone(engine: Engine) -> None:
+    """Rows that all decode plain launch their next cycle before reading the current one
+    (as a request alone does); a row that stops at a stop token, reaches its length, or is
+    cancelled while its next cycle runs has that cycle undone, and every row emits what it
+    emits alone — greedy, seeded sampled, and a batch of one."""
+    reqs = [
+        replace(r, draft_tokens=0)
+        for r in requests(engine, [GREEDY, sampled(7), GREEDY, GREEDY] + [GREEDY] * 4)[:4]
+    ]
+    plain = alone(engine, reqs[2])
+    reqs[2] = replace(reqs[2], stop_token_ids=frozenset({plain[8]}), ignore_eos=False)
+    expected = [alone(engine, r) for r in reqs]
+    assert len(expected[2]) <= 9
+    for rows in ([0, 1, 2, 3], [2]):
+        batch = BatchDecoder(engine, len(rows))
+        events = dict.fromkeys(rows, 0)
+        for i in rows:
+            batch.add(i, reqs[i], cancelled=lambda i=i, events=events: i == 3 and events[3] >= 6)
+        got: dict[int, list[int]] = {i: [] for i in rows}
+        ahead_steps = 0
+        while len(batch):
+            for key, item in batch.step():
+                assert not isinstance(item, BaseException), item
+                got[key] += item.token_ids
+                events[key] += 1
+            ahead_steps += any(row.ahead is not None for row in batch.rows.values())
+        assert ahead_steps >= 5  # the rows really ran one cycle ahead
+        for i in rows:
+            if i == 3:
+                assert got[3] == expected[3][: len(got[3])] and 5 <= len(got[3]) < 40
+            else:
+                assert got[i] == expected[i], f"row {i}"
+
+
+def test_a_row_that_ends_with_a_cycle_launched_ahead_leaves_exact_caches() -> None:
+    """A plain row that stops, is cancelled or is dropped with its next cycle already
+    launched leaves caches holding exactly what it emitted: the conversation cache keeps its
+    whole turn, and the next turn restores it and emits what a cold run emits."""
+    block = 16
+    cached = Engine.load(str(DEMO))
+    cached.enable_prefix_cache(64 << 20, block_tokens=block)
+    cold = Engine.load(str(DEMO))
+    first = [
+        GenerationRequest(
+            cold.tokenizer.encode(p * 3), GREEDY, max_tokens=30, ignore_eos=True, draft_tokens=0
+        )
+        for p in PROMPTS[:3]
+    ]
+    stop = alone(cold, first[0])[10]
+    first[0] = replace(first[0], stop_token_ids=frozenset({stop}), ignore_eos=False)
+    batch = BatchDecoder(cached, 3)
+    replies: dict[int, list[int]] = {i: [] for i in range(3)}
+    for i, request in enumerate(first):
+        batch.add(i, request, cancelled=lambda i=i: i == 1 and len(replies[1]) >= 7)
+    finish: dict[int, str | None] = {}
+    seqs: dict[int, Any] = {}
+    while len(batch):
+        for key, item in batch.step():
+            replies[key] += item.token_ids
+            finish[key] = item.finish_reason
+        seqs.update({key: row.need.seq for key, row in batch.rows.items() if row.need})
+        if len(replies[2]) >= 12 and 2 in batch:
+            assert batch.rows[2].ahead is not None  # dropped with its next cycle running
+            batch.drop(2)
+    assert finish[0] == "stop" and replies[0][-1] == stop
+    assert finish[1] == "cancelled" and len(replies[1]) < 12
+    for i, request in enumerate(first):
+        seq = seqs[i]
+        assert seq.tokens == request.prompt_ids + replies[i]
+        assert seq.trunk_cache.length == len(seq.tokens) - 1, f"row {i}"
+        follow = seq.tokens + cold.tokenizer.encode(" and then?")
+        second = replace(request, prompt_ids=follow, max_tokens=12, ignore_eos=True)
+        events = list(cached.generate(second))
+        assert [t for e in events for t in e.token_ids] == alone(cold, second), f"row {i}"
+        assert events[-1].stats.cached_tokens >= (len(seq.tokens) - 1) // block * block
 
 
 def test_a_newcomer_is_served_between_the_running_rows_cycles(engine: Engine) -> None:

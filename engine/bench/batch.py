@@ -102,8 +102,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     fixed = [int(k) for k in args.draft_tokens.split(",")]
+    # the newcomer measurement takes the second prompt
     prompts = load_prompts(
-        Path(args.prompts or DEFAULT_PROMPTS), engine.tokenizer, max(concurrency)
+        Path(args.prompts or DEFAULT_PROMPTS), engine.tokenizer, max(2, *concurrency)
     )
     configs: list[tuple[str, int | None]] = [("serial", k) for k in fixed if k > 0]
     configs += [("serial", None)]
@@ -154,8 +155,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         }
         results["concurrency"][c] = merged
         print(f"{c} rows: " + json.dumps(merged["ratios"]), flush=True)
-    results["newcomer"] = newcomer(engine, prompts, args.newcomer_tokens)
-    print("newcomer: " + json.dumps(results["newcomer"]), flush=True)
+    if args.newcomer_tokens > 0:
+        results["newcomer"] = newcomer(engine, prompts, args.newcomer_tokens)
+        print("newcomer: " + json.dumps(results["newcomer"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_batch.json").write_text(json.dumps(results, indent=2))
@@ -270,7 +272,10 @@ def register(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
-        "--newcomer-tokens", type=int, default=1000, help="the long generation a newcomer joins"
+        "--newcomer-tokens",
+        type=int,
+        default=1000,
+        help="the long generation a newcomer joins (0: not measured)",
     )
     p.add_argument("--prompts", default=None)
     p.add_argument("--out", default="bench-results")

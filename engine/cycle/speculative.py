@@ -169,6 +169,11 @@ class CycleResult:
     accept_seconds: float = 0.0
     #: sequences that shared the cycle (a batch's rows)
     rows: int = 1
+    #: a batch committed this plain cycle before reading it (``commit_unread``): the row
+    #: finishes it with ``finish_unread``
+    committed: bool = False
+    #: the row's next (plain) cycle was launched before this one was read back
+    followed: bool = False
 
 
 def start_sequence(

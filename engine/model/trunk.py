@@ -388,7 +388,10 @@ class TrunkCache:
             if isinstance(c, KVCache):
                 c.trim(c.offset - saved[0])
             else:
-                c.conv, c.recurrent, c.conv_window, c.capture = saved
+                # set together, without reading: a batched forward run since (a batch's
+                # cycle launched ahead) left the state pending on the other rows' commits
+                conv, recurrent, c.conv_window, c.capture = saved
+                c.settled(conv, recurrent)
 
     def embed(self, trunk: Any, token_ids: mx.array, capture: bool) -> mx.array:
         """The input of a forward about to run over this cache: ``token_ids [1, T]`` embedded.

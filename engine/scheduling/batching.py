@@ -21,6 +21,16 @@ penalty history and its own caches, and its commit keeps its own accepted length
 row emits does not depend on the other rows (tests/test_batching.py checks it against the
 same request alone).
 
+Plain cycles run one ahead, as a request alone runs them (``engine.cycle.speculative``'s
+docstring): when every row of the batch is decoding, they all run a plain cycle together and
+each will run a plain one next, the batch commits the cycle unread (``commit_unread``),
+launches the next one for the same rows and only then reads this one back, so the host builds
+one graph while the other runs. A row that stops meanwhile, is cancelled or dropped has its
+look-ahead cycle undone (``CacheSnapshot``) before it ends, so its caches hold exactly what it
+emitted. Not while a newcomer prefills (it joins the next cycle instead of waiting out one run
+ahead without it), nor for several rows under automatic K (``BatchK`` decides their next K
+from the cycle's timing).
+
 K for the batch: rows with a fixed K keep it; rows under automatic K share one K chosen by
 ``BatchK`` from their own acceptance estimates and the measured cost of a batched cycle at
 this many rows (the verify grows with rows x (K+1), so K=0 can win when many rows run). A
@@ -35,13 +45,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from engine.api import GenerationEvent, GenerationRequest, RequestError
 from engine.cycle.speculative import (
     PREFILL_CHUNK,
+    CacheSnapshot,
     CycleResult,
+    LaunchedCycle,
     Sequence,
+    commit_unread,
     launch_cycles,
     read_cycles,
 )
@@ -147,7 +161,7 @@ class CycleNeed:
     together from their estimates: ``BatchK``)."""
 
     seq: Sequence
-    own_k: Callable[[], int]
+    own_k: Callable[..., int]
     max_k: int
     auto: bool
     chooser: Any = None
@@ -167,6 +181,11 @@ class _Row:
     prompt_left: int = 0
     #: cycles it has run
     cycles: int = 0
+    #: its next plain cycle, launched before the last one was read back, and what undoes it
+    ahead: LaunchedCycle | None = None
+    undo: Callable[[], None] | None = None
+    #: the K its own policy chose for its next cycle when the batch looked ahead
+    decided_k: int | None = None
 
     def next_chunk(self, chunk_tokens: int) -> int:
         """The most prompt tokens its next advance prefills: chunks end at multiples of
@@ -210,7 +229,7 @@ class BatchDecoder:
         """Remove a row now (its consumer went away); its caches stay consistent."""
         row = self.rows.pop(key, None)
         if row is not None:
-            row.steps.close()
+            _close(row)
             self._release_if_idle()
 
     def step(self) -> list[tuple[Hashable, GenerationEvent | BaseException]]:
@@ -244,7 +263,7 @@ class BatchDecoder:
         """Resume one row until it yields to the batch; True when it has ended."""
         if row.error is not None:
             out.append((key, row.error))
-            row.steps.close()
+            _close(row)
             return True
         send, row.result, row.need = row.result, None, None
         try:
@@ -254,7 +273,7 @@ class BatchDecoder:
                 if isinstance(item, GenerationEvent):
                     out.append((key, item))
                     if item.finish_reason is not None:
-                        row.steps.close()
+                        _close(row)
                         return True
                 elif isinstance(item, CycleNeed):
                     row.need, row.decoding = item, True
@@ -262,47 +281,104 @@ class BatchDecoder:
                 else:  # a prefill chunk ran
                     return False
         except StopIteration:
+            _close(row)
             return True
         except Exception as exc:  # this row only: the others go on
             if not isinstance(exc, RequestError):  # a request's own mistake is no fault
                 log.exception("a batch row failed")
             out.append((key, exc))
+            _close(row)
             return True
 
     def _run_cycles(self) -> None:
-        waiting = [(key, row) for key, row in self.rows.items() if row.need is not None]
+        waiting = [row for row in self.rows.values() if row.need is not None]
         if not waiting:
             return
-        autos = [row for _, row in waiting if row.need.auto]
+        autos = [row for row in waiting if row.need.auto]
         batch_k = None
         if len(autos) > 1:
             estimates = [row.need.chooser.estimates() for row in autos]
             batch_k = self.batch_k.choose(len(autos), estimates)
         groups: dict[int, list[_Row]] = {}
-        for _, row in waiting:
+        for row in waiting:
             need = row.need
-            k = need.own_k() if batch_k is None or not need.auto else min(batch_k, need.max_k)
+            if row.ahead is not None:
+                k = 0
+            elif row.decided_k is not None:
+                k = row.decided_k
+            elif batch_k is not None and need.auto:
+                k = min(batch_k, need.max_k)
+            else:
+                k = need.own_k()
+            row.decided_k = None
             if not need.seq.can_draft:
                 k = 0
             groups.setdefault(k, []).append(row)
         engine = self.engine
+        whole = len(groups) == 1 and len(waiting) == len(self.rows)
         for k, rows in groups.items():
             t0 = time.perf_counter()
             try:
-                seqs = [row.need.seq for row in rows]
-                results = read_cycles(launch_cycles(engine.trunk, engine.loaded.head, seqs, k))
+                fresh = [row for row in rows if row.ahead is None]
+                seqs = [row.need.seq for row in fresh]
+                head = engine.loaded.head
+                launched = iter(launch_cycles(engine.trunk, head, seqs, k) if seqs else [])
+                current = [next(launched) if row.ahead is None else row.ahead for row in rows]
+                timed = len(fresh) == len(rows)
+                for row in rows:
+                    row.ahead = row.undo = None
+                committed = k == 0 and whole and self._look_ahead(rows, current)
+                results = read_cycles(current)
             except Exception as exc:  # these rows' caches are mid-cycle: they end here
                 log.exception("a batched cycle of %d rows failed", len(rows))
                 for row in rows:
                     row.error = exc
                 continue
-            if len(rows) > 1 and all(row.cycles >= SETTLING_CYCLES for row in rows):
+            settled = all(row.cycles >= SETTLING_CYCLES for row in rows)
+            # a cycle launched a step ahead, or one with the next launched before its read,
+            # is not what a K-cycle of this many rows costs when read before the next
+            if len(rows) > 1 and settled and timed and not committed:
                 self.batch_k.observe(len(rows), k, time.perf_counter() - t0)
             for row, result in zip(rows, results, strict=True):
                 result.rows = len(rows)
+                result.committed = committed
+                result.followed = row.ahead is not None
                 row.result = result
                 row.cycles += 1
+
+    def _look_ahead(self, rows: list[_Row], current: list[LaunchedCycle]) -> bool:
+        """Commit a plain cycle of the whole batch unread and, if every row's next cycle is
+        plain too, launch it now (``engine.runtime.Engine.decode`` does the same for a request
+        alone). Returns whether the rows were committed; ``_Row.ahead`` holds what was
+        launched."""
+        needs = [row.need for row in rows]
+        if self.engine.profile or sum(need.auto for need in needs) > 1:
+            return False
+        # a row's last token, or one under a grammar (its next mask needs the token), is read
+        if any(need.max_k < 1 or need.seq.constraint is not None for need in needs):
+            return False
+        for row, need, cycle in zip(rows, needs, current, strict=True):
+            commit_unread(need.seq, cycle)
+            if need.auto:  # what the row would tell auto K after reading (``row_steps``)
+                need.chooser.observe(0, 0)
+            row.decided_k = need.own_k(need.max_k)
+        if all(row.decided_k == 0 for row in rows):
+            seqs = [need.seq for need in needs]
+            undo = [CacheSnapshot.of(seq) for seq in seqs]
+            ahead = launch_cycles(self.engine.trunk, self.engine.loaded.head, seqs, 0)
+            for row, seq, cycle, snapshot in zip(rows, seqs, ahead, undo, strict=True):
+                row.ahead, row.undo, row.decided_k = cycle, partial(snapshot.restore, seq), None
+        return True
 
     def _release_if_idle(self) -> None:
         if not self.rows:
             release_between_requests()
+
+
+def _close(row: _Row) -> None:
+    """End a row's generator; a plain cycle launched ahead for it is undone first, so the
+    sequence it leaves (to the conversation cache) holds exactly what it emitted."""
+    if row.undo is not None:
+        row.undo()
+        row.ahead = row.undo = None
+    row.steps.close()
