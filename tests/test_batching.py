@@ -284,6 +284,49 @@ def test_plain_rows_run_one_cycle_ahead_and_equal_each_request_alone(engine: Eng
                 assert got[i] == expected[i], f"row {i}"
 
 
+def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows under automatic K look ahead while BatchK picks K=0 by price; the cycles run
+    ahead are not timed but still count towards re-timing, so a drafting K is priced again
+    within a long plain stretch. Every row emits what it emits alone."""
+    choice = BatchK()
+    for _ in range(5 * EXPLORE_CYCLES):  # drafting priced at 10x a plain cycle
+        k = choice.choose(4, [[0.5] * 4] * 4)
+        choice.observe(4, k, 1.0 if k == 0 else 10.0)
+    for _ in range(3):  # plain cycles since: a drafting K is the least recently timed
+        assert choice.settled(4) and choice.choose(4, [[0.5] * 4] * 4) == 0
+        choice.observe(4, 0, 1.0)
+    monkeypatch.setattr(engine, "batch_k", choice)
+    ks: list[int] = []
+    launch = batching_module.launch_cycles
+
+    def recorded(trunk, head, seqs, k, profile=False):
+        ks.append(k)
+        return launch(trunk, head, seqs, k, profile)
+
+    monkeypatch.setattr(batching_module, "launch_cycles", recorded)
+    reqs = [
+        GenerationRequest(engine.tokenizer.encode(p), GREEDY, 90, ignore_eos=True)
+        for p in PROMPTS[:4]
+    ]
+    expected = [alone(engine, r) for r in reqs]
+    batch = BatchDecoder(engine, 4)
+    for i, request in enumerate(reqs):
+        batch.add(i, request)
+    got: dict[int, list[int]] = {i: [] for i in range(4)}
+    ahead_steps = 0
+    while len(batch):
+        for key, item in batch.step():
+            assert not isinstance(item, BaseException), item
+            got[key] += item.token_ids
+        ahead_steps += any(row.ahead is not None for row in batch.rows.values())
+    assert [got[i] for i in range(4)] == expected
+    assert ahead_steps >= 30
+    plain_then_drafting = [i for i in range(1, len(ks)) if ks[i - 1] == 0 and ks[i] > 0]
+    assert plain_then_drafting and ks.index(0) < plain_then_drafting[0]  # re-timed
+
+
 def test_a_row_that_ends_with_a_cycle_launched_ahead_leaves_exact_caches() -> None:
     """A plain row that stops, is cancelled or is dropped with its next cycle already
     launched leaves caches holding exactly what it emitted: the conversation cache keeps its

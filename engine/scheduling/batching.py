@@ -28,8 +28,8 @@ launches the next one for the same rows and only then reads this one back, so th
 one graph while the other runs. A row that stops meanwhile, is cancelled or dropped has its
 look-ahead cycle undone (``CacheSnapshot``) before it ends, so its caches hold exactly what it
 emitted. Not while a newcomer prefills (it joins the next cycle instead of waiting out one run
-ahead without it), nor for several rows under automatic K (``BatchK`` decides their next K
-from the cycle's timing).
+ahead without it). Several rows under automatic K look ahead only while ``BatchK`` picks
+by price (``BatchK.settled``): its bursts time cycles read before the next is launched.
 
 K for the batch: rows with a fixed K keep it; rows under automatic K share one K chosen by
 ``BatchK`` from their own acceptance estimates and the measured cost of a batched cycle at
@@ -137,6 +137,19 @@ class BatchK:
             return sum(expected_tokens(a, k) for a in estimates) / self.price(rows, k)
 
         return max(ks, key=rate)
+
+    def settled(self, rows: int) -> bool:
+        """Whether every K is priced at this batch size, none in a burst being measured (a
+        batch looks ahead only then: it times no cycle launched ahead; a re-time that falls
+        due makes ``choose`` start a burst, and the batch then reads before launching)."""
+        size = self.size_class(rows)
+        return all(self.counts.get((size, k), 0) >= EXPLORE_CYCLES for k in range(MAX_AUTO_K + 1))
+
+    def count(self, rows: int) -> None:
+        """A cycle at this batch size that is not timed (one launched ahead) still brings the
+        next re-time nearer, so that a plain stretch run ahead prices the drafting K anew."""
+        size = self.size_class(rows)
+        self.cycles[size] = self.cycles.get(size, 0) + 1
 
     def observe(self, rows: int, k: int, seconds: float) -> None:
         size = self.size_class(rows)
@@ -296,7 +309,8 @@ class BatchDecoder:
             return
         autos = [row for row in waiting if row.need.auto]
         batch_k = None
-        if len(autos) > 1:
+        # rows whose next K was chosen when the batch looked ahead are not chosen for again
+        if len(autos) > 1 and any(row.ahead is None and row.decided_k is None for row in autos):
             estimates = [row.need.chooser.estimates() for row in autos]
             batch_k = self.batch_k.choose(len(autos), estimates)
         groups: dict[int, list[_Row]] = {}
@@ -339,6 +353,8 @@ class BatchDecoder:
             # is not what a K-cycle of this many rows costs when read before the next
             if len(rows) > 1 and settled and timed and not committed:
                 self.batch_k.observe(len(rows), k, time.perf_counter() - t0)
+            elif len(rows) > 1 and settled:
+                self.batch_k.count(len(rows))
             for row, result in zip(rows, results, strict=True):
                 result.rows = len(rows)
                 result.committed = committed
@@ -352,16 +368,23 @@ class BatchDecoder:
         alone). Returns whether the rows were committed; ``_Row.ahead`` holds what was
         launched."""
         needs = [row.need for row in rows]
-        if self.engine.profile or sum(need.auto for need in needs) > 1:
+        autos = sum(need.auto for need in needs)
+        if self.engine.profile or (autos > 1 and not self.batch_k.settled(autos)):
             return False
         # a row's last token, or one under a grammar (its next mask needs the token), is read
         if any(need.max_k < 1 or need.seq.constraint is not None for need in needs):
             return False
-        for row, need, cycle in zip(rows, needs, current, strict=True):
+        for need, cycle in zip(needs, current, strict=True):
             commit_unread(need.seq, cycle)
             if need.auto:  # what the row would tell auto K after reading (``row_steps``)
                 need.chooser.observe(0, 0)
-            row.decided_k = need.own_k(need.max_k)
+        batch_k = None
+        if autos > 1:
+            estimates = [need.chooser.estimates() for need in needs if need.auto]
+            batch_k = self.batch_k.choose(autos, estimates)
+        for row, need in zip(rows, needs, strict=True):
+            shared = batch_k is not None and need.auto
+            row.decided_k = min(batch_k, need.max_k) if shared else need.own_k(need.max_k)
         if all(row.decided_k == 0 for row in rows):
             seqs = [need.seq for need in needs]
             undo = [CacheSnapshot.of(seq) for seq in seqs]
