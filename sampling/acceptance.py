@@ -126,6 +126,16 @@ def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, 
     return n_accepted, target_ids[n_accepted]
 
 
+def accept_greedy_rows(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
+    """``accept_greedy`` for B rows at once: drafts ``[B, K]`` (K >= 1) and targets
+    ``[B, K+1]`` give the accepted counts ``[B]`` and the emitted tokens ``[B]``; row b is
+    ``accept_greedy(draft_ids[b], target_ids[b])`` (the same comparisons, row by row)."""
+    k = draft_ids.shape[1]
+    matches = (draft_ids == target_ids[:, :k]).astype(mx.int32)
+    n_accepted = mx.cumprod(matches, axis=1).sum(axis=1).astype(mx.int32)
+    return n_accepted, mx.take_along_axis(target_ids, n_accepted[:, None], axis=1)[:, 0]
+
+
 def accept_coupled(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
     """The acceptance rule of seeded requests: drafts and targets were drawn with the same noise
     per position (``distribution.coupled_draw``); a draft is accepted while it equals the

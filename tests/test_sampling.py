@@ -23,7 +23,7 @@ from scipy.stats import chi2 as chi2_dist
 from scipy.stats import chi2_contingency
 
 from engine.api import GenerationRequest
-from sampling.acceptance import accept_drafts
+from sampling.acceptance import accept_drafts, accept_greedy, accept_greedy_rows
 from sampling.distribution import (
     TOP_K_BLOCK,
     PenaltyHistory,
@@ -246,6 +246,22 @@ def test_candidate_rows_match_the_whole_vocabulary() -> None:
     for r in range(3):
         np.testing.assert_allclose(dense[r], reference_probs(logits[r], params), atol=2e-5)
     assert truncate(mx.array(logits), SamplingParams(temperature=0.9, top_p=0.8)).ids is None
+
+
+def test_greedy_acceptance_over_rows_is_each_rows_own() -> None:
+    """``accept_greedy_rows`` gives each row what ``accept_greedy`` gives it alone, and both
+    follow the rule: accept while draft i equals target i, then emit the target there."""
+    rng = np.random.default_rng(3)
+    for k in (1, 2, 4):
+        targets = rng.integers(0, 3, (16, k + 1)).astype(np.int32)
+        drafts = rng.integers(0, 3, (16, k)).astype(np.int32)
+        drafts[0] = targets[0, :k]  # every draft accepted: the bonus is emitted
+        n_rows, next_rows = accept_greedy_rows(mx.array(drafts), mx.array(targets))
+        for b in range(16):
+            n = next(i for i in range(k + 1) if i == k or drafts[b, i] != targets[b, i])
+            n_one, next_one = accept_greedy(mx.array(drafts[b]), mx.array(targets[b]))
+            assert n_rows[b].item() == n_one.item() == n
+            assert next_rows[b].item() == next_one.item() == targets[b, n]
 
 
 @pytest.mark.parametrize("candidates", [False, True])

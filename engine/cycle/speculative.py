@@ -55,7 +55,12 @@ from engine.model.trunk import (
     trunk_hidden,
     trunk_hidden_rows,
 )
-from sampling.acceptance import accept_coupled, accept_drafts, accept_greedy
+from sampling.acceptance import (
+    accept_coupled,
+    accept_drafts,
+    accept_greedy,
+    accept_greedy_rows,
+)
 from sampling.constraint import TokenConstraint
 from sampling.distribution import (
     PenaltyHistory,
@@ -375,6 +380,9 @@ def launch_cycles(
         k = 0
     if k > 0 and any(seq.unread_token is not None for seq in seqs):
         raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
+    # Rows that draw argmaxes of the raw logits (greedy, no bias, penalties or grammar) draw
+    # and accept as one op over all rows: the same comparisons, row by row, in fewer ops.
+    greedy_rows = rows > 1 and all(_plain_greedy(seq) for seq in seqs)
     t0 = time.perf_counter()
 
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
@@ -384,31 +392,41 @@ def launch_cycles(
     # holds collectives (engine.distributed): mlx's async eval of one can block for good when a
     # rank dies, instead of raising.
     overlap = not profile and not leads_a_group(trunk)
+    draft_columns: list[mx.array] = []  # greedy rows: draft i of every row, ``[B]``
     if k > 0:
         if rows == 1:
             state, logits = _absorb_pending(trunk, head, seqs[0], keep_last=False)
         else:
             state, logits = _absorb_pending_rows(trunk, head, seqs)
-        step_logits = [logits[b, -1:] for b in range(rows)]
+        caches = [seq.head_cache for seq in seqs]
+        positions = [seq.head_position for seq in seqs]
         for i in range(k):
-            for row, logits in zip(drafts, step_logits, strict=True):
-                row.draw(logits, i)
+            if greedy_rows:
+                draft_columns.append(greedy_tokens(logits[:, -1], seqs[0].params))
                 if overlap:
-                    mx.async_eval(row.ids[-1])
-            for row in drafts:
-                row.follow()
-            if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
-                break
-            if i + 1 < k:
+                    mx.async_eval(draft_columns[-1])
+                tokens = draft_columns[-1][:, None]
+            else:
+                step_logits = [logits[b, -1:] for b in range(rows)]
+                for row, row_logits in zip(drafts, step_logits, strict=True):
+                    row.draw(row_logits, i)
+                    if overlap:
+                        mx.async_eval(row.ids[-1])
+                for row in drafts:
+                    row.follow()
+                if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
+                    break
                 tokens = _stack([row.ids[-1][None] for row in drafts])
+            if i + 1 < k:
                 if rows == 1:
                     seq = seqs[0]
                     state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
                 else:
-                    caches = [seq.head_cache for seq in seqs]
-                    positions = [seq.head_position for seq in seqs]
                     state, logits = head(trunk, tokens, state, caches, positions)
-                step_logits = [logits[b] for b in range(rows)]
+    if draft_columns:
+        batch_drafts = mx.stack(draft_columns, axis=1)
+        for row, row_drafts in zip(drafts, mx.split(batch_drafts, rows), strict=True):
+            row.drafts = row_drafts.squeeze(0)
     for row in drafts:
         row.finish()
     if profile:
@@ -416,7 +434,13 @@ def launch_cycles(
     t1 = time.perf_counter()
 
     # 2. Verify the last token and the K drafts in one trunk pass (GDN states captured).
-    verify_in = _stack([mx.concatenate([row.last, row.drafts])[None] for row in drafts])
+    if draft_columns:
+        lasts = mx.array([[seq.tokens[-1]] for seq in seqs], dtype=mx.int32)
+        verify_in = mx.concatenate([lasts, batch_drafts], axis=1)
+    elif k == 0:
+        verify_in = _stack([row.last for row in drafts])[:, None]
+    else:
+        verify_in = _stack([mx.concatenate([row.last, row.drafts])[None] for row in drafts])
     if rows == 1:
         hidden = trunk_hidden(trunk, verify_in, seqs[0].trunk_cache, capture=True)
     else:
@@ -428,15 +452,18 @@ def launch_cycles(
 
     # 3. Accept, per row (on device); read_cycles syncs once for every row. Under mlx.launch
     #    the verify holds collectives: evaluated synchronously, like the draft steps.
+    if greedy_rows:
+        accepted = _accept_greedy_rows(logits, batch_drafts if draft_columns else None, seqs)
+    else:
+        accepted = [row.accept(logits[b]) for b, row in enumerate(drafts)]
     start = mx.async_eval if overlap else mx.eval
     launched = []
-    for b, row in enumerate(drafts):
-        n_acc, next_token = row.accept(logits[b])
+    for b, (row, (n_acc, next_token)) in enumerate(zip(drafts, accepted, strict=True)):
         row_hidden = hidden if rows == 1 else hidden[b : b + 1]
         start(n_acc, next_token, row.drafts, row_hidden, row.seq.trunk_cache.arrays())
         launched.append(
             LaunchedCycle(
-                k=len(row.ids),
+                k=len(draft_columns) or len(row.ids),
                 drafts=row.drafts,
                 n_accepted=n_acc,
                 next_token=next_token,
@@ -448,6 +475,31 @@ def launch_cycles(
             )
         )
     return launched
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the row's every draw is the argmax of the raw logits."""
+    params = seq.params
+    return (
+        params.greedy
+        and not params.logit_bias
+        and not params.uses_history
+        and seq.constraint is None
+        and seq.draft_confidence is None
+    )
+
+
+def _accept_greedy_rows(
+    logits: mx.array, batch_drafts: mx.array | None, seqs: list[Sequence]
+) -> list[tuple[mx.array, mx.array]]:
+    """Every row's (accepted count, next token) from the verify logits ``[B, K+1, V]`` of
+    rows that ``_plain_greedy`` holds for, as one op over rows (``accept_greedy_rows``)."""
+    targets = greedy_tokens(logits, seqs[0].params)
+    if batch_drafts is None:  # plain cycles: the argmax of the one position
+        return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(targets[:, 0], len(seqs))]
+    n_accepted, next_tokens = accept_greedy_rows(batch_drafts, targets)
+    rows = len(seqs)
+    return list(zip(mx.split(n_accepted, rows), mx.split(next_tokens, rows), strict=True))
 
 
 def _stack(parts: list[mx.array]) -> mx.array:
