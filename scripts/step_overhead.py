@@ -28,7 +28,7 @@ from typing import Any
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
 from engine.api import GenerationRequest
-from engine.cycle.speculative import launch_cycle, start_sequence
+from engine.cycle.speculative import Sequence, launch_cycles, start_sequence
 from engine.runtime import Engine
 from sampling.params import SamplingOverrides, resolve
 
@@ -39,21 +39,28 @@ def primitives(ours: Engine, prompt: list[int], k: int) -> dict[str, int]:
     """The primitives of one cycle's graph."""
     import mlx.core as mx
 
-    import engine.cycle.speculative as speculative
-
     params = resolve(SamplingOverrides(temperature=0.0))
     seq = start_sequence(ours.trunk, ours.loaded.head, prompt, params, use_head=True)
     mx.eval(seq.trunk_cache.arrays())
+    return cycle_primitives(ours, [seq], k)
+
+
+def cycle_primitives(ours: Engine, seqs: list[Sequence], k: int) -> dict[str, int]:
+    """The primitives of the graph of one cycle of ``seqs`` (a batch when several), which is
+    built and counted but not evaluated: the rows' caches are left mid-cycle."""
+    import mlx.core as mx
+
+    import engine.cycle.speculative as speculative
+
     async_eval = speculative.mx.async_eval
     speculative.mx.async_eval = lambda *arrays: None  # keep the graph unevaluated
     try:
-        cycle = launch_cycle(ours.trunk, ours.loaded.head, seq, k)
+        cycles = launch_cycles(ours.trunk, ours.loaded.head, seqs, k)
     finally:
         speculative.mx.async_eval = async_eval
     dot = io.StringIO()
-    mx.export_to_dot(
-        dot, cycle.n_accepted, cycle.next_token, cycle.hidden, *seq.trunk_cache.arrays()
-    )
+    outputs = [a for c in cycles for a in (c.n_accepted, c.next_token, c.hidden, c.drafts)]
+    mx.export_to_dot(dot, *outputs, *(a for seq in seqs for a in seq.trunk_cache.arrays()))
     kinds = collections.Counter(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
     return {"total": sum(kinds.values()), **dict(kinds.most_common(12))}
 
