@@ -453,7 +453,9 @@ def launch_cycles(
     # 3. Accept, per row (on device); read_cycles syncs once for every row. Under mlx.launch
     #    the verify holds collectives: evaluated synchronously, like the draft steps.
     if greedy_rows:
-        accepted = _accept_greedy_rows(logits, batch_drafts if draft_columns else None, seqs)
+        accepted = _accept_greedy_rows(
+            logits, batch_drafts if draft_columns else None, seqs[0].params
+        )
     else:
         accepted = [row.accept(logits[b]) for b, row in enumerate(drafts)]
     start = mx.async_eval if overlap else mx.eval
@@ -485,20 +487,19 @@ def _plain_greedy(seq: Sequence) -> bool:
         and not params.logit_bias
         and not params.uses_history
         and seq.constraint is None
-        and seq.draft_confidence is None
     )
 
 
 def _accept_greedy_rows(
-    logits: mx.array, batch_drafts: mx.array | None, seqs: list[Sequence]
+    logits: mx.array, batch_drafts: mx.array | None, params: SamplingParams
 ) -> list[tuple[mx.array, mx.array]]:
     """Every row's (accepted count, next token) from the verify logits ``[B, K+1, V]`` of
     rows that ``_plain_greedy`` holds for, as one op over rows (``accept_greedy_rows``)."""
-    targets = greedy_tokens(logits, seqs[0].params)
+    rows = logits.shape[0]
+    targets = greedy_tokens(logits, params)
     if batch_drafts is None:  # plain cycles: the argmax of the one position
-        return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(targets[:, 0], len(seqs))]
+        return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(targets[:, 0], rows)]
     n_accepted, next_tokens = accept_greedy_rows(batch_drafts, targets)
-    rows = len(seqs)
     return list(zip(mx.split(n_accepted, rows), mx.split(next_tokens, rows), strict=True))
 
 
