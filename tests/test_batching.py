@@ -145,6 +145,35 @@ def test_seeded_sampled_rows_equal_each_request_alone(
     assert max(widest_cycle) >= 2
 
 
+@pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded"])
+def test_rows_sharing_a_k_each_draft_from_their_own_head_position(engine: Engine, mix: str) -> None:
+    """Four rows in every cycle at K=4: each draft step writes and rotates each row's head
+    keys at that row's next position, so every row accepts the drafts it accepts alone (greedy
+    rows: the same accepted-draft flags; seeded rows: the same draws, hence the same text).
+    All-greedy rows draw together (``accept_greedy_rows``), mixed rows one by one."""
+    seeded = sampled(7) if mix == "greedy-and-seeded" else GREEDY
+    params = [GREEDY, seeded] * 4
+    reqs = [replace(r, draft_tokens=4, max_tokens=40) for r in requests(engine, params)[:4]]
+
+    def flags(events: Any) -> tuple[list[int], list[bool]]:
+        events = list(events)
+        tokens = [t for e in events for t in e.token_ids]
+        return tokens, [d for e in events for d in e.drafted or []]
+
+    expected = [flags(engine.generate(r)) for r in reqs]
+    batch = BatchDecoder(engine, len(reqs))
+    for i, r in enumerate(reqs):
+        batch.add(i, r)
+    got: dict[int, list[Any]] = {i: [] for i in range(len(reqs))}
+    while len(batch):
+        for key, item in batch.step():
+            assert not isinstance(item, BaseException), item
+            got[key].append(item)
+    assert any(expected[0][1]), "the head's drafts are accepted at all"
+    for i, want in enumerate(expected):
+        assert flags(got[i]) == want, f"row {i}"
+
+
 def test_a_cancelled_row_leaves_and_changes_no_other_row(engine: Engine) -> None:
     reqs = requests(engine, [GREEDY] * len(ROWS))[:4]
     expected = [alone(engine, r) for r in reqs]

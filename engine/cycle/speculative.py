@@ -399,7 +399,6 @@ def launch_cycles(
         else:
             state, logits = _absorb_pending_rows(trunk, head, seqs)
         caches = [seq.head_cache for seq in seqs]
-        positions = [seq.head_position for seq in seqs]
         for i in range(k):
             if greedy_rows:
                 draft_columns.append(greedy_tokens(logits[:, -1], seqs[0].params))
@@ -422,6 +421,8 @@ def launch_cycles(
                     seq = seqs[0]
                     state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
                 else:
+                    # each step appends to the head's caches: its positions move with them
+                    positions = [seq.head_position for seq in seqs]
                     state, logits = head(trunk, tokens, state, caches, positions)
     if draft_columns:
         batch_drafts = mx.stack(draft_columns, axis=1)
