@@ -404,7 +404,6 @@ def launch_cycles(
                 draft_columns.append(greedy_tokens(logits[:, -1], seqs[0].params))
                 if overlap:
                     mx.async_eval(draft_columns[-1])
-                tokens = draft_columns[-1][:, None]
             else:
                 step_logits = [logits[b, -1:] for b in range(rows)]
                 for row, row_logits in zip(drafts, step_logits, strict=True):
@@ -415,8 +414,11 @@ def launch_cycles(
                     row.follow()
                 if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
                     break
-                tokens = _stack([row.ids[-1][None] for row in drafts])
             if i + 1 < k:
+                if greedy_rows:
+                    tokens = draft_columns[-1][:, None]
+                else:
+                    tokens = _stack([row.ids[-1][None] for row in drafts])
                 if rows == 1:
                     seq = seqs[0]
                     state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
