@@ -13,11 +13,11 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_blas.sh
+$(STAMP): pyproject.toml scripts/setup_libs.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
-	bash scripts/setup_blas.sh
+	bash scripts/setup_libs.sh
 	touch $(STAMP)
 
 serve: install

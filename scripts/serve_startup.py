@@ -47,7 +47,7 @@ def main() -> int:
     port = free_port()
     env = dict(os.environ, MTPSERVE_CACHE=tempfile.mkdtemp(prefix="mtpserve-cache-"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "mtpserve.cli", "serve", "--model", args.model]
+    command = [sys.executable, "-m", "mtpserve", "serve", "--model", args.model]
     command += ["--port", str(port), "--prompt-cache-bytes", "0"]
     t0 = time.monotonic()
     server = subprocess.Popen(

@@ -188,7 +188,7 @@ def main() -> int:
     args = parser.parse_args()
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mtpserve.cli", "serve", "--model", args.model, "--port",
+        [sys.executable, "-m", "mtpserve", "serve", "--model", args.model, "--port",
          str(port), "--served-model-name", "m", "--log-level", "warning",
          "--prompt-cache-bytes", args.prompt_cache_bytes],
         cwd=ROOT,

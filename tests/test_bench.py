@@ -59,7 +59,7 @@ def run_cli(tmp_path: Path, *args: list[str]) -> None:
     """``mtpserve ARGS`` in a subprocess with its own cost cache under ``tmp_path``; it must
     succeed."""
     run = subprocess.run(
-        [sys.executable, "-m", "mtpserve.cli", *(a for part in args for a in part)],
+        [sys.executable, "-m", "mtpserve", *(a for part in args for a in part)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -12,7 +12,7 @@ ROOT = Path(__file__).parent.parent
 
 def generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mtpserve.cli", "generate", *args],
+        [sys.executable, "-m", "mtpserve", "generate", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -134,3 +134,31 @@ def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
         assert main([*argv, "--model", missing]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and missing in err and "Traceback" not in err
+
+
+def test_jemalloc_is_preloaded_once_and_can_be_declined(monkeypatch) -> None:
+    """engine.allocator: the re-executed environment puts jemalloc first in LD_PRELOAD and keeps
+    what was there; a process that already preloads it is not re-executed again (no loop);
+    MTPSERVE_MALLOC=system keeps the system's malloc."""
+    from engine.allocator import jemalloc_path, preload_environment
+
+    env = preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so", "HOME": "/h"})
+    assert env == {"LD_PRELOAD": "/lib/je.so /lib/other.so", "HOME": "/h"}
+    assert preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so:/lib/je.so"}) is None
+    assert preload_environment("/lib/je.so", {}) == {"LD_PRELOAD": "/lib/je.so"}
+    monkeypatch.setenv("MTPSERVE_MALLOC", "system")
+    assert jemalloc_path() is None
+
+
+def test_the_command_keeps_its_arguments_and_exit_status_across_the_reexec() -> None:
+    """``python -m mtpserve`` re-executes itself under jemalloc where the machine has it; the
+    arguments reach the command line unchanged and its exit status is the process's."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "mtpserve", "generate", "--draft-tokens", "x"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "--draft-tokens" in bad.stderr

@@ -1,12 +1,13 @@
 """``mtpserve serve`` as a user runs it, the docs' examples run as written, and settings.
 
-One real server process (``python -m mtpserve.cli serve``) on a tiny checkpoint serves every
-curl, OpenAI-SDK and Anthropic-SDK snippet of docs/SERVER.md (all three APIs), with only the port
-changed — so the documented examples are known to work.
+One real server process (``python -m mtpserve serve``, started as the ``mtpserve`` command starts)
+on a tiny checkpoint serves every curl, OpenAI-SDK and Anthropic-SDK snippet of docs/SERVER.md
+(all three APIs), with only the port changed — so the documented examples are known to work.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from fake_engine import wait_healthy
 
+from engine.allocator import jemalloc_path
 from server.cli import add_serve_arguments, settings_from_args
 from server.settings import ServerSettings, load_settings
 
@@ -32,12 +34,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_checkpoint: Path):
+def served_process(tiny_checkpoint: Path):
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "mtpserve.cli",
+        "mtpserve",
         "serve",
         "--model",
         str(tiny_checkpoint),
@@ -61,7 +63,7 @@ def served(tiny_checkpoint: Path):
             lambda: f"server exited: {proc.stdout.read()}" if proc.poll() is not None else None,
             timeout=120,
         )
-        yield url, port
+        yield proc, url, port
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -69,6 +71,28 @@ def served(tiny_checkpoint: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def served(served_process: tuple[subprocess.Popen, str, int]) -> tuple[str, int]:
+    _, url, port = served_process
+    return url, port
+
+
+def test_the_command_runs_under_jemalloc_where_the_machine_has_it(
+    served_process: tuple[subprocess.Popen, str, int],
+) -> None:
+    """The server re-executed itself with jemalloc preloaded (engine.allocator): same pid, the
+    library mapped into it. Without the library (no apt at install) it keeps glibc's malloc."""
+    proc, _, _ = served_process
+    maps = Path(f"/proc/{proc.pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc: not Linux")
+    library = jemalloc_path()
+    if library is None:
+        pytest.skip("no jemalloc on this machine (make install could not install libjemalloc2)")
+    mapped = {line.split()[-1] for line in maps.read_text().splitlines() if "/" in line}
+    assert os.path.realpath(library) in {os.path.realpath(p) for p in mapped}
 
 
 def doc_blocks(lang: str) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from engine.allocator import malloc_in_use
 from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP, GenerationStats, parse_draft_tokens
 from engine.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from engine.blas import blas_in_use
@@ -301,6 +302,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "memory": memory,
         "machine": platform.platform(),
         "blas": blas_in_use(),
+        "malloc": malloc_in_use(),
         "draft_vocab_size": engine.draft_vocab_size,
         "draft_vocab_bytes": engine.draft_vocab_bytes,
         "max_tokens": args.max_tokens,
@@ -442,7 +444,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
         f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "
-        f"for a draft vocabulary of {result['draft_vocab_size']}); BLAS: {result['blas']}"
+        f"for a draft vocabulary of {result['draft_vocab_size']});"
+        f" BLAS: {result['blas']}; malloc: {result['malloc']}"
     )
     for name, factors in result.get("auto_calibration", {}).items():
         tilts = "/".join(f"{t:.3f}" for t in factors["tilt"])

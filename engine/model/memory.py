@@ -232,7 +232,7 @@ def configure_device(weight_bytes: int) -> None:
 def release_between_requests() -> None:
     """Free mlx's buffer cache after a request (as mlx-lm's server does on Metal), so a long
     prompt's activations do not stay allocated and the cache cannot drift up with the mix of
-    shapes traffic brings; on Linux glibc's heap then hands the freed pages back."""
+    shapes traffic brings; on Linux the host heap then hands the freed pages back."""
     import mlx.core as mx
 
     mx.clear_cache()
@@ -266,16 +266,20 @@ def release_thread() -> None:
     mx.clear_streams()
 
 
-# -- the host heap (glibc) --------------------------------------------------------------------
+# -- the host heap (jemalloc or glibc) --------------------------------------------------------
 # mlx's CPU backend allocates every array through malloc, from several threads (the caller's,
-# mlx's stream thread, BLAS threads): glibc keeps an arena per thread and holds the pages freed
-# in each until the heap is trimmed, so without trimming a server's resident memory follows the
-# high-water mark of its traffic rather than what it holds (docs/BENCHMARKS.md §13).
+# mlx's stream thread, BLAS threads). glibc keeps an arena per thread and holds the pages freed
+# in each until the heap is trimmed; jemalloc (what the ``mtpserve`` command runs under,
+# engine.allocator) returns a freed page only after a decay delay, and only when some thread
+# next allocates. Without releasing them, a server's resident memory follows the high-water mark
+# of its traffic rather than what it holds (docs/BENCHMARKS.md §13).
 
 #: glibc's mallopt parameter for the number of arenas
 _M_ARENA_MAX = -8
-#: arenas a serving process keeps: its two busy allocating threads
+#: arenas a glibc serving process keeps: its two busy allocating threads
 HOST_ARENAS = 2
+#: jemalloc's name for every arena at once (MALLCTL_ARENAS_ALL)
+_JEMALLOC_PURGE_ALL = b"arena.4096.purge"
 #: while requests run, memory is released at most this often (``release_while_running``)
 TRIM_INTERVAL_S = 2.0
 _last_trim = 0.0
@@ -294,18 +298,37 @@ def _glibc() -> Any:
         return None
 
 
+@functools.cache
+def _jemalloc_mallctl() -> Any:
+    """jemalloc's ``mallctl`` when jemalloc serves this process's malloc (preloaded), else None."""
+    import ctypes
+
+    try:
+        mallctl = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    mallctl.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
+    mallctl.restype = ctypes.c_int
+    return mallctl
+
+
 def limit_host_arenas() -> None:
     """Cap glibc's malloc arenas at ``HOST_ARENAS`` (a serving process calls this at start,
-    before its threads allocate); nothing elsewhere."""
+    before its threads allocate); nothing under jemalloc, whose arenas return their pages."""
     libc = _glibc()
-    if libc is not None:
+    if libc is not None and _jemalloc_mallctl() is None:
         libc.mallopt(_M_ARENA_MAX, HOST_ARENAS)
 
 
 def trim_host_heap() -> None:
-    """Return glibc's free heap pages to the system (``malloc_trim``); nothing elsewhere."""
+    """Return the heap's free pages to the system: jemalloc's purge of every arena, or glibc's
+    ``malloc_trim``; nothing elsewhere."""
     global _last_trim
     _last_trim = time.monotonic()
+    mallctl = _jemalloc_mallctl()
+    if mallctl is not None:
+        mallctl(_JEMALLOC_PURGE_ALL, None, None, None, 0)
+        return
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

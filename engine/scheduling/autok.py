@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.allocator import malloc_in_use
 from engine.blas import blas_in_use
 from engine.cycle.speculative import MAX_CATCH_UP
 
@@ -276,6 +277,7 @@ def machine_key(model_dir: Path) -> str:
         str(mx.default_device()),
         mx.__version__,
         blas_in_use(),
+        malloc_in_use(),
         _code_stamp(),
         _group_stamp(),
     ]

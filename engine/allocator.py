@@ -1,0 +1,82 @@
+"""Run the ``mtpserve`` command under jemalloc on Linux.
+
+Every mlx primitive allocates and frees small host objects (the array's descriptor and shared
+state, the task queued to mlx's stream thread, shape vectors): a few per primitive, hundreds of
+primitives per decode cycle, allocated on the calling thread and freed on either thread. glibc's
+malloc spends ~14% of the calling thread's samples there (docs/BENCHMARKS.md §12); under
+jemalloc a plain decode step of the demo model takes ~0.8x the wall time and a K=4 cycle ~0.75x,
+with token-identical output (the allocator touches no float). glibc's tunables (arena count,
+tcache size, trim and mmap thresholds) did not close the gap.
+
+An allocator is chosen when the process starts: memory glibc handed out cannot be freed by
+another malloc, and ``LD_PRELOAD`` is read by the dynamic loader only. So the console command
+re-executes itself once, with jemalloc added to ``LD_PRELOAD`` (same pid, argv, stdio and
+environment otherwise); children it starts inherit it. The library comes from Debian's
+``libjemalloc2`` (``make install`` installs it when apt is there). ``MTPSERVE_MALLOC=system``
+keeps glibc's malloc (for before/after measurements); ``MTPSERVE_MALLOC`` may also name a
+library path. Nothing happens on macOS, where the system allocator is already a zone allocator.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib64/libjemalloc.so.2",
+    "/usr/lib/libjemalloc.so.2",
+)
+
+
+def jemalloc_path() -> str | None:
+    """The jemalloc library to preload (None: keep the system's malloc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    choice = os.environ.get("MTPSERVE_MALLOC", "")
+    if choice.lower() == "system":
+        return None
+    for path in (choice,) if choice else CANDIDATES:
+        if path and os.path.exists(path):
+            return path
+    return None
+
+
+def preload_environment(path: str, environ: dict[str, str]) -> dict[str, str] | None:
+    """The environment to re-execute with so that ``path`` is preloaded; None when it already is."""
+    preloaded = environ.get("LD_PRELOAD", "").replace(":", " ").split()
+    if path in preloaded:
+        return None
+    return {**environ, "LD_PRELOAD": " ".join([path, *preloaded])}
+
+
+def reexec_under_jemalloc() -> None:
+    """Re-execute this process with jemalloc preloaded, or return when there is nothing to do.
+
+    Call it first thing in a command's entry point, before threads or anything else starts:
+    ``os.execve`` replaces the process image and does not return.
+    """
+    path = jemalloc_path()
+    if path is None:
+        return
+    environ = preload_environment(path, dict(os.environ))
+    if environ is None:
+        return
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, environ)
+
+
+def malloc_in_use() -> str:
+    """What serves this process's malloc: the jemalloc library mapped into it, or the system's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "system malloc"
+    for line in maps.splitlines():
+        if "libjemalloc" in line:
+            return line.split()[-1]
+    return "system malloc"
