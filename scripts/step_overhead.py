@@ -108,4 +108,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from engine.allocator import reexec_under_jemalloc
+
+    reexec_under_jemalloc()  # timed as the mtpserve command runs (MTPSERVE_MALLOC=system: glibc)
     raise SystemExit(main())

@@ -113,3 +113,43 @@ def test_an_unquantized_moe_runs_on_a_cpu_only_in_fp32(make_checkpoint) -> None:
         list(range(3, 20)), SamplingParams(temperature=0.0), 4, ignore_eos=True
     )
     assert sum(len(e.token_ids) for e in engine.generate(request)) == 4
+
+
+def test_the_heap_release_hands_jemallocs_free_pages_back() -> None:
+    """Under jemalloc (what the mtpserve command runs under) a freed page stays resident until
+    its decay delay passes and some thread allocates again; ``trim_host_heap`` — what the
+    server calls when the worker idles — purges every arena at once."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from engine.allocator import jemalloc_path
+
+    library = jemalloc_path()
+    if library is None:
+        pytest.skip("no jemalloc on this machine (make install could not install libjemalloc2)")
+    code = """
+import re
+from engine.model.memory import trim_host_heap
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024
+blocks = [bytearray(1000) for _ in range(256 * 1024)]  # 256 MB in blocks malloc serves
+held = rss()
+del blocks
+freed = rss()
+trim_host_heap()
+print(held, freed, rss())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "LD_PRELOAD": library},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    held, freed, released = map(int, out.stdout.split())
+    assert freed > held - 128 * MiB, "jemalloc returned the pages at once: nothing to test"
+    assert released < freed - 128 * MiB
