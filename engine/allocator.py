@@ -4,23 +4,26 @@ Every mlx primitive allocates and frees small host objects (the array's descript
 state, the task queued to mlx's stream thread, shape vectors): a few per primitive, hundreds of
 primitives per decode cycle, allocated on the calling thread and freed on either thread. glibc's
 malloc spends ~14% of the calling thread's samples there (docs/BENCHMARKS.md §12); under
-jemalloc a plain decode step of the demo model takes ~0.8x the wall time and a K=4 cycle ~0.75x,
+jemalloc a plain decode step of the demo model takes ~0.78x the CPU time and a K=4 cycle ~0.76x,
 with token-identical output (the allocator touches no float). glibc's tunables (arena count,
 tcache size, trim and mmap thresholds) did not close the gap.
 
 An allocator is chosen when the process starts: memory glibc handed out cannot be freed by
 another malloc, and ``LD_PRELOAD`` is read by the dynamic loader only. So the console command
 re-executes itself once, with jemalloc added to ``LD_PRELOAD`` (same pid, argv, stdio and
-environment otherwise); children it starts inherit it. The library comes from Debian's
+environment otherwise); the re-executed process then puts ``LD_PRELOAD`` back as it was, so the
+programs it starts (llama.cpp in the comparison script) run as they would have. The library
+comes from Debian's
 ``libjemalloc2`` (``make install`` installs it when apt is there). ``MTPSERVE_MALLOC=system``
 keeps glibc's malloc (for before/after measurements); ``MTPSERVE_MALLOC`` may also name a
-library path. Nothing happens on macOS, where the system allocator is already a zone allocator.
+library path. Nothing happens on macOS (not measured there).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 CANDIDATES = (
@@ -44,12 +47,28 @@ def jemalloc_path() -> str | None:
     return None
 
 
+#: the ``LD_PRELOAD`` a re-executed process was started with (restored once it runs)
+PRELOAD_BEFORE = "MTPSERVE_LD_PRELOAD_BEFORE"
+
+
 def preload_environment(path: str, environ: dict[str, str]) -> dict[str, str] | None:
     """The environment to re-execute with so that ``path`` is preloaded; None when it already is."""
     preloaded = environ.get("LD_PRELOAD", "").replace(":", " ").split()
     if path in preloaded:
         return None
-    return {**environ, "LD_PRELOAD": " ".join([path, *preloaded])}
+    before = environ.get("LD_PRELOAD", "")
+    return {**environ, "LD_PRELOAD": " ".join([path, *preloaded]), PRELOAD_BEFORE: before}
+
+
+def restore_environment(environ: MutableMapping[str, str]) -> None:
+    """Put ``LD_PRELOAD`` back as the command was started with it (the loader has read it)."""
+    before = environ.pop(PRELOAD_BEFORE, None)
+    if before is None:
+        return
+    if before:
+        environ["LD_PRELOAD"] = before
+    else:
+        environ.pop("LD_PRELOAD", None)
 
 
 def reexec_under_jemalloc() -> None:
@@ -62,7 +81,8 @@ def reexec_under_jemalloc() -> None:
     if path is None:
         return
     environ = preload_environment(path, dict(os.environ))
-    if environ is None:
+    if environ is None:  # preloaded: this is the re-executed process (or the user preloaded it)
+        restore_environment(os.environ)
         return
     argv = [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()

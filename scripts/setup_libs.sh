@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Linux: make sure a fast BLAS and jemalloc are present. The mlx-cpu wheel links netlib's reference BLAS;
-# mtpserve preloads BLIS (or, failing that, OpenBLAS) in-process (engine/blas.py): fp32 matmuls
-# ~20x faster, and BLIS beats OpenBLAS on the small products of decoding (docs/BENCHMARKS.md §1).
+# Linux: make sure a fast BLAS and jemalloc are present.
+# The mlx-cpu wheel links netlib's reference BLAS; mtpserve preloads BLIS (or, failing that,
+# OpenBLAS) in-process (engine/blas.py): fp32 matmuls ~20x faster, and BLIS beats OpenBLAS on
+# the small products of decoding (docs/BENCHMARKS.md §1).
 # jemalloc: the `mtpserve` command re-executes itself under it (engine/allocator.py), which cuts
 # the per-primitive cost of mlx's host bookkeeping (docs/BENCHMARKS.md §12).
 # Never fails the install: without these libraries mtpserve still runs, on the slow BLAS and

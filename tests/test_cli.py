@@ -138,14 +138,21 @@ def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
 
 def test_jemalloc_is_preloaded_once_and_can_be_declined(monkeypatch) -> None:
     """engine.allocator: the re-executed environment puts jemalloc first in LD_PRELOAD and keeps
-    what was there; a process that already preloads it is not re-executed again (no loop);
-    MTPSERVE_MALLOC=system keeps the system's malloc."""
-    from engine.allocator import jemalloc_path, preload_environment
+    what was there, and the re-executed process puts it back for its children; a process that
+    already preloads it is not re-executed again (no loop); MTPSERVE_MALLOC=system keeps the
+    system's malloc."""
+    from engine.allocator import jemalloc_path, preload_environment, restore_environment
 
     env = preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so", "HOME": "/h"})
-    assert env == {"LD_PRELOAD": "/lib/je.so /lib/other.so", "HOME": "/h"}
+    assert env is not None and env["LD_PRELOAD"] == "/lib/je.so /lib/other.so"
+    assert env["HOME"] == "/h"
+    restore_environment(env)  # what the re-executed process does: children start as before
+    assert env == {"LD_PRELOAD": "/lib/other.so", "HOME": "/h"}
     assert preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so:/lib/je.so"}) is None
-    assert preload_environment("/lib/je.so", {}) == {"LD_PRELOAD": "/lib/je.so"}
+    env = preload_environment("/lib/je.so", {})
+    assert env is not None and env["LD_PRELOAD"] == "/lib/je.so"
+    restore_environment(env)
+    assert env == {}
     monkeypatch.setenv("MTPSERVE_MALLOC", "system")
     assert jemalloc_path() is None
 
@@ -162,3 +169,33 @@ def test_the_command_keeps_its_arguments_and_exit_status_across_the_reexec() -> 
     )
     assert bad.returncode == 2
     assert "--draft-tokens" in bad.stderr
+
+
+def test_the_reexecuted_process_runs_under_jemalloc_and_its_children_do_not() -> None:
+    """The process that re-executed itself has jemalloc mapped; its environment, which programs
+    it starts inherit, is the one it was started with."""
+    import os
+
+    import pytest
+
+    from engine.allocator import jemalloc_path
+
+    if jemalloc_path() is None:
+        pytest.skip("no jemalloc on this machine (make install could not install libjemalloc2)")
+    code = (
+        "from engine.allocator import malloc_in_use, reexec_under_jemalloc\n"
+        "reexec_under_jemalloc()\n"
+        "import os, subprocess, sys\n"
+        "child = 'import os; print(repr(os.environ.get(\"LD_PRELOAD\")))'\n"
+        "print(malloc_in_use())\n"
+        "sys.stdout.flush()\n"
+        "subprocess.run([sys.executable, '-c', child])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    mapped, child = out.stdout.split("\n")[:2]
+    assert "libjemalloc" in mapped
+    assert child == "None"
