@@ -21,10 +21,12 @@ library path. Nothing happens on macOS (not measured there).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -100,3 +102,17 @@ def malloc_in_use() -> str:
         if "libjemalloc" in line:
             return line.split()[-1]
     return "system malloc"
+
+
+@functools.cache
+def jemalloc_mallctl() -> Any:
+    """jemalloc's ``mallctl`` when jemalloc serves this process's malloc (preloaded), else None."""
+    import ctypes
+
+    try:
+        mallctl = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    mallctl.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
+    mallctl.restype = ctypes.c_int
+    return mallctl

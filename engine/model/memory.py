@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.allocator import jemalloc_mallctl
+
 log = logging.getLogger("mtpserve.memory")
 
 GiB = 2**30
@@ -298,25 +300,11 @@ def _glibc() -> Any:
         return None
 
 
-@functools.cache
-def _jemalloc_mallctl() -> Any:
-    """jemalloc's ``mallctl`` when jemalloc serves this process's malloc (preloaded), else None."""
-    import ctypes
-
-    try:
-        mallctl = ctypes.CDLL(None).mallctl
-    except (OSError, AttributeError):
-        return None
-    mallctl.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
-    mallctl.restype = ctypes.c_int
-    return mallctl
-
-
 def limit_host_arenas() -> None:
     """Cap glibc's malloc arenas at ``HOST_ARENAS`` (a serving process calls this at start,
     before its threads allocate); nothing under jemalloc, whose arenas return their pages."""
     libc = _glibc()
-    if libc is not None and _jemalloc_mallctl() is None:
+    if libc is not None and jemalloc_mallctl() is None:
         libc.mallopt(_M_ARENA_MAX, HOST_ARENAS)
 
 
@@ -325,7 +313,7 @@ def trim_host_heap() -> None:
     ``malloc_trim``; nothing elsewhere."""
     global _last_trim
     _last_trim = time.monotonic()
-    mallctl = _jemalloc_mallctl()
+    mallctl = jemalloc_mallctl()
     if mallctl is not None:
         mallctl(_JEMALLOC_PURGE_ALL, None, None, None, 0)
         return
