@@ -3,7 +3,11 @@
 For each draft count K it reports the primitives mlx evaluates in one cycle (counted from the
 cycle's graph, by kind), and the wall and process-CPU milliseconds per generated token through
 ``Engine.generate`` (greedy, EOS ignored, best of ``--repeats``), with a digest of the greedy
-tokens so that two checkouts can be seen to produce the same text.
+tokens so that two checkouts can be seen to produce the same text. With K=0 it also times the
+plain step's weight products alone (``weights_ms``): one ``[1, in]`` product by every float
+linear layer of the trunk and by the vocabulary projection, evaluated together on mlx's one CPU
+stream, alternating with the decoding runs — what reading the weights once costs one core on
+this machine at the time, against the whole step's ``wall_ms``.
 
 On a shared machine, compare two checkouts by running both *at the same time* (each sees the
 same load) and repeating; e.g.::
@@ -65,13 +69,38 @@ def cycle_primitives(ours: Engine, seqs: list[Sequence], k: int) -> dict[str, in
     return {"total": sum(kinds.values()), **dict(kinds.most_common(12))}
 
 
+def weights_ms(ours: Engine) -> float:
+    """Milliseconds to evaluate one ``[1, in]`` product by each float linear layer of the
+    trunk (by its prepared transposed weight, as the step multiplies it) and the vocabulary
+    projection: every weight a plain step of a dense model reads, read once. The inputs are
+    made and evaluated before the clock starts."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.model.mtp import project_to_vocab
+    from engine.model.trunk import linear
+
+    trunk = ours.trunk
+    dtype = trunk.model.embed_tokens.weight.dtype
+    linears = [m for layer in trunk.model.layers for m in layer.modules() if type(m) is nn.Linear]
+    inputs = [mx.random.normal((1, m.weight.shape[1])).astype(dtype) for m in linears]
+    hidden = mx.random.normal((1, trunk.args.hidden_size)).astype(dtype)
+    mx.eval(inputs, hidden)
+    start = time.perf_counter()
+    outs = [linear(m, x) for m, x in zip(linears, inputs, strict=True)]
+    mx.eval(outs, project_to_vocab(trunk, hidden))
+    return (time.perf_counter() - start) * 1e3
+
+
 def per_token(
     ours: Engine, prompt: list[int], k: int | None, tokens: int, repeats: int
 ) -> dict[str, Any]:
     params = resolve(SamplingOverrides(temperature=0.0))
-    wall = cpu = float("inf")
+    wall = cpu = weights = float("inf")
     digest = ""
     for _ in range(repeats):
+        if k == 0:
+            weights = min(weights, *(weights_ms(ours) for _ in range(5)))
         request = GenerationRequest(prompt, params, tokens, draft_tokens=k, ignore_eos=True)
         out: list[int] = []
         c0 = time.process_time()
@@ -80,7 +109,10 @@ def per_token(
         cpu = min(cpu, (time.process_time() - c0) / len(out))
         wall = min(wall, event.stats.generation_seconds / len(out))
         digest = hashlib.sha1(json.dumps(out).encode()).hexdigest()[:10]
-    return {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
+    row = {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
+    if k == 0:
+        row["weights_ms"] = round(weights, 3)
+    return row
 
 
 def main() -> int:
