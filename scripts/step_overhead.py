@@ -7,7 +7,11 @@ tokens so that two checkouts can be seen to produce the same text. With K=0 it a
 plain step's weight products alone (``weights_ms``): one ``[1, in]`` product by every float
 linear layer of the trunk and by the vocabulary projection, evaluated together on mlx's one CPU
 stream, alternating with the decoding runs — what reading the weights once costs one core on
-this machine at the time, against the whole step's ``wall_ms``.
+this machine at the time, against the whole step's ``wall_ms``. On Linux ``busy`` is the share of
+the decoding runs' wall time that the calling thread and the busiest other thread (mlx's stream
+thread, which runs the kernels) spent on a CPU, and ``stolen`` the share of the machine's CPU
+time the hypervisor gave to other guests meanwhile (``steal`` in ``/proc/stat``): a shared
+machine's threads wait, runnable, for that share.
 
 On a shared machine, compare two checkouts by running both *at the same time* (each sees the
 same load) and repeating; e.g.::
@@ -26,6 +30,7 @@ import collections
 import hashlib
 import io
 import json
+import os
 import re
 import time
 from typing import Any
@@ -92,26 +97,57 @@ def weights_ms(ours: Engine) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def thread_ticks() -> dict[int, int]:
+    """CPU clock ticks (user + system) of each of this process's threads (Linux; else none)."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks[int(tid)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def cpu_times() -> tuple[int, int]:
+    """(steal, all) clock ticks of the whole machine since boot (Linux; else zeros)."""
+    if not os.path.exists("/proc/stat"):
+        return 0, 0
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 def per_token(
     ours: Engine, prompt: list[int], k: int | None, tokens: int, repeats: int
 ) -> dict[str, Any]:
     params = resolve(SamplingOverrides(temperature=0.0))
     wall = cpu = weights = float("inf")
     digest = ""
+    ticks: collections.Counter[int] = collections.Counter()
+    seconds = 0.0
+    steal_before, all_before = cpu_times()
     for _ in range(repeats):
         if k == 0:
             weights = min(weights, *(weights_ms(ours) for _ in range(5)))
         request = GenerationRequest(prompt, params, tokens, draft_tokens=k, ignore_eos=True)
         out: list[int] = []
-        c0 = time.process_time()
+        c0, t0, before = time.process_time(), time.perf_counter(), thread_ticks()
         for event in ours.generate(request):
             out += event.token_ids
+        seconds += time.perf_counter() - t0
+        ticks.update({tid: n - before.get(tid, 0) for tid, n in thread_ticks().items()})
         cpu = min(cpu, (time.process_time() - c0) / len(out))
         wall = min(wall, event.stats.generation_seconds / len(out))
         digest = hashlib.sha1(json.dumps(out).encode()).hexdigest()[:10]
     row = {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
     if k == 0:
         row["weights_ms"] = round(weights, 3)
+    steal_after, all_after = cpu_times()
+    steal, total = steal_after - steal_before, all_after - all_before
+    if ticks:
+        row["stolen"] = round(steal / total, 2) if total else 0.0
+        share = {tid: n / os.sysconf("SC_CLK_TCK") / seconds for tid, n in ticks.items()}
+        other = max((v for tid, v in share.items() if tid != os.getpid()), default=0.0)
+        row["busy"] = {"calling": round(share.get(os.getpid(), 0.0), 2), "stream": round(other, 2)}
     return row
 
 
