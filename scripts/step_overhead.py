@@ -124,16 +124,19 @@ def per_token(
     digest = ""
     ticks: collections.Counter[int] = collections.Counter()
     seconds = 0.0
-    steal_before, all_before = cpu_times()
+    steal = total = 0
     for _ in range(repeats):
         if k == 0:
             weights = min(weights, *(weights_ms(ours) for _ in range(5)))
         request = GenerationRequest(prompt, params, tokens, draft_tokens=k, ignore_eos=True)
         out: list[int] = []
         c0, t0, before = time.process_time(), time.perf_counter(), thread_ticks()
+        steal_before, all_before = cpu_times()
         for event in ours.generate(request):
             out += event.token_ids
         seconds += time.perf_counter() - t0
+        steal_after, all_after = cpu_times()
+        steal, total = steal + steal_after - steal_before, total + all_after - all_before
         ticks.update({tid: n - before.get(tid, 0) for tid, n in thread_ticks().items()})
         cpu = min(cpu, (time.process_time() - c0) / len(out))
         wall = min(wall, event.stats.generation_seconds / len(out))
@@ -141,8 +144,6 @@ def per_token(
     row = {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
     if k == 0:
         row["weights_ms"] = round(weights, 3)
-    steal_after, all_after = cpu_times()
-    steal, total = steal_after - steal_before, all_after - all_before
     if ticks:
         row["stolen"] = round(steal / total, 2) if total else 0.0
         share = {tid: n / os.sysconf("SC_CLK_TCK") / seconds for tid, n in ticks.items()}
