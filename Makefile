@@ -8,10 +8,12 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 MODEL  ?= models/qwen3.5-demo
 STAMP  := $(VENV)/.installed
+NATIVE := build/native/.built
+NATIVE_SOURCES := $(wildcard engine/model/native/*.cpp engine/model/native/*.h) engine/model/native/CMakeLists.txt
 
-.PHONY: install serve test lint bench bench-batch soak mutants compare-llamacpp clean
+.PHONY: install serve test lint bench bench-batch bench-kernel soak mutants compare-llamacpp clean
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE)
 
 $(STAMP): pyproject.toml scripts/setup_libs.sh
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +21,11 @@ $(STAMP): pyproject.toml scripts/setup_libs.sh
 	$(PY) -m pip install --quiet -e ".[dev]"
 	bash scripts/setup_libs.sh
 	touch $(STAMP)
+
+# the CPU product kernel (engine/model/native); a failed build warns and leaves mlx's products
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES) scripts/build_native.sh
+	bash scripts/build_native.sh $(PY)
+	mkdir -p $(dir $(NATIVE)) && touch $(NATIVE)
 
 serve: install
 	$(VENV)/bin/mtpserve serve --model $(MODEL) --host $(HOST) --port $(PORT)

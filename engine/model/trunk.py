@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from engine.model import products
 from engine.model.activations import exp, gated_rms_norm, sigmoid, silu
 from engine.model.attention import RowKVCache, attend_rows
 
@@ -650,6 +651,9 @@ def prepare_transposed(model: nn.Module, parts: int = 1) -> None:
     Call it once the weights are final (``engine.model.loader.load``); a weight replaced later
     is noticed and multiplied as before."""
     cpu = mx.default_device().type == mx.DeviceType.cpu
+    if products.on_native():
+        # the kernel takes the few-row products: the views serve long fp32 prefills only
+        cpu, parts = False, 1
     for module in model.modules():
         if type(module) in (nn.Linear, nn.Embedding):
             weight = module["weight"]
@@ -774,8 +778,12 @@ def _prepared(module: nn.Module) -> _Prepared | None:
 
 
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
-    """``x @ weight.T`` by the module's prepared views (None when it has none): one product, or
-    for a large weight and few rows one per column part, each on its own CPU stream, joined."""
+    """``x @ weight.T`` by the native kernel (``engine.model.products``), else by the module's
+    prepared views (None when it has none): one product, or for a large weight and few rows one
+    per column part, each on its own CPU stream, joined."""
+    out = products.product(module, x)
+    if out is not None:
+        return out
     prepared = _prepared(module)
     return None if prepared is None else _product(x, prepared)
 
@@ -816,8 +824,11 @@ def _times(x: mx.array, operand: _Operand, rows: int) -> mx.array:
 
 
 def linear(module: nn.Module, x: mx.array) -> mx.array:
-    """``module(x)`` for a linear layer, by its prepared transposed weight when it has one
-    (the same product: bit-identical)."""
+    """``module(x)`` for a linear layer: by the native kernel on a CPU (``engine.model.products``),
+    else by its prepared transposed weight when it has one (the same product: bit-identical)."""
+    out = products.product(module, x)
+    if out is not None:
+        return out
     prepared = _prepared(module)
     if prepared is None:
         return module(x)

@@ -1,0 +1,61 @@
+// AVX2 with FMA and F16C: 8 floats a vector, tiles of 2 rows by 4 columns (16 registers).
+#include <immintrin.h>
+
+#include "products.h"
+
+#define KERNEL_NAMESPACE avx2
+#include "kernel_impl.h"
+
+namespace mtpserve {
+namespace {
+
+struct Avx2 {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static constexpr int R = 2;
+  static constexpr int J = 4;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load_partial(const float* p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(reg v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static reg load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static reg load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // 8 codes from `i` (a multiple of 8) of a 4- or 8-bit row, as scale * code + bias
+  static reg dequantize(const uint8_t* codes, int bits, int64_t i, float scale, float bias) {
+    __m256i c;
+    if (bits == 8) {
+      c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    } else {
+      uint32_t packed;
+      std::memcpy(&packed, codes + i / 2, 4);
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      c = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts),
+          _mm256_set1_epi32(0xf));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scale), _mm256_set1_ps(bias));
+  }
+};
+
+}  // namespace
+
+void columns_avx2(const ProductArgs& a, int64_t first, int64_t last) {
+  avx2::columns<Avx2>(a, first, last);
+}
+
+}  // namespace mtpserve

@@ -1,0 +1,109 @@
+// y[T, out] = x[T, in] @ W^T for the few rows of decoding: the types shared by the kernels of
+// every instruction set, the thread pool and the mlx primitive.
+#pragma once
+
+#include <cstdint>
+
+namespace mtpserve {
+
+// How a weight is stored: dense [out, in] elements, or mlx's affine quantization (packed
+// unsigned codes, `bits` each, little-endian within each uint32 word; per `group` codes of a
+// row one scale and one bias: w = scale * code + bias).
+enum class WeightKind : int { f32 = 0, bf16 = 1, f16 = 2, affine = 3 };
+
+// Element types of activations, outputs, scales and biases.
+enum class Real : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+struct WeightView {
+  WeightKind kind;
+  const void* data;  // dense elements, or the packed codes (row stride in * bits / 8 bytes)
+  const void* scales = nullptr;  // affine: [out, in / group] of `scale_type`
+  const void* biases = nullptr;
+  Real scale_type = Real::f32;
+  int bits = 0;
+  int group = 0;
+  int64_t out;
+  int64_t in;
+};
+
+// One product's operands, as every kernel sees them. `x` is the activation widened to fp32,
+// `rows` rows of `x_stride` floats each, zero from column `in` to the end of the row (so that
+// a kernel may read whole vectors past the end of a row).
+struct ProductArgs {
+  const float* x;
+  int64_t x_stride;
+  int rows;
+  WeightView w;
+  void* y;  // [rows, out] of `y_type`, row-major
+  Real y_type;
+};
+
+// Rows of x are padded to a multiple of this many floats (the widest vector).
+constexpr int64_t kPad = 16;
+
+// Computes the output columns [first, last) of every row. The order in which one output
+// element's sum is accumulated depends only on `in` and the weight's kind: never on `rows`, on
+// which columns share the call, or on the thread that runs it. So row t of a T-row product is
+// bit for bit the one-row product of that row, whatever the thread count.
+using ColumnsKernel = void (*)(const ProductArgs&, int64_t first, int64_t last);
+
+// The kernels, one per instruction set (each compiled in its own translation unit).
+void columns_scalar(const ProductArgs&, int64_t first, int64_t last);
+#if defined(__x86_64__) || defined(_M_X64)
+void columns_avx2(const ProductArgs&, int64_t first, int64_t last);
+void columns_avx512(const ProductArgs&, int64_t first, int64_t last);
+#endif
+#if defined(__aarch64__)
+void columns_neon(const ProductArgs&, int64_t first, int64_t last);
+#endif
+
+// Scalar conversions shared by every kernel.
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);
+static inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as mlx does
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+static inline float real_at(const void* p, Real type, int64_t i) {
+  switch (type) {
+    case Real::f32:
+      return static_cast<const float*>(p)[i];
+    case Real::bf16:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+static inline void store_real(void* p, Real type, int64_t i, float v) {
+  switch (type) {
+    case Real::f32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case Real::bf16:
+      static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = float_to_half(v);
+  }
+}
+
+// One code of an affine-quantized row: codes are a little-endian bit stream.
+static inline uint32_t code_at(const uint8_t* row, int bits, int64_t i) {
+  int64_t bit = i * bits;
+  const uint8_t* p = row + (bit >> 3);
+  uint32_t shift = static_cast<uint32_t>(bit & 7);
+  uint32_t v = p[0];
+  if (shift + bits > 8) v |= static_cast<uint32_t>(p[1]) << 8;
+  return (v >> shift) & ((1u << bits) - 1u);
+}
+
+}  // namespace mtpserve

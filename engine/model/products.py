@@ -1,0 +1,116 @@
+"""Products of the few rows of decoding: ``y[T, out] = x[T, in] @ W^T``.
+
+On a CPU these run on mtpserve's own kernel, an mlx custom primitive (``engine/model/native``,
+built by ``make install``): each thread owns a slice of the output columns and reads its weight
+rows once for all T rows, on every core, for fp32, bf16, fp16 and mlx's affine-quantized
+weights. mlx's own products run one stream's kernels on one thread, and its bf16 and quantized
+CPU products are several times slower than fp32 (1024x3584: fp32 0.93 ms, bf16 5.1 ms, 4-bit
+5.1 ms), so without the kernel a plain step reads its weights on one core and a verify of K+1
+rows costs several plain steps.
+
+Row t of a T-row product is bit for bit the one-row product of that row (the kernel's
+accumulation order depends only on the weight's width and kind, never on T or the thread
+count), so greedy output does not move with K or the batch size.
+
+Metal and CUDA keep mlx's own products, and so does a CPU without the built extension (one log
+line says which runs: ``description``). fp32 products of more than ``NATIVE_MAX_ROWS_F32`` rows
+(long prefills) keep BLAS, which threads them itself; bf16, fp16 and quantized weights always
+take the kernel on a CPU, mlx having no fast CPU product for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger(__name__)
+
+#: fp32 products of more rows than this keep BLAS (BLIS threads a product of many rows itself).
+#: Below it the kernel wins: measured with ``scripts/bench_kernel.py --crossover``
+#: (docs/BENCHMARKS.md, "Product kernel").
+NATIVE_MAX_ROWS_F32 = 64
+
+#: set to 0 to run mlx's own products on a CPU even where the kernel is built
+DISABLE_ENV = "MTPSERVE_NATIVE_PRODUCTS"
+
+_FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+_native: ModuleType | None = None
+_reason = ""
+
+
+def _load() -> None:
+    global _native, _reason
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        _reason = f"{DISABLE_ENV}=0"
+        return
+    try:
+        from engine.model.native import _products
+    except ImportError as error:
+        _reason = f"not built ({error}; `make install` builds it)"
+        return
+    _native = _products
+
+
+_load()
+
+
+def native() -> ModuleType | None:
+    """The kernel's module when it is built and enabled, else None."""
+    return _native
+
+
+def on_native() -> bool:
+    """Whether products run on the kernel here: built, enabled and mlx's device is the CPU."""
+    return _native is not None and mx.default_device().type == mx.DeviceType.cpu
+
+
+def description() -> str:
+    """One line for the server log: which products run, on what."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return "products: mlx's own (GPU)"
+    if _native is None:
+        return f"products: mlx's own on the CPU; the native kernel is off: {_reason}"
+    return f"products: native kernel, {_native.isa()}, {_native.threads()} threads"
+
+
+def _quantized(module: nn.Module) -> tuple[int, int] | None:
+    """(bits, group size) of an affine-quantized layer the kernel takes; None otherwise."""
+    if getattr(module, "mode", "affine") != "affine" or "scales" not in module:
+        return None
+    return module.bits, module.group_size
+
+
+def product(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ module.weight.T`` (plus the bias) by the kernel, for an ``nn.Linear``,
+    ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection;
+    None where the kernel does not take it (not on a CPU, not built, a type mlx would promote
+    differently, or an fp32 product of more rows than ``NATIVE_MAX_ROWS_F32``)."""
+    if not on_native() or x.dtype not in _FLOATS:
+        return None
+    weight = module.get("weight")
+    if weight is None:
+        return None
+    if weight.dtype == mx.uint32:
+        quantized = _quantized(module)
+        if quantized is None:
+            return None
+        bits, group = quantized
+        out = _native.product(
+            x, weight, module["scales"], module["biases"], bits=bits, group_size=group
+        )
+    elif weight.dtype in _FLOATS:
+        # the result takes x's type: mlx would promote a narrower x to the weight's type
+        if x.dtype != weight.dtype and x.dtype != mx.float32:
+            return None
+        if weight.dtype == mx.float32 and x.size // x.shape[-1] > NATIVE_MAX_ROWS_F32:
+            return None
+        out = _native.product(x, weight)
+    else:
+        return None
+    bias = module.get("bias")
+    return out if bias is None else out + bias

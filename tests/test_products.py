@@ -1,0 +1,154 @@
+"""The native product kernel (engine/model/native) against numpy in float64: every weight type,
+every instruction set this CPU runs, odd shapes, and the bit-identity of a row across row counts
+and thread counts that keeps greedy output independent of K and the batch size."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.model import products
+
+native = products.native()
+pytestmark = pytest.mark.skipif(native is None, reason="the native product kernel is not built")
+
+ISAS = native.supported_isas() if native is not None else []
+BITS = (2, 3, 4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa("")
+
+
+def _random(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _close(got: mx.array, want: np.ndarray, type_eps: float) -> None:
+    got64 = np.array(got.astype(mx.float32)).astype(np.float64)
+    scale = np.abs(want).max() + 1e-30
+    assert np.abs(got64 - want).max() / scale < type_eps
+
+
+def test_built_wherever_a_compiler_is() -> None:
+    """`make install` builds the kernel on a machine with a C++ compiler: a CI run that silently
+    fell back to mlx's products would not be testing what users run."""
+    if shutil.which("c++") or shutil.which("g++"):
+        assert products.native() is not None, products.description()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    ("rows", "out", "inner"),
+    [(1, 1, 1), (1, 37, 50), (2, 3, 17), (5, 256, 768), (17, 33, 129), (64, 40, 257), (70, 9, 31)],
+)
+def test_dense_against_float64(isa: str, dtype: mx.Dtype, rows: int, out: int, inner: int) -> None:
+    x = _random((rows, inner), 1)
+    w = mx.array(_random((out, inner), 2)).astype(dtype)
+    want = x.astype(np.float64) @ np.array(w.astype(mx.float32)).astype(np.float64).T
+    _close(native.product(mx.array(x), w), want, 1e-5)
+    # a narrower activation: the output takes its type
+    y = native.product(mx.array(x).astype(dtype), w)
+    assert y.dtype == dtype
+    _close(
+        y,
+        np.array(mx.array(x).astype(dtype).astype(mx.float32)).astype(np.float64)
+        @ np.array(w.astype(mx.float32)).astype(np.float64).T,
+        1e-2 if dtype != mx.float32 else 1e-5,
+    )
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
+    inner = group * 3  # not a multiple of every chunk
+    w = mx.array(_random((45, inner), 3))
+    for scale_type in (mx.float32, mx.bfloat16):
+        packed, scales, biases = mx.quantize(w.astype(scale_type), group_size=group, bits=bits)
+        # the kernel computes scale * code + bias in fp32, unrounded
+        dequantized = mx.dequantize(
+            packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+        )
+        want64 = np.array(dequantized.astype(mx.float32)).astype(np.float64)
+        for rows in (1, 3, 9):
+            x = _random((rows, inner), rows)
+            got = native.product(mx.array(x), packed, scales, biases, bits=bits, group_size=group)
+            _close(got, x.astype(np.float64) @ want64.T, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "q8"])
+def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind: str) -> None:
+    inner, out = 1000, 300  # a partial vector at the end of each row, a partial column tile
+    x = mx.array(_random((64, inner), 5))
+    w = mx.array(_random((out, inner), 6))
+    if kind.startswith("q"):
+        bits = int(kind[1:])
+        packed, scales, biases = mx.quantize(w[:, :960], group_size=64, bits=bits)
+        x = x[:, :960]
+
+        def run(rows: mx.array) -> np.ndarray:
+            return np.array(native.product(rows, packed, scales, biases, bits=bits, group_size=64))
+    else:
+        weight = w.astype(mx.bfloat16) if kind == "bf16" else w
+
+        def run(rows: mx.array) -> np.ndarray:
+            return np.array(native.product(rows, weight))
+
+    alone = np.concatenate([run(x[t : t + 1]) for t in range(x.shape[0])])
+    before = native.threads()
+    try:
+        for threads in (1, 2, 3):
+            native.set_threads(threads)
+            for rows in (2, 5, 9, 24, 64):
+                assert np.array_equal(run(x[:rows]), alone[:rows]), (threads, rows)
+    finally:
+        native.set_threads(before)
+
+
+def test_lazy_compiled_and_strided() -> None:
+    """A node of the graph like any op: inside mx.compile, on a strided (transposed) input."""
+    w = mx.array(_random((24, 40), 7))
+    x = mx.array(_random((40, 3), 8)).T  # [3, 40], not row-contiguous
+    want = np.array(x) @ np.array(w).T
+
+    @mx.compile
+    def f(a: mx.array) -> mx.array:
+        return native.product(a * 2.0, w) + 1.0
+
+    assert np.allclose(np.array(f(x)), 2 * want + 1, rtol=1e-5, atol=1e-5)
+    assert np.allclose(np.array(native.product(x, w)), want, rtol=1e-5, atol=1e-5)
+    stacked = native.product(mx.stack([x, x]), w)  # leading dimensions are rows too
+    assert stacked.shape == (2, 3, 24)
+
+
+def test_bad_operands_raise() -> None:
+    w = mx.zeros((4, 8))
+    with pytest.raises(ValueError):
+        native.product(mx.zeros((2, 7)), w)
+    with pytest.raises(ValueError):
+        native.product(mx.zeros((2, 8), dtype=mx.int32), w)
+    packed, scales, biases = mx.quantize(mx.zeros((4, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError):
+        native.product(mx.zeros((1, 64)), packed, scales, biases, bits=8, group_size=32)
+    with pytest.raises(ValueError):
+        native.product(mx.zeros((1, 64)), packed, scales, None, bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_the_environment_forces_an_instruction_set(name: str) -> None:
+    env = {**os.environ, "MTPSERVE_PRODUCTS_ISA": name, "MTPSERVE_THREADS": "3"}
+    code = "from engine.model import products; print(products.description())"
+    line = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert f"native kernel, {name}, 3 threads" in line
