@@ -77,7 +77,11 @@ def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
         packed, scales, biases = mx.quantize(w.astype(scale_type), group_size=group, bits=bits)
         # the kernel computes scale * code + bias in fp32, unrounded
         dequantized = mx.dequantize(
-            packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+            packed,
+            scales.astype(mx.float32),
+            biases.astype(mx.float32),
+            group_size=group,
+            bits=bits,
         )
         want64 = np.array(dequantized.astype(mx.float32)).astype(np.float64)
         for rows in (1, 3, 9):
