@@ -32,8 +32,13 @@ serve: install
 
 # two workers, one test file each at a time (module-scoped servers stay shared): the suite is
 # mostly one-core work, ~1.35x faster this way on 2 cores (~9.5 against ~12.5 min)
+# then the engine's exactness tests once more on mlx's own products (the path without the
+# native kernel: a machine with no compiler, or MTPSERVE_NATIVE_PRODUCTS=0)
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile
+	MTPSERVE_NATIVE_PRODUCTS=0 $(PY) -m pytest -n 2 --dist loadfile $(FALLBACK_TESTS)
+
+FALLBACK_TESTS := tests/test_engine.py tests/test_acceptance_exact.py tests/test_batching.py
 
 # Known bugs applied one at a time to a copy of the tree: each must fail a fast test (not in `test`).
 mutants: install

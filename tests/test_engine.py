@@ -14,6 +14,7 @@ from checkpoints import VARIANTS, Variant, write_checkpoint
 from reference_head import ReferenceHead
 
 from engine.api import GenerationRequest
+from engine.model import products
 from engine.runtime import Engine
 from sampling.params import SamplingParams
 
@@ -587,6 +588,10 @@ def _unsplit(x: mx.array, weight: mx.array, rowwise_max_rows: int) -> mx.array:
     return x @ weight.T
 
 
+@pytest.mark.skipif(
+    products.on_native(),
+    reason="mlx's products only; `make test` runs them again without the kernel",
+)
 def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     """On a CPU a float32 product of 2 to ``rowwise_max_rows`` rows (a verify pass's K+1
     positions, a batch's rows), where row by row pays, gives every row bit for bit what that

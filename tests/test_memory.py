@@ -38,9 +38,9 @@ BF16 = Variant(
 
 
 def test_loading_a_bf16_checkpoint_as_fp32_holds_one_copy(make_checkpoint) -> None:
-    """bf16 on disk, fp32 in memory (a CPU, where it fits): each tensor is read and cast once,
+    """bf16 on disk, fp32 in memory (``--dtype float32``): each tensor is read and cast once,
     so the peak while loading stays within 1.1x of the resident weights."""
-    with_head = measure(make_checkpoint(BF16), True)
+    with_head = measure(make_checkpoint(BF16), True, dtype="float32")
     resident = with_head["trunk_bytes"] + with_head["head_bytes"]
     assert with_head["dtype"] == "float32"
     # 1.1x is the promise; evaluated in one go (two copies of some tensors at once) it was
@@ -56,16 +56,21 @@ def test_memory_limit_chooses_fp32_then_the_stored_dtype_then_refuses(
     import mlx.core as mx
     import pytest
 
-    from engine.model import loader, memory
+    from engine.model import loader, memory, products
 
     model_dir = make_checkpoint(Variant("tiny-bf16", dtype="bfloat16"))
     size = memory.checkpoint_size(loader._weight_files(model_dir))
     assert size.stored_dtype == "bfloat16"
     fits_fp32 = int(size.bytes_in("float32") * memory.HEADROOM + memory.RESERVE) + 1
-    assert loader.load(str(model_dir), memory_limit=fits_fp32).head.fc.weight.dtype == mx.float32
+    # the native product kernel runs bf16 as stored: auto widens only where mlx's products run
+    widened = mx.bfloat16 if products.on_native() else mx.float32
+    assert loader.load(str(model_dir), memory_limit=fits_fp32).head.fc.weight.dtype == widened
+    assert memory.plan(size, "auto", True, fits_fp32).dtype == "float32"
+    assert memory.plan(size, "auto", True, fits_fp32, widen_on_cpu=False).dtype == "bfloat16"
 
     with caplog.at_level(logging.WARNING, logger="mtpserve.memory"):
         loaded = loader.load(str(model_dir), memory_limit=fits_fp32 - 2)
+        assert memory.plan(size, "auto", True, fits_fp32 - 2).dtype == "bfloat16"
     assert loaded.head.fc.weight.dtype == mx.bfloat16
     assert loaded.trunk.model.embed_tokens.weight.dtype == mx.bfloat16
     assert "keeping the weights in bfloat16" in caplog.text
@@ -102,6 +107,8 @@ def test_an_unquantized_moe_runs_on_a_cpu_only_in_fp32(make_checkpoint) -> None:
     fp32 = size.bytes_in("float32")
     assert memory.plan(size, "auto", on_cpu=True, available=fp32).dtype == "float32"
     assert memory.plan(size, "auto", on_cpu=False, available=fp32).dtype == "bfloat16"
+    # floating experts run only in float32 on a CPU, native product kernel or not
+    assert memory.plan(size, "auto", True, fp32, widen_on_cpu=False).dtype == "float32"
     with pytest.raises(memory.InsufficientMemory, match="only in float32"):
         memory.plan(size, "auto", on_cpu=True, available=fp32 - 1)
     with pytest.raises(memory.UnsupportedDtype, match="--dtype bfloat16"):

@@ -156,3 +156,33 @@ def test_the_environment_forces_an_instruction_set(name: str) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert f"native kernel, {name}, 3 threads" in line
+
+
+def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
+    """``trunk.linear`` and ``trunk.product`` (every projection of decoding, the vocabulary's
+    too) take the kernel for float and quantized layers: the same numbers as the kernel itself,
+    and a verify's or batch's row bit for bit that row alone."""
+    import mlx.nn as nn
+
+    from engine.model import trunk
+
+    mx.random.seed(3)
+    layers = {
+        "linear": nn.Linear(96, 160, bias=True),
+        "half": nn.Linear(96, 160, bias=False),
+        "quantized": nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4),
+        "table": nn.Embedding(300, 96),
+    }
+    layers["half"].set_dtype(mx.bfloat16)
+    for name, layer in layers.items():
+        mx.eval(layer.parameters())
+        inner = 128 if name == "quantized" else 96
+        x = mx.random.normal((5, inner))
+        run = trunk.product if name == "table" else trunk.linear
+        together = np.array(run(layer, x).astype(mx.float32))
+        alone = np.concatenate(
+            [np.array(run(layer, x[i : i + 1]).astype(mx.float32)) for i in range(5)]
+        )
+        assert np.array_equal(together, alone), name
+        reference = layer.as_linear(x) if name == "table" else layer(x)
+        assert np.allclose(together, np.array(reference.astype(mx.float32)), rtol=2e-2, atol=2e-2)

@@ -17,9 +17,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def measure(model: str | Path, with_head: bool) -> dict[str, Any]:
+def measure(model: str | Path, with_head: bool, dtype: str = "auto") -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "engine.bench.memory", str(model), "1" if with_head else "0"],
+        [sys.executable, "-m", "engine.bench.memory", str(model), "1" if with_head else "0", dtype],
         capture_output=True,
         text=True,
         check=True,
@@ -29,7 +29,7 @@ def measure(model: str | Path, with_head: bool) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _probe(model: str, with_head: bool) -> dict[str, Any]:
+def _probe(model: str, with_head: bool, dtype: str) -> dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from transformers import AutoTokenizer
@@ -40,7 +40,7 @@ def _probe(model: str, with_head: bool) -> dict[str, Any]:
     from sampling.params import SamplingParams
 
     mx.reset_peak_memory()
-    loaded = loader.load(model, with_head=with_head)
+    loaded = loader.load(model, with_head=with_head, dtype=dtype)
     load_peak = mx.get_peak_memory()
     params = tree_flatten(loaded.trunk.parameters())
     dtype = str(loaded.trunk.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
@@ -68,4 +68,4 @@ def _probe(model: str, with_head: bool) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # `python -m` imports the engine package first: the fast BLAS is loaded
-    print(json.dumps(_probe(sys.argv[1], sys.argv[2] == "1")))
+    print(json.dumps(_probe(sys.argv[1], sys.argv[2] == "1", sys.argv[3])))

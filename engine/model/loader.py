@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
-from engine.model import memory
+from engine.model import memory, products
 from engine.model.location import resolve_model_dir
 from engine.model.mtp import MTPHead
 from engine.model.trunk import prepare_transposed, product_parts
@@ -238,13 +238,14 @@ def load(
     memory_limit: int | None = None,
     ranks: int = 1,
 ) -> LoadedModel:
-    """Load the trunk and attach the head. ``dtype`` auto keeps the stored dtype on GPUs and
-    uses fp32 on CPUs where it fits (``engine.model.memory.plan``; ``memory_limit`` bytes stands for
-    the memory available). Refuses with ``InsufficientMemory`` before reading any weight when
-    nothing fits. The model is loaded lazily and ``prepare`` (e.g. shard: engine.distributed)
-    runs before any weight is read, so only what is left after it is read from disk; each
-    tensor is read and cast once (evaluated in batches), so loading never holds a second copy
-    of the weights. ``ranks``: the memory plan is for one rank's shard of that many."""
+    """Load the trunk and attach the head. ``dtype`` auto keeps the stored dtype on GPUs and on
+    CPUs that run the native product kernel, and uses fp32 on other CPUs where it fits
+    (``engine.model.memory.plan``; ``memory_limit`` bytes stands for the memory available).
+    Refuses with ``InsufficientMemory`` before reading any weight when nothing fits. The model
+    is loaded lazily and ``prepare`` (e.g. shard: engine.distributed) runs before any weight is
+    read, so only what is left after it is read from disk; each tensor is read and cast once
+    (evaluated in batches), so loading never holds a second copy of the weights. ``ranks``: the
+    memory plan is for one rank's shard of that many."""
     model_dir = resolve_model_dir(model)
     config_path = model_dir / "config.json"
     if not config_path.exists():
@@ -256,7 +257,9 @@ def load(
         path = path if path.exists() else model_dir / path
         files += [path] if path.exists() else []
     size = memory.checkpoint_size(files).per_rank(ranks)
-    chosen = memory.plan(size, dtype, mx.default_device() == mx.cpu, memory_limit)
+    on_cpu = mx.default_device() == mx.cpu
+    # with the native kernel, half-precision and quantized weights stay as stored on a CPU
+    chosen = memory.plan(size, dtype, on_cpu, memory_limit, widen_on_cpu=not products.on_native())
     log.info(
         "loading %s: %.2f GB of weights in %s (stored as %s; %.1f GB available)",
         model_dir.name,
@@ -281,7 +284,7 @@ def load(
     _materialise(net, chosen.needed)
     # one rank per machine's cores: ranks sharing a machine would each split across all of them
     prepare_transposed(net, product_parts() if ranks == 1 else 1)
-    log.info("weights loaded in %.1fs", time.perf_counter() - t0)
+    log.info("weights loaded in %.1fs; %s", time.perf_counter() - t0, products.description())
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)
     memory.configure_device(chosen.needed)

@@ -161,11 +161,17 @@ def available_bytes() -> int:
 
 
 def plan(
-    size: CheckpointSize, requested: str, on_cpu: bool, available: int | None = None
+    size: CheckpointSize,
+    requested: str,
+    on_cpu: bool,
+    available: int | None = None,
+    widen_on_cpu: bool = True,
 ) -> MemoryPlan:
     """The dtype to load in (``requested``: auto, float32, bfloat16 or float16), or
     ``InsufficientMemory`` naming what is needed and what there is; ``UnsupportedDtype`` for a
-    dtype the device cannot run the checkpoint in."""
+    dtype the device cannot run the checkpoint in. ``widen_on_cpu``: auto widens half-precision
+    weights to float32 on a CPU (where only mlx's float32 products are fast); False where the
+    native product kernel runs them in their stored type (``engine.model.products``)."""
     available = available_bytes() if available is None else available
     stored = size.stored_dtype
     fp32_only = on_cpu and size.floating_experts
@@ -176,7 +182,7 @@ def plan(
         )
     if requested != "auto":
         choice = MemoryPlan(requested, size, available)
-    elif on_cpu and stored != "float32":
+    elif on_cpu and stored != "float32" and (widen_on_cpu or fp32_only):
         fp32 = MemoryPlan("float32", size, available)
         if fp32.needed * HEADROOM + RESERVE <= available:
             return fp32
