@@ -178,6 +178,29 @@ def check_structured(
         )
 
 
+#: reasoning effort -> whether the model thinks: the model has no finer setting than on / off
+_THINKS_AT_EFFORT = {
+    "none": False,
+    "minimal": False,
+    "low": True,
+    "medium": True,
+    "high": True,
+    "xhigh": True,
+}
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def effort_kwargs(
+    template_kwargs: dict[str, Any] | None, effort: ReasoningEffort | None
+) -> dict[str, Any] | None:
+    """The template arguments with OpenAI's reasoning effort applied: ``none`` and ``minimal``
+    turn thinking off, any other effort on; ``enable_thinking`` set in the template arguments
+    themselves wins (it is the more specific request)."""
+    if effort is None:
+        return template_kwargs
+    return {"enable_thinking": _THINKS_AT_EFFORT[effort]} | dict(template_kwargs or {})
+
+
 def prefill_kwargs(template_kwargs: dict[str, Any] | None, param: str) -> dict[str, Any]:
     """The template arguments of a reply that continues a final assistant message (a
     prefill): thinking off, since the reply would otherwise begin inside the reasoning;
