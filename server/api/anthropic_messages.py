@@ -129,7 +129,9 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     # a named tool is asked for once
-    parallel = not (choice is not None and (choice.disable_parallel_tool_use or choice.type == "tool"))
+    parallel = not (
+        choice is not None and (choice.disable_parallel_tool_use or choice.type == "tool")
+    )
     grammar = output_grammar(
         state,
         prompt,

@@ -159,7 +159,9 @@ class ResponseView:
         marks it."""
         if status is None:
             choice = self.job.choices[0]
-            cut = choice.finish_reason == "length" and index == len(choice.blocks) - 1
+            last = index == len(choice.blocks) - 1
+            # a tool call knows whether it was closed; text and reasoning end where the cut is
+            cut = choice.finish_reason == "length" and last and block.kind != "tool_call"
             status = "incomplete" if cut or not block.complete else "completed"
         item: dict[str, Any] = {"id": self.item_id(index, block), "status": status}
         if block.kind == "tool_call":

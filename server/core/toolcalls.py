@@ -353,7 +353,9 @@ class ChatOutputParser:
             if self._pending_nl:
                 # newlines the model ended on are its text; only those before a state change
                 # (a tool call, the end of the reasoning) are layout
-                out.add_text("reasoning" if self.state == "reasoning" else "content", self._pending_nl)
+                out.add_text(
+                    "reasoning" if self.state == "reasoning" else "content", self._pending_nl
+                )
         self._pending_nl = ""
         return out
 
