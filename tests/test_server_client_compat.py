@@ -46,12 +46,13 @@ RESPONSES_TOOLS = [{"type": "function", **CHAT_TOOLS[0]["function"]}]
 QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
 NAMED = {"type": "function", "function": {"name": "answer"}}
 GREEDY = {"temperature": 0}
+NO_THINKING = {"enable_thinking": False}
 #: template markup that must never reach a value
 MARKUP = ("<parameter", "</parameter", "<function", "</function", "<tool_call", "</tool_call")
 
 
 #: a question the demo model thinks about before answering (most it answers at once)
-PONDERED = [{"role": "user", "content": "What is 2+2?"}]
+PONDERED = [{"role": "user", "content": "What is a list?"}]
 
 
 def load_demo() -> Any:
@@ -159,7 +160,10 @@ def test_a_named_tool_is_called_once(
 def test_a_cut_tool_call_is_never_a_finished_one(
     client: openai.OpenAI, claude: anthropic.Anthropic, server: LiveServer, http: httpx.Client
 ) -> None:
-    kw: dict[str, Any] = dict(model=server.model, messages=QUESTION, **GREEDY)
+    # one call only (the named function and parallel calls off): the cut is all that is tested
+    kw: dict[str, Any] = dict(
+        model=server.model, messages=QUESTION, parallel_tool_calls=False, **GREEDY
+    )
     whole = client.chat.completions.create(
         tools=CHAT_TOOLS, tool_choice=NAMED, max_tokens=150, **kw
     )
@@ -184,6 +188,7 @@ def test_a_cut_tool_call_is_never_a_finished_one(
             "input": "Is the sky blue?",
             "tools": RESPONSES_TOOLS,
             "tool_choice": {"type": "function", "name": "answer"},
+            "parallel_tool_calls": False,
             "max_output_tokens": max_tokens,
         } | GREEDY
         resp = http.post("/v1/responses", json=body).json()
@@ -195,7 +200,7 @@ def test_a_cut_tool_call_is_never_a_finished_one(
         model=server.model,
         messages=QUESTION,
         tools=CLAUDE_TOOLS,
-        tool_choice={"type": "tool", "name": "answer"},
+        tool_choice={"type": "tool", "name": "answer", "disable_parallel_tool_use": True},
         extra_body=GREEDY,
     )
     whole_claude = claude.messages.create(max_tokens=150, **claude_kw)
@@ -218,7 +223,10 @@ def test_a_cut_tool_call_is_never_a_finished_one(
     cut_calls = 0
     for max_tokens in range(length, length + 12):
         r = client.chat.completions.create(
-            tools=CHAT_TOOLS, tool_choice="required", max_tokens=max_tokens, **kw
+            tools=CHAT_TOOLS,
+            tool_choice="required",
+            max_tokens=max_tokens,
+            **(kw | {"parallel_tool_calls": True}),
         )
         assert r.choices[0].finish_reason == "length"
         *finished, last = r.choices[0].message.tool_calls
@@ -283,7 +291,7 @@ def test_a_schema_without_additional_properties_takes_its_keys_only(
         "model": server.model,
         "messages": messages,
         "max_tokens": 120,
-        "reasoning_effort": "none",
+        "chat_template_kwargs": NO_THINKING,
         "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "Verdict", "schema": Verdict.model_json_schema()},
@@ -300,8 +308,8 @@ def test_a_schema_without_additional_properties_takes_its_keys_only(
         model=server.model,
         messages=messages,
         max_tokens=120,
-        reasoning_effort="none",
         response_format=Verdict,
+        extra_body={"chat_template_kwargs": NO_THINKING},
         **GREEDY,
     )
     assert isinstance(parsed.choices[0].message.parsed, Verdict)
@@ -357,40 +365,39 @@ def test_message_start_usage_is_the_cache_split(
 # ------------------------------------------------------------------------------------------
 # 8. trailing newline, logprobs of the content only, temperature's bound
 # ------------------------------------------------------------------------------------------
-def test_content_keeps_its_last_newline_and_matches_its_logprobs(
-    client: openai.OpenAI, server: LiveServer
-) -> None:
+def test_chat_logprobs_are_the_contents(client: openai.OpenAI, server: LiveServer) -> None:
+    kw: dict[str, Any] = dict(model=server.model, messages=PONDERED, logprobs=True, **GREEDY)
+    # thinking on: the reasoning, </think> and the newlines after it have no place in them
+    r = client.chat.completions.create(max_tokens=120, **kw)
+    choice = r.choices[0]
+    assert (choice.message.model_extra or {}).get("reasoning_content") and choice.message.content
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    streamed = client.chat.completions.create(max_tokens=120, stream=True, **kw)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    tokens = [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+    assert "".join(tokens) == choice.message.content
+
+
+def test_content_keeps_its_last_newline(client: openai.OpenAI, server: LiveServer) -> None:
     kw: dict[str, Any] = dict(
         model=server.model,
         messages=[{"role": "user", "content": "def fibonacci(n):"}],
         logprobs=True,
+        extra_body={"chat_template_kwargs": NO_THINKING},
         **GREEDY,
     )
-    # thinking on: the reasoning, </think> and the newlines after it have no place in them
-    r = client.chat.completions.create(max_tokens=120, **(kw | {"messages": PONDERED}))
-    choice = r.choices[0]
-    assert (choice.message.model_extra or {}).get("reasoning_content")
-    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
-
-    off = client.chat.completions.create(max_tokens=60, reasoning_effort="none", **kw)
-    tokens = [t.token for t in off.choices[0].logprobs.content]
-    assert "".join(tokens) == off.choices[0].message.content
-    # cut right after a token that ends in a newline: the content ends with it
-    cut = next(
-        i for i, t in enumerate(tokens) if t.endswith("\n") and "".join(tokens[: i + 1]).strip()
-    )
-    eos = off.choices[0].finish_reason == "stop"  # the EOS token counts, has no logprob here
-    before = off.usage.completion_tokens - len(tokens) - eos  # tokens ahead of the content
-    max_tokens = before + cut + 1
-    r = client.chat.completions.create(max_tokens=max_tokens, reasoning_effort="none", **kw)
-    expected = "".join(tokens[: cut + 1])
+    off = client.chat.completions.create(max_tokens=60, **kw)
+    texts = [t.token for t in off.choices[0].logprobs.content]
+    # cut right after a token that ends in a newline (thinking off: the reply is content from
+    # its first token): the content ends with that newline
+    cut = next(i for i, t in enumerate(texts) if t.endswith("\n") and "".join(texts[:i]).strip())
+    expected = "".join(texts[: cut + 1])
+    r = client.chat.completions.create(max_tokens=cut + 1, **kw)
+    assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.content == expected and expected.endswith("\n")
-    streamed = client.chat.completions.create(
-        max_tokens=max_tokens, reasoning_effort="none", stream=True, **kw
-    )
+    streamed = client.chat.completions.create(max_tokens=cut + 1, stream=True, **kw)
     chunks = [c.choices[0] for c in streamed if c.choices]
     assert "".join(c.delta.content or "" for c in chunks) == expected
-    assert "".join(t.token for c in chunks if c.logprobs for t in c.logprobs.content) == expected
 
 
 @pytest.mark.parametrize(
