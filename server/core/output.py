@@ -221,7 +221,7 @@ class ChoiceOutput:
                     out.token_texts[-1] += emit
                 self._parse(emit, out)
             if self.parser is not None:
-                out.parsed.extend(self.parser.finish())
+                out.parsed.extend(self.parser.finish(cut=finish == "length"))
                 if self.parser.tool_calls and finish == "stop":
                     finish = "tool_calls"
             self.finish_reason = finish

@@ -261,9 +261,8 @@ class ChatOutputParser:
         self._tool_name_sent = True
 
     def _close_tool(self, body: str, out: ParsedDelta, *, complete: bool) -> None:
-        if not complete:
-            self._cut_tool(body, out)
-            return
+        """A tool block ended: by its closing tag (``complete``) or by the model's end of
+        turn without one, both read as far as the block parses."""
         parsed = parse_tool_block(body, self._types)
         if parsed is None:
             # Not a tool call after all: give the text back as content.
@@ -274,7 +273,7 @@ class ChatOutputParser:
                 name = _FUNCTION_RE.search(body)
                 parsed = (name.group(1).strip() if name else "unknown", {})
             else:
-                self._emit(TOOL_OPEN + body + TOOL_CLOSE, out)
+                self._emit(TOOL_OPEN + body + (TOOL_CLOSE if complete else ""), out)
                 return
         name, args = parsed
         self._add_call(name, json.dumps(args, ensure_ascii=False), out, complete=True)
@@ -341,13 +340,18 @@ class ChatOutputParser:
             self._buffer = buf[len(buf) - hold :]
             return out
 
-    def finish(self) -> ParsedDelta:
-        """End of generation: flush held text; an unclosed tool block is parsed if possible."""
+    def finish(self, *, cut: bool = False) -> ParsedDelta:
+        """End of generation: flush held text. An unclosed tool block is parsed if possible
+        when the model ended it (EOS, a stop string); when the token limit ``cut`` it, it is
+        an incomplete call (``_cut_tool``)."""
         out = ParsedDelta()
         buf, self._buffer = self._buffer, ""
         if self.state == "tool":
             self._tool_progress_from(buf, out)
-            self._close_tool(buf, out, complete=False)
+            if cut:
+                self._cut_tool(buf, out)
+            else:
+                self._close_tool(buf, out, complete=False)
         else:
             self._emit(buf, out)
             if self._pending_nl:
