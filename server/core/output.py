@@ -167,8 +167,16 @@ class ChoiceOutput:
     def blocks(self) -> list[Block]:
         return self.assembler.blocks
 
-    def _in_content(self) -> bool:
-        return self.parser is None or self.parser.in_content
+    def _is_content_token(self, was_content: bool, emit: str) -> bool:
+        """Whether a token just fed (its released text ``emit``) belongs to the content: fed
+        in the content state and still in it, and not one of the newlines that open the
+        content, which the parser drops. A token whose text is held back (part of a
+        character) counts: its text reaches the content with the next one."""
+        if self.parser is None:
+            return True
+        if not was_content or self.parser.state != "content":
+            return False
+        return self.parser.content_started or not emit
 
     def _parse(self, text: str, out: OutputDelta) -> None:
         out.text += text
@@ -203,7 +211,7 @@ class ChoiceOutput:
             emit, stopped = self._stop.feed(self._detok.add([token]))
             out.token_texts[-1] = emit
             self._parse(emit, out)
-            if logprob is not None and was_content and self._in_content():
+            if logprob is not None and self._is_content_token(was_content, emit):
                 out.content_logprobs.append(logprob)
             if stopped:
                 finish = "stop"

@@ -364,8 +364,9 @@ class ChatOutputParser:
         return out
 
     @property
-    def in_content(self) -> bool:
-        """Whether the text fed last went into the content (past the newlines that open it)."""
+    def content_started(self) -> bool:
+        """Whether content text has been emitted since the last state change (the newlines
+        that open the content are dropped, so they do not count)."""
         return self.state == "content" and self._started
 
     def _tool_progress_from(self, body: str, out: ParsedDelta) -> None:
