@@ -238,6 +238,30 @@ def test_a_cut_tool_call_is_never_a_finished_one(
     assert cut_calls
 
 
+def test_a_cut_call_sent_back_reads_as_its_closed_parameters(
+    http: httpx.Client, server: LiveServer
+) -> None:
+    """Agent loops (openai-agents) send a cut call back with the tool's error: its arguments,
+    an unclosed object, read as the parameters that were closed; other text is still a 400."""
+
+    def resend(arguments: str) -> httpx.Response:
+        call = {"id": "call_1", "type": "function"}
+        call["function"] = {"name": "answer", "arguments": arguments}
+        messages = [
+            *QUESTION,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Invalid JSON input"},
+        ]
+        body = {"model": server.model, "messages": messages, "tools": CHAT_TOOLS}
+        return http.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+
+    assert resend('{"answer": "no"').status_code == 200
+    assert resend("{").status_code == 200
+    refused = resend("answer: no")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
+
+
 # ------------------------------------------------------------------------------------------
 # 3. / 4. thinking: off on Anthropic's API unless asked; Chat Completions' reasoning_effort
 # ------------------------------------------------------------------------------------------
