@@ -1,11 +1,12 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API on the core.
 
 Requests map onto the chat template (``system``, text / ``tool_use`` / ``tool_result`` /
-``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking``, a final
-assistant turn of text -> a prefill the reply continues); the output's
-blocks map one to one onto Anthropic's content blocks and stream events (``message_start``,
+``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking`` (absent: off, as
+on Anthropic's API), a final assistant turn of text -> a prefill the reply continues); the
+output's blocks map one to one onto Anthropic's content blocks and stream events
+(``message_start`` once the engine's first event gives the prompt's cache split,
 ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta`` with the stop reason and
-usage, ``message_stop``; ``ping`` at the start and while nothing else is sent). Errors use
+usage, ``message_stop``; ``ping`` while nothing else is sent). Errors use
 Anthropic's shape (server/errors.py picks it by path). ``usage.input_tokens`` counts the prompt
 tokens that were not read from the prompt cache; those are ``cache_read_input_tokens``.
 """
