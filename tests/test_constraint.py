@@ -25,6 +25,7 @@ from engine.runtime import Engine
 from sampling.constraint import (
     GrammarError,
     TokenConstraint,
+    closed_objects,
     json_schema_grammar,
     tool_call_grammar,
 )
@@ -321,3 +322,34 @@ def test_rollback_restores_the_mask(demo: Engine) -> None:
     assert not np.array_equal(constraint.allowed(), start)
     constraint.rollback(len(ids))
     assert np.array_equal(constraint.allowed(), start)
+
+
+def test_objects_that_list_properties_take_no_other_key() -> None:
+    """Closed where the schema says nothing of other keys (pydantic's schemas), at any depth
+    and in ``$defs``; left as written where it does say (``additionalProperties``,
+    ``patternProperties``), where no properties are listed (any JSON object) and in the
+    branches of an ``allOf``, which would otherwise refuse each other's keys."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"at": point, "tags": {"type": "array", "items": point}},
+        "$defs": {"P": point},
+        "anyOf": [point],
+        "allOf": [point],
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    for inner in (
+        closed["properties"]["at"],
+        closed["properties"]["tags"]["items"],
+        closed["$defs"]["P"],
+        closed["anyOf"][0],
+    ):
+        assert inner["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]
+    assert "additionalProperties" not in schema  # the request's schema is not changed
+    kept = {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}
+    assert closed_objects(kept) == kept
+    patterned = {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}
+    assert closed_objects(patterned) == patterned
+    assert closed_objects({"type": "object"}) == {"type": "object"}
