@@ -32,6 +32,11 @@ from sampling.constraint import (
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+YES_NO_TOOL = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+}
 #: bounded in every field, so that even a random model reaches the end and stops
 SCHEMA = {
     "type": "object",
@@ -353,3 +358,27 @@ def test_objects_that_list_properties_take_no_other_key() -> None:
     patterned = {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}
     assert closed_objects(patterned) == patterned
     assert closed_objects({"type": "object"}) == {"type": "object"}
+
+
+def test_a_forced_call_may_end_after_any_complete_call(demo: Engine) -> None:
+    """``tool_choice`` required / Anthropic ``any``: after each complete call the reply may end
+    (a stop id) or go on to another call; one call only (a named function, parallel calls off):
+    after it, nothing but a stop id."""
+    tokenizer = demo.tokenizer
+    vocab = tokenizer.get_vocab()
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": YES_NO_TOOL}}]
+    call = "<tool_call>\n<function=answer>\n<parameter=answer>\nno\n</parameter>\n</function>\n"
+    ids = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
+    stops = sorted(demo.eos_token_ids)
+    for parallel in (True, False):
+        grammar = tool_call_grammar(
+            tools, (vocab["<tool_call>"], vocab["</tool_call>"]), parallel=parallel
+        )
+        constraint = demo.constraint(grammar)
+        for _ in range(2 if parallel else 1):  # a second call after a newline, when allowed
+            constraint.consume_all(ids)
+            allowed = set(np.flatnonzero(constraint.allowed()).tolist())
+            assert set(stops) <= allowed, parallel
+            assert (allowed - set(stops) != set()) == parallel, parallel
+            if parallel:
+                constraint.consume_all(tokenizer.encode("\n", add_special_tokens=False))
