@@ -28,17 +28,17 @@ serve: install
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile
 
-# The client libraries (instructor, pydantic-ai, langchain, openai-agents, litellm, llm; pinned in
-# the `clients` extra) against a server on the demo model; `test` runs them too.
-test-clients: install
-	$(PY) -m pytest tests/test_clients.py tests/test_server_client_compat.py
-
 # Known bugs applied one at a time to a copy of the tree: each must fail a fast test (not in `test`).
 mutants: install
 	$(PY) scripts/mutants.py
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The client libraries (instructor, pydantic-ai, langchain, openai-agents, litellm, llm; pinned in
+# the `clients` extra) against a server on the demo model; `test` runs them too.
+test-clients: install
+	$(PY) -m pytest tests/test_clients.py tests/test_server_client_compat.py
 
 bench: install
 	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results
