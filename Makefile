@@ -9,7 +9,7 @@ PORT   ?= 8080
 MODEL  ?= models/qwen3.5-demo
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-clients lint bench bench-batch soak mutants compare-llamacpp clean
+.PHONY: install serve test lint bench bench-batch soak mutants compare-llamacpp clean
 
 install: $(STAMP)
 
@@ -37,6 +37,7 @@ lint: install
 
 # The client libraries (instructor, pydantic-ai, langchain, openai-agents, litellm, llm; pinned in
 # the `clients` extra) against a server on the demo model; `test` runs them too.
+.PHONY: test-clients
 test-clients: install
 	$(PY) -m pytest tests/test_clients.py tests/test_server_client_compat.py
 
