@@ -18,7 +18,7 @@ install: $(STAMP) $(NATIVE)
 $(STAMP): pyproject.toml scripts/setup_libs.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,clients]"
 	bash scripts/setup_libs.sh
 	touch $(STAMP)
 
@@ -46,6 +46,12 @@ mutants: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The client libraries (instructor, pydantic-ai, langchain, openai-agents, litellm, llm; pinned in
+# the `clients` extra) against a server on the demo model; `test` runs them too.
+.PHONY: test-clients
+test-clients: install
+	$(PY) -m pytest tests/test_clients.py tests/test_server_client_compat.py
 
 bench: install
 	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results

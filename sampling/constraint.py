@@ -56,8 +56,13 @@ def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None
     but the special ones: the model cannot stop before it has answered), the grammar starts
     after that token and the blank line Qwen's template puts after it.
 
+    An object schema that lists ``properties`` and says nothing of ``additionalProperties``
+    takes no other key (``closed_objects``).
+
     Raises ``GrammarError`` with llguidance's message for a schema it cannot compile (an
     unknown type, a broken ``$ref``, a keyword it does not support)."""
+
+    schema = closed_objects(schema)
 
     def build() -> str:
         if reasoning_end is None:
@@ -70,6 +75,52 @@ def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None
         )
 
     return _checked(build, "unsupported JSON schema")
+
+
+#: keywords whose value is a map of names to subschemas / a list of subschemas / one subschema
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMAS = (
+    "items",
+    "additionalProperties",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+)
+#: keywords that already say which other keys an object may have
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: dict[str, Any], *, in_all_of: bool = False) -> dict[str, Any]:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and leaves other keys unsaid, as OpenAI's strict mode and vLLM read it.
+
+    JSON Schema lets such an object hold any other key, and a grammar that allows them lets a
+    small model write keys until its budget runs out (repeating one, which a JSON parser then
+    reads as the last value). Pydantic, instructor and ``llm --schema`` send such schemas and
+    expect their fields only. The branches of an ``allOf`` stay open: each would otherwise
+    refuse the keys of the others."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {k: _closed(v) for k, v in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_closed(v, in_all_of=key == "allOf") for v in value]
+        elif key in _SUBSCHEMAS:
+            value = _closed(value)
+        out[key] = value
+    if "properties" in out and not in_all_of and not any(k in out for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed(value: Any, *, in_all_of: bool = False) -> Any:
+    return closed_objects(value, in_all_of=in_all_of) if isinstance(value, dict) else value
 
 
 def tool_call_grammar(

@@ -237,7 +237,7 @@ DEFS: dict[str, Any] = {
     "ResponseUsage": obj(
         {
             "input_tokens": INTEGER,
-            "input_tokens_details": obj({"cached_tokens": INTEGER}),
+            "input_tokens_details": obj({"cached_tokens": INTEGER, "cache_write_tokens": INTEGER}),
             "output_tokens": INTEGER,
             "output_tokens_details": obj({"reasoning_tokens": INTEGER}),
             "total_tokens": INTEGER,

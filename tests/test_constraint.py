@@ -25,12 +25,18 @@ from engine.runtime import Engine
 from sampling.constraint import (
     GrammarError,
     TokenConstraint,
+    closed_objects,
     json_schema_grammar,
     tool_call_grammar,
 )
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+YES_NO_TOOL = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+}
 #: bounded in every field, so that even a random model reaches the end and stops
 SCHEMA = {
     "type": "object",
@@ -321,3 +327,58 @@ def test_rollback_restores_the_mask(demo: Engine) -> None:
     assert not np.array_equal(constraint.allowed(), start)
     constraint.rollback(len(ids))
     assert np.array_equal(constraint.allowed(), start)
+
+
+def test_objects_that_list_properties_take_no_other_key() -> None:
+    """Closed where the schema says nothing of other keys (pydantic's schemas), at any depth
+    and in ``$defs``; left as written where it does say (``additionalProperties``,
+    ``patternProperties``), where no properties are listed (any JSON object) and in the
+    branches of an ``allOf``, which would otherwise refuse each other's keys."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"at": point, "tags": {"type": "array", "items": point}},
+        "$defs": {"P": point},
+        "anyOf": [point],
+        "allOf": [point],
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    for inner in (
+        closed["properties"]["at"],
+        closed["properties"]["tags"]["items"],
+        closed["$defs"]["P"],
+        closed["anyOf"][0],
+    ):
+        assert inner["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]
+    assert "additionalProperties" not in schema  # the request's schema is not changed
+    kept = {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}
+    assert closed_objects(kept) == kept
+    patterned = {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}
+    assert closed_objects(patterned) == patterned
+    assert closed_objects({"type": "object"}) == {"type": "object"}
+
+
+def test_a_forced_call_may_end_after_any_complete_call(demo: Engine) -> None:
+    """``tool_choice`` required / Anthropic ``any``: after each complete call the reply may end
+    (a stop id) or go on to another call; one call only (a named function, parallel calls off):
+    after it, nothing but a stop id."""
+    tokenizer = demo.tokenizer
+    vocab = tokenizer.get_vocab()
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": YES_NO_TOOL}}]
+    call = "<tool_call>\n<function=answer>\n<parameter=answer>\nno\n</parameter>\n</function>\n"
+    ids = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
+    stops = sorted(demo.eos_token_ids)
+    for parallel in (True, False):
+        grammar = tool_call_grammar(
+            tools, (vocab["<tool_call>"], vocab["</tool_call>"]), parallel=parallel
+        )
+        constraint = demo.constraint(grammar)
+        for _ in range(2 if parallel else 1):  # a second call after a newline, when allowed
+            constraint.consume_all(ids)
+            allowed = set(np.flatnonzero(constraint.allowed()).tolist())
+            assert set(stops) <= allowed, parallel
+            assert (allowed - set(stops) != set()) == parallel, parallel
+            if parallel:
+                constraint.consume_all(tokenizer.encode("\n", add_special_tokens=False))

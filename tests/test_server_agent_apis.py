@@ -23,6 +23,8 @@ from server.app import create_app
 from server.settings import ServerSettings
 
 MODEL = "fake-model"
+#: Anthropic's API thinks only when asked (the scripted engine writes reasoning either way)
+CLAUDE_THINKING = {"type": "enabled", "budget_tokens": 1024}
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -69,7 +71,9 @@ def user(text: str) -> list[dict[str, Any]]:
 # Anthropic Messages
 # ------------------------------------------------------------------------------------------
 def test_messages_create_maps_thinking_text_and_tool_use(claude: anthropic.Anthropic) -> None:
-    kw = dict(model=MODEL, messages=user("TRIGGER_TOOL"), tools=ANTHROPIC_TOOLS)
+    kw = dict(
+        model=MODEL, messages=user("TRIGGER_TOOL"), tools=ANTHROPIC_TOOLS, thinking=CLAUDE_THINKING
+    )
     m = claude.messages.create(max_tokens=1000, **kw)
     assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
     assert m.content[0].thinking == "I need the weather."
@@ -81,7 +85,13 @@ def test_messages_create_maps_thinking_text_and_tool_use(claude: anthropic.Anthr
 
 
 def test_messages_stream_events_in_documented_order(claude: anthropic.Anthropic) -> None:
-    kw = dict(model=MODEL, max_tokens=1000, messages=user("TRIGGER_TOOL"), tools=ANTHROPIC_TOOLS)
+    kw = dict(
+        model=MODEL,
+        max_tokens=1000,
+        messages=user("TRIGGER_TOOL"),
+        tools=ANTHROPIC_TOOLS,
+        thinking=CLAUDE_THINKING,
+    )
     events = list(claude.messages.create(stream=True, **kw))
     types = [e.type for e in events]
     assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
@@ -410,6 +420,7 @@ def test_greedy_output_equal_across_apis(
         system=system,
         messages=user(question),
         max_tokens=12,
+        thinking=CLAUDE_THINKING,
         extra_body={"temperature": 0},
     )
     response = client.responses.create(

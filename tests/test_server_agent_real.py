@@ -32,6 +32,8 @@ MAX_TOKENS = 20
 SYSTEM = "You are a terse coding assistant."
 QUESTION = "def fibonacci(n):"
 RESULT = "def fibonacci(n):\n    return n"
+#: Chat Completions thinks by default, Anthropic's API only when asked: asked here, to compare
+THINKING = {"type": "enabled", "budget_tokens": 1024}
 CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 
 
@@ -100,6 +102,7 @@ def test_messages_equal_chat_completions(
         system=SYSTEM,
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=MAX_TOKENS,
+        thinking=THINKING,
         extra_body={"temperature": 0},
     )
     message = claude.messages.create(**kw)
@@ -107,7 +110,7 @@ def test_messages_equal_chat_completions(
     assert message.usage.output_tokens == usage.completion_tokens
     assert message.usage.input_tokens == usage.prompt_tokens
     counted = claude.messages.count_tokens(
-        model=server.model, system=SYSTEM, messages=kw["messages"]
+        model=server.model, system=SYSTEM, messages=kw["messages"], thinking=THINKING
     )
     assert counted.input_tokens == usage.prompt_tokens
 
@@ -161,6 +164,7 @@ def test_messages_tool_round_trip_equals_chat(
         model=server.model,
         messages=history,
         max_tokens=MAX_TOKENS,
+        thinking=THINKING,
         extra_body={"temperature": 0},
     )
     assert claude_parts(message.content) == expected

@@ -438,8 +438,9 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     items = r.choices[0].logprobs.content
-    assert len(items) == r.usage.completion_tokens
-    raw = b"".join(bytes(i.bytes) for i in items[:-1])  # the last one is <|im_end|>
+    # the content's tokens: every one but the closing <|im_end|>, which is not content
+    assert len(items) == r.usage.completion_tokens - 1
+    raw = b"".join(bytes(i.bytes) for i in items)
     assert raw.decode() == r.choices[0].message.content == "héllo → 世界 🙂 naïve café"
     assert all(len(i.top_logprobs) == 3 and i.logprob <= 0 for i in items)
 

@@ -1,11 +1,12 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API on the core.
 
 Requests map onto the chat template (``system``, text / ``tool_use`` / ``tool_result`` /
-``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking``, a final
-assistant turn of text -> a prefill the reply continues); the output's
-blocks map one to one onto Anthropic's content blocks and stream events (``message_start``,
+``thinking`` blocks, tools, ``thinking`` -> the template's ``enable_thinking`` (absent: off, as
+on Anthropic's API), a final assistant turn of text -> a prefill the reply continues); the
+output's blocks map one to one onto Anthropic's content blocks and stream events
+(``message_start`` once the engine's first event gives the prompt's cache split,
 ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta`` with the stop reason and
-usage, ``message_stop``; ``ping`` at the start and while nothing else is sent). Errors use
+usage, ``message_stop``; ``ping`` while nothing else is sent). Errors use
 Anthropic's shape (server/errors.py picks it by path). ``usage.input_tokens`` counts the prompt
 tokens that were not read from the prompt cache; those are ``cache_read_input_tokens``.
 """
@@ -111,9 +112,9 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         {"none": "none", "any": "required"}.get(choice.type, "auto") if choice else None,
         named=choice.name if choice is not None and choice.type == "tool" else None,
     )
-    kwargs = None
-    if req.thinking is not None:
-        kwargs = {"enable_thinking": req.thinking.type != "disabled"}
+    # Anthropic's API does not think unless asked to (the chat template's default is to think)
+    thinking = req.thinking is not None and req.thinking.type != "disabled"
+    kwargs: dict[str, Any] | None = {"enable_thinking": thinking}
     messages, prefill = template_messages(req), assistant_prefill(req)
     last = f"messages.{len(req.messages) - 1}"
     if prefill:
@@ -128,7 +129,10 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         check_structured(tools, where, last if prefill else None)
     prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
-    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    # a named tool is asked for once
+    parallel = not (
+        choice is not None and (choice.disable_parallel_tool_use or choice.type == "tool")
+    )
     grammar = output_grammar(
         state,
         prompt,
@@ -182,7 +186,12 @@ async def messages(request: Request) -> Response:
         request,
         job,
         stream_with=MessageStream(job) if req.stream else None,
-        body=lambda _: message_body(job, [content_block(b) for b in job.choices[0].blocks]),
+        body=lambda _: message_body(
+            # a tool call cut at max_tokens is left out: its input is not known (the streamed
+            # form shows the part that was written, as Anthropic's stream does)
+            job,
+            [content_block(b) for b in job.choices[0].blocks if b.complete],
+        ),
         ping=lambda: ServerSentEvent(data='{"type":"ping"}', event="ping", sep="\n"),
     )
 
@@ -231,20 +240,31 @@ def message_body(job: Job, content: list[dict[str, Any]], *, final: bool = True)
 
 
 class MessageStream:
-    """Anthropic's named stream events for the one choice of a job."""
+    """Anthropic's named stream events for the one choice of a job.
+
+    ``message_start`` waits for the engine's first event: only then is the prompt's split into
+    cached and new tokens known, and cost trackers read the input usage from ``message_start``
+    (pings keep the connection alive meanwhile)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self.started = False
 
-    def start(self) -> Iterable[dict[str, Any]]:
+    def _message_start(self) -> list[dict[str, Any]]:
+        if self.started:
+            return []
+        self.started = True
         start = {"type": "message_start", "message": message_body(self.job, [], final=False)}
         return [sse_json(start, "message_start"), sse_json({"type": "ping"}, "ping")]
+
+    def start(self) -> Iterable[dict[str, Any]]:
+        return ()
 
     def choice_start(self, index: int) -> Iterable[dict[str, Any]]:
         return ()
 
     def delta(self, index: int, step: OutputDelta) -> Iterable[dict[str, Any]]:
-        return [self._block_event(event) for event in step.blocks]
+        return self._message_start() + [self._block_event(event) for event in step.blocks]
 
     def _block_event(self, event: BlockEvent) -> dict[str, Any]:
         block = event.block
@@ -273,7 +293,7 @@ class MessageStream:
             "delta": stop_fields(self.job),
             "usage": usage_body(self.job.usage()),
         }
-        return [
+        return self._message_start() + [
             sse_json(delta, "message_delta"),
             sse_json({"type": "message_stop"}, "message_stop"),
         ]

@@ -25,6 +25,7 @@ from server.core.output import OutputDelta
 from server.core.requests import (
     build_requests,
     check_structured,
+    effort_kwargs,
     join_text,
     output_grammar,
     output_schema,
@@ -76,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
         named=None if choice is None or isinstance(choice, str) else choice.function.name,
     )
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    kwargs = req.chat_template_kwargs
+    kwargs = effort_kwargs(req.chat_template_kwargs, req.reasoning_effort)
     messages, prefill, kwargs = continued_message(req, messages, kwargs)
     schema = response_schema(req)
     if schema is not None:
@@ -85,14 +86,15 @@ async def chat_completions(request: Request) -> Response:
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    named = isinstance(choice, NamedToolChoice)
     params.grammar = output_grammar(
         state,
         prompt,
         schema,
         "response_format.json_schema.schema",
-        force_tool_call=forced,
-        parallel_tool_calls=req.parallel_tool_calls is not False,
+        force_tool_call=choice == "required" or named,
+        # a named function is asked for once (instructor, `parse` read the first call only)
+        parallel_tool_calls=req.parallel_tool_calls is not False and not named,
     )
     if req.max_completion_tokens is not None:
         params.max_tokens = req.max_completion_tokens
@@ -180,7 +182,7 @@ def chat_body(job: Job, deltas: list[list[OutputDelta]], logprobs: bool) -> dict
                 for c in calls
             ]
             message["content"] = message["content"] or None
-        items = [lp for step in steps for lp in step.logprobs]
+        items = [lp for step in steps for lp in step.content_logprobs]
         choices.append(
             {
                 "index": index,
@@ -240,7 +242,7 @@ class ChatStream(OpenAIStream):
 
     def delta(self, index: int, step: OutputDelta) -> Iterable[dict[str, Any]]:
         delta = delta_body(step.parsed)
-        lp = logprob_items(self.job.state, step.logprobs) if self.logprobs else []
+        lp = logprob_items(self.job.state, step.content_logprobs) if self.logprobs else []
         traced = self.mtp_trace and bool(step.token_ids)
         if not delta and not lp and step.finish_reason is None and not traced:
             return

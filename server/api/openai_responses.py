@@ -28,6 +28,7 @@ from server.core.requests import (
     Prompt,
     build_requests,
     check_structured,
+    effort_kwargs,
     output_grammar,
     output_schema,
     render_chat,
@@ -72,16 +73,16 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     choice = req.tool_choice
     named = choice.name if choice is not None and not isinstance(choice, str) else None
     shown = select_tools(tools, choice if isinstance(choice, str) else None, named=named)
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        kwargs.setdefault("enable_thinking", req.reasoning.effort != "none")
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    kwargs = effort_kwargs(req.chat_template_kwargs, effort)
     fmt = req.text.format if req.text is not None else None
     schema = output_schema(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
     if schema is not None:
         check_structured(shown, "text.format")
     prompt = render_chat(state, template_messages(req), shown, kwargs, param="input")
     forced = choice == "required" or named is not None
-    parallel = req.parallel_tool_calls is not False
+    # a named function is asked for once
+    parallel = req.parallel_tool_calls is not False and named is None
     grammar = output_grammar(
         state,
         prompt,
@@ -130,7 +131,8 @@ async def responses(request: Request) -> Response:
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # nothing is charged for writing the prompt cache, which fills itself
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -151,14 +153,23 @@ class ResponseView:
             self.item_ids[index] = new_id(prefix, "_")
         return self.item_ids[index]
 
-    def item(self, index: int, block: Block, status: str = "completed") -> dict[str, Any]:
+    def item(self, index: int, block: Block, status: str | None = None) -> dict[str, Any]:
+        """Output item ``index``; its status, unless given, is where the generation left it:
+        ``incomplete`` for the item that ``max_output_tokens`` cut (the last one), as OpenAI
+        marks it."""
+        if status is None:
+            choice = self.job.choices[0]
+            last = index == len(choice.blocks) - 1
+            # a tool call knows whether it was closed; text and reasoning end where the cut is
+            cut = choice.finish_reason == "length" and last and block.kind != "tool_call"
+            status = "incomplete" if cut or not block.complete else "completed"
         item: dict[str, Any] = {"id": self.item_id(index, block), "status": status}
         if block.kind == "tool_call":
             call = {"call_id": block.call_id, "name": block.name, "arguments": block.text}
             return item | {"type": "function_call"} | call
         if block.kind == "reasoning":
             return item | {"type": "reasoning", "summary": [], "content": [_part(block)]}
-        content = [_part(block)] if status == "completed" else []
+        content = [] if status == "in_progress" else [_part(block)]
         return item | {"type": "message", "role": "assistant", "content": content}
 
     def body(self, *, done: bool) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.api.extensions import DraftTokens
+from server.core.requests import ReasoningEffort
 
 
 class _Base(BaseModel):
@@ -101,7 +102,8 @@ class SamplingFields(_Base):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
+    #: OpenAI bounds it to [0, 2]; below 0 is the sampler's own 400
+    temperature: float | None = Field(None, le=2)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -139,6 +141,8 @@ class ChatCompletionRequest(SamplingFields):
     #: false: a forced tool call (``tool_choice`` required or named) is exactly one call
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: none / minimal: thinking off; low and above: on (``chat_template_kwargs`` wins)
+    reasoning_effort: ReasoningEffort | None = None
     #: Structured output: the reply follows a JSON schema (or is any JSON object).
     response_format: ResponseFormat | None = None
     #: Extension (vLLM-compatible): the final assistant message is the start of the reply,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.extensions import DraftTokens
 from server.api.tagged import by_type
-from server.core.requests import join_text, parse_arguments
+from server.core.requests import ReasoningEffort, join_text, parse_arguments
 from server.errors import bad_request
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -94,7 +94,7 @@ class NamedFunction(_Base):
 
 
 class ReasoningConfig(_Base):
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
 
 
@@ -123,7 +123,8 @@ class ResponsesRequest(_Base):
     #: Structured output: ``{"format": {"type": "json_schema", "schema": ...}}``.
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
+    #: OpenAI bounds it to [0, 2]; below 0 is the sampler's own 400
+    temperature: float | None = Field(None, le=2)
     top_p: float | None = None
     stream: bool = False
     #: Accepted, but nothing is stored: the response always says ``"store": false``.

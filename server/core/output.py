@@ -35,6 +35,9 @@ class Block:
     text: str = ""
     call_id: str | None = None
     name: str | None = None
+    #: False for a tool call the generation cut short (its ``text`` is then an unclosed prefix
+    #: of the arguments object, ``ToolCall.complete``)
+    complete: bool = True
 
 
 @dataclass
@@ -75,6 +78,7 @@ class BlockAssembler:
                 if value.name is not None:
                     self._start(Block("tool_call", call_id=value.id, name=value.name), out)
                 if value.arguments is not None and self._open is not None:
+                    self._open.complete = value.complete
                     self._append(value.arguments, out)
                     self._close(out)
                 continue
@@ -101,6 +105,9 @@ class OutputDelta:
     blocks: list[BlockEvent] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: The logprobs of the tokens whose text is content (not reasoning, a tool call, the
+    #: markup between them or the EOS token): what lines up with a chat reply's ``content``.
+    content_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Per token: drafted by the MTP head and accepted (True) or chosen by the trunk (False).
     drafted: list[bool] | None = None
     #: Per token: the text it released (the detokenizer and the stop matcher may hold text
@@ -160,6 +167,17 @@ class ChoiceOutput:
     def blocks(self) -> list[Block]:
         return self.assembler.blocks
 
+    def _is_content_token(self, was_content: bool, emit: str) -> bool:
+        """Whether a token just fed (its released text ``emit``) belongs to the content: fed
+        in the content state and still in it, and not one of the newlines that open the
+        content, which the parser drops. A token whose text is held back (part of a
+        character) counts: its text reaches the content with the next one."""
+        if self.parser is None:
+            return True
+        if not was_content or self.parser.state != "content":
+            return False
+        return self.parser.content_started or not emit
+
     def _parse(self, text: str, out: OutputDelta) -> None:
         out.text += text
         self.text += text
@@ -182,14 +200,19 @@ class ChoiceOutput:
                 self.reasoning_tokens += 1
             out.token_ids.append(token)
             out.token_texts.append("")
+            logprob = None
             if event.logprobs is not None and i < len(event.logprobs):
-                out.logprobs.append(event.logprobs[i])
+                logprob = event.logprobs[i]
+                out.logprobs.append(logprob)
             if token in self._eos:
                 finish = "stop"
                 break
+            was_content = self.parser is None or self.parser.state == "content"
             emit, stopped = self._stop.feed(self._detok.add([token]))
             out.token_texts[-1] = emit
             self._parse(emit, out)
+            if logprob is not None and self._is_content_token(was_content, emit):
+                out.content_logprobs.append(logprob)
             if stopped:
                 finish = "stop"
                 self._cancel()  # the engine stops at its next cycle
@@ -206,7 +229,7 @@ class ChoiceOutput:
                     out.token_texts[-1] += emit
                 self._parse(emit, out)
             if self.parser is not None:
-                out.parsed.extend(self.parser.finish())
+                out.parsed.extend(self.parser.finish(cut=finish == "length"))
                 if self.parser.tool_calls and finish == "stop":
                     finish = "tool_calls"
             self.finish_reason = finish

@@ -112,16 +112,26 @@ def join_text(
 
 
 def parse_arguments(arguments: str | dict[str, Any], param: str) -> dict[str, Any]:
-    """A tool call's arguments (JSON text or an object) -> the object the template renders."""
+    """A tool call's arguments (JSON text or an object) -> the object the template renders.
+
+    The arguments of a call this server cut at the token limit are an unclosed object (the
+    parameters that were closed); agents send such a call back with its error result, so it
+    reads as those parameters."""
     if isinstance(arguments, dict):
         return arguments
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
-        value = None
+    value = _json_object(arguments) if arguments.strip() else {}
+    if value is None and arguments.lstrip().startswith("{"):
+        value = _json_object(arguments + "}")
     if not isinstance(value, dict):
         raise bad_request("tool call arguments must be a JSON object", param=param)
     return value
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
+        return None
 
 
 def select_tools(
@@ -176,6 +186,29 @@ def check_structured(
             "no tool call); send tool_choice 'none' or no tools",
             param=param,
         )
+
+
+#: reasoning effort -> whether the model thinks: the model has no finer setting than on / off
+_THINKS_AT_EFFORT = {
+    "none": False,
+    "minimal": False,
+    "low": True,
+    "medium": True,
+    "high": True,
+    "xhigh": True,
+}
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def effort_kwargs(
+    template_kwargs: dict[str, Any] | None, effort: ReasoningEffort | None
+) -> dict[str, Any] | None:
+    """The template arguments with OpenAI's reasoning effort applied: ``none`` and ``minimal``
+    turn thinking off, any other effort on; ``enable_thinking`` set in the template arguments
+    themselves wins (it is the more specific request)."""
+    if effort is None:
+        return template_kwargs
+    return {"enable_thinking": _THINKS_AT_EFFORT[effort]} | dict(template_kwargs or {})
 
 
 def prefill_kwargs(template_kwargs: dict[str, Any] | None, param: str) -> dict[str, Any]:

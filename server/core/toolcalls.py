@@ -39,6 +39,8 @@ _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>")
 _PARAM_RE = re.compile(
     r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.S
 )
+#: A parameter whose closing tag was written: all that a call cut short can be trusted with.
+_CLOSED_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:
@@ -70,6 +72,8 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    #: False on the arguments of a call the generation cut short (see ``ToolCall``)
+    complete: bool = True
 
 
 @dataclass
@@ -77,7 +81,11 @@ class ToolCall:
     index: int
     id: str
     name: str
-    arguments: str  # JSON object text
+    #: JSON object text; for a call cut short (``complete`` False) a prefix of one: the
+    #: parameters whose closing tag was written, the object left open, so that no client
+    #: mistakes it for a finished call (OpenAI's own truncated arguments look the same)
+    arguments: str
+    complete: bool = True
 
 
 #: One piece of parsed output in the order the model wrote it: ("reasoning", text),
@@ -253,6 +261,8 @@ class ChatOutputParser:
         self._tool_name_sent = True
 
     def _close_tool(self, body: str, out: ParsedDelta, *, complete: bool) -> None:
+        """A tool block ended: by its closing tag (``complete``) or by the model's end of
+        turn without one, both read as far as the block parses."""
         parsed = parse_tool_block(body, self._types)
         if parsed is None:
             # Not a tool call after all: give the text back as content.
@@ -263,20 +273,36 @@ class ChatOutputParser:
                 name = _FUNCTION_RE.search(body)
                 parsed = (name.group(1).strip() if name else "unknown", {})
             else:
-                raw = TOOL_OPEN + body + (TOOL_CLOSE if complete else "")
-                self._emit(raw, out)
+                self._emit(TOOL_OPEN + body + (TOOL_CLOSE if complete else ""), out)
                 return
         name, args = parsed
+        self._add_call(name, json.dumps(args, ensure_ascii=False), out, complete=True)
+
+    def _cut_tool(self, body: str, out: ParsedDelta) -> None:
+        """A tool block the generation ended inside: never a finished call, never markup in a
+        value. With its name known it is reported incomplete (``ToolCall.complete``) with the
+        parameters that were closed; without one, nothing of it is reported."""
+        self._switch("content")
+        match = _FUNCTION_RE.search(body)
+        if match is None:
+            return
+        fn_types = self._types.get(match.group(1).strip(), {})
+        args = {
+            key.strip(): _convert_value(raw, fn_types.get(key.strip()))
+            for key, raw in _CLOSED_PARAM_RE.findall(body[match.end() :])
+        }
+        arguments = json.dumps(args, ensure_ascii=False)[:-1]  # the object left open
+        self._add_call(match.group(1).strip(), arguments, out, complete=False)
+
+    def _add_call(self, name: str, arguments: str, out: ParsedDelta, *, complete: bool) -> None:
         index = len(self.tool_calls)
         call_id = self._tool_id or new_tool_call_id()
-        arguments = json.dumps(args, ensure_ascii=False)
         if self._tool_name_sent:
-            out.add_tool_call(ToolCallDelta(index=index, arguments=arguments))
+            delta = ToolCallDelta(index=index, arguments=arguments, complete=complete)
         else:
-            out.add_tool_call(
-                ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)
-            )
-        self.tool_calls.append(ToolCall(index=index, id=call_id, name=name, arguments=arguments))
+            delta = ToolCallDelta(index, call_id, name, arguments, complete)
+        out.add_tool_call(delta)
+        self.tool_calls.append(ToolCall(index, call_id, name, arguments, complete))
         self._tool_name_sent = False
         self._tool_id = None
         self._switch("content")
@@ -314,17 +340,34 @@ class ChatOutputParser:
             self._buffer = buf[len(buf) - hold :]
             return out
 
-    def finish(self) -> ParsedDelta:
-        """End of generation: flush held text; an unclosed tool block is parsed if possible."""
+    def finish(self, *, cut: bool = False) -> ParsedDelta:
+        """End of generation: flush held text. An unclosed tool block is parsed if possible
+        when the model ended it (EOS, a stop string); when the token limit ``cut`` it, it is
+        an incomplete call (``_cut_tool``)."""
         out = ParsedDelta()
         buf, self._buffer = self._buffer, ""
         if self.state == "tool":
             self._tool_progress_from(buf, out)
-            self._close_tool(buf, out, complete=False)
+            if cut:
+                self._cut_tool(buf, out)
+            else:
+                self._close_tool(buf, out, complete=False)
         else:
             self._emit(buf, out)
+            if self._pending_nl:
+                # newlines the model ended on are its text; only those before a state change
+                # (a tool call, the end of the reasoning) are layout
+                out.add_text(
+                    "reasoning" if self.state == "reasoning" else "content", self._pending_nl
+                )
         self._pending_nl = ""
         return out
+
+    @property
+    def content_started(self) -> bool:
+        """Whether content text has been emitted since the last state change (the newlines
+        that open the content are dropped, so they do not count)."""
+        return self.state == "content" and self._started
 
     def _tool_progress_from(self, body: str, out: ParsedDelta) -> None:
         self._buffer = body
