@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from engine.model import loader
 from engine.model.memory import limit_host_arenas, release_between_requests
 from engine.scheduling.autok import DraftPolicy, EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
-from sampling.constraint import GrammarError, TokenConstraint, build_tokenizer
+from sampling.constraint import GrammarDeadEnd, GrammarError, TokenConstraint, build_tokenizer
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -61,6 +62,8 @@ from sampling.params import (
 )
 
 log = logging.getLogger("mtpserve.engine")
+#: guards building the llguidance tokenizer once (grammars compile off the worker thread)
+_GRAMMAR_TOKENIZER_LOCK = threading.Lock()
 
 #: Optional file in a model folder: token ids by corpus frequency, for the draft vocabulary.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -233,6 +236,9 @@ class Engine:
                 f"request asks for {len(request.prompt_ids)} prompt + {request.max_tokens} "
                 f"completion tokens"
             )
+        k = request.draft_tokens
+        if isinstance(k, int) and not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
         request.sampling.validate(self.vocab_size)
@@ -241,15 +247,38 @@ class Engine:
 
     def constraint(self, grammar: str) -> TokenConstraint:
         """A fresh ``TokenConstraint`` for ``grammar``; ``RequestError`` if it does not compile
-        (the llguidance tokenizer is built on first use: ~0.1-1 s)."""
-        if "_grammar_tokenizer" not in self.__dict__:
-            self.__dict__["_grammar_tokenizer"] = build_tokenizer(
-                self.tokenizer, self.vocab_size, self.eos_token_ids
-            )
+        or allows no first token (a schema that describes no finite JSON, ``{"$ref": "#"}``).
+        Touches no mlx: callers run it on their own thread (the server compiles a request's
+        grammar before queueing it, and hands it over as ``GenerationRequest.constraint``).
+        The llguidance tokenizer is built on first use (~0.1-1 s)."""
+        with _GRAMMAR_TOKENIZER_LOCK:
+            if "_grammar_tokenizer" not in self.__dict__:
+                self.__dict__["_grammar_tokenizer"] = build_tokenizer(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
         try:
-            return TokenConstraint(self.__dict__["_grammar_tokenizer"], grammar, self.vocab_size)
+            constraint = TokenConstraint(
+                self.__dict__["_grammar_tokenizer"], grammar, self.vocab_size
+            )
+            constraint.allowed()
+        except GrammarDeadEnd as exc:
+            raise RequestError(
+                "the output grammar allows no token at all: the schema describes no JSON that "
+                "can be completed",
+                "grammar",
+                code="unsatisfiable_grammar",
+            ) from exc
         except GrammarError as exc:
             raise RequestError(f"the output grammar does not compile: {exc}", "grammar") from exc
+        return constraint
+
+    def _sequence_constraint(self, request: GenerationRequest) -> TokenConstraint | None:
+        """The request's grammar as it starts: compiled by the caller, or here."""
+        if request.constraint is not None:
+            return request.constraint
+        if request.grammar is not None:
+            return self.constraint(request.grammar)
+        return None
 
     # -- the loop --------------------------------------------------------------------------------
     def generate(
@@ -303,8 +332,7 @@ class Engine:
             self.trunk, head, request.prompt_ids, request.sampling, use_head, coupled
         )
         seq.draft_confidence = self.draft_confidence
-        if request.grammar is not None:
-            seq.constraint = self.constraint(request.grammar)
+        seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
         if cache is not None:
             restored = cache.lookup(request.prompt_ids, use_head)
@@ -365,8 +393,7 @@ class Engine:
             coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
-        if request.grammar is not None:
-            seq.constraint = self.constraint(request.grammar)
+        seq.constraint = self._sequence_constraint(request)
         return seq
 
     def decode(
@@ -426,7 +453,7 @@ class Engine:
                 if unread:
                     emitted = finish_unread(seq, result)
                 else:
-                    emitted = commit(seq, result, n_keep)
+                    emitted = _commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
@@ -485,6 +512,7 @@ class Engine:
         chooser = policy.chooser
         timed = chooser if not self.profile else None
         last_end: float | None = None
+        kept: Sequence | None = seq  # what the conversation cache may snapshot at the end
         try:
             while True:
                 if cancelled():
@@ -497,13 +525,19 @@ class Engine:
                     return policy.choose(seq, remaining) if seq.can_draft else 0
 
                 need = CycleNeed(seq, own_k, remaining - 1, policy.fixed is None, chooser)
-                result = yield need
+                try:
+                    result = yield need
+                except GeneratorExit:  # dropped while waiting: the sequence is consistent
+                    raise
+                except BaseException:  # its cycle failed mid-way: nothing of it is kept
+                    kept = None
+                    raise
                 n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 if result.committed:  # the batch committed it and told auto K (look-ahead)
                     emitted = finish_unread(seq, result)
                 else:
-                    emitted = commit(seq, result, n_keep)
+                    emitted = _commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
@@ -520,7 +554,8 @@ class Engine:
                 if finish is not None:
                     return
         finally:
-            self._keep(seq)
+            if kept is not None:
+                self._keep(kept)
 
 
 @dataclass
@@ -619,6 +654,15 @@ def _cancelled_in_prefill(request: GenerationRequest, started: float) -> Generat
     stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
     stats.prompt_seconds = time.perf_counter() - started
     return GenerationEvent([], finish_reason="cancelled", stats=stats)
+
+
+def _commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
+    """``commit``; a grammar dead end the kept tokens ran into is this request's error (the
+    caches were committed first, so the sequence stays consistent)."""
+    try:
+        return commit(seq, result, n_keep)
+    except GrammarDeadEnd as exc:
+        raise RequestError(str(exc), "grammar", code="unsatisfiable_grammar") from exc
 
 
 def _apply_stops(

@@ -276,7 +276,7 @@ class BatchDecoder:
         """Resume one row until it yields to the batch; True when it has ended."""
         if row.error is not None:
             out.append((key, row.error))
-            _close(row)
+            _close(row, row.error)
             return True
         send, row.result, row.need = row.result, None, None
         try:
@@ -398,10 +398,18 @@ class BatchDecoder:
             release_between_requests()
 
 
-def _close(row: _Row) -> None:
+def _close(row: _Row, failed: BaseException | None = None) -> None:
     """End a row's generator; a plain cycle launched ahead for it is undone first, so the
-    sequence it leaves (to the conversation cache) holds exactly what it emitted."""
+    sequence it leaves (to the conversation cache) holds exactly what it emitted. ``failed``:
+    its cycle failed mid-way, which the generator is told so that it keeps nothing."""
     if row.undo is not None:
         row.undo()
         row.ahead = row.undo = None
-    row.steps.close()
+    if failed is None:
+        row.steps.close()
+        return
+    try:
+        row.steps.throw(failed)
+    except BaseException as exc:  # the error itself, as expected
+        if exc is not failed and not isinstance(exc, StopIteration):
+            log.exception("closing a failed row raised")

@@ -175,7 +175,7 @@ async def messages(request: Request) -> Response:
         grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state, [prompt], params, requests, model=model, id=new_id("msg", "_"), parse=True
     )
     return await respond(

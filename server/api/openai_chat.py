@@ -98,7 +98,7 @@ async def chat_completions(request: Request) -> Response:
         params.max_tokens = req.max_completion_tokens
         params.max_tokens_param = "max_completion_tokens"
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state,
         [prompt],
         params,

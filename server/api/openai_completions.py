@@ -61,7 +61,9 @@ async def completions(request: Request) -> Response:
     prompts = encode_prompts(state, req.prompt)
     params = openai_params(req, top_logprobs=req.logprobs, top_logprobs_param="logprobs")
     requests = build_requests(state, prompts, params)
-    job = start_job(state, prompts, params, requests, model=model, id=new_id("cmpl"), parse=False)
+    job = await start_job(
+        state, prompts, params, requests, model=model, id=new_id("cmpl"), parse=False
+    )
     tokenizer = state.engine.tokenizer
     echoes = [
         tokenizer.decode(p.ids, skip_special_tokens=False) if req.echo else ""

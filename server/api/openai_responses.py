@@ -115,7 +115,7 @@ async def responses(request: Request) -> Response:
         grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state, [prompt], params, requests, model=model, id=new_id("resp", "_"), parse=True
     )
     view = ResponseView(job, req)
