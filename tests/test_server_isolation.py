@@ -7,6 +7,7 @@ request gets its own 4xx in its API's shape, and the server keeps serving.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,103 @@ def test_a_grammar_dead_end_fails_its_own_row_only(server: LiveServer, http: htt
         assert [r.status_code for r in good] == [200] * len(good)
         assert [r.json()["choices"][0]["message"]["content"] for r in good] == alone
     assert http.get("/health").json()["status"] == "ok"
+
+
+# -- a web page must not drive the server (server.guard) ---------------------------------------
+
+
+def test_a_cross_site_page_cannot_drive_the_server(server: LiveServer, http: httpx.Client) -> None:
+    body = json.dumps(chat_body("hi", max_tokens=2))
+    # the "simple request" any page may send without asking the browser first
+    plain = http.post(
+        "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "text/plain", "origin": "https://evil.example"},
+    )
+    assert plain.status_code == 403, plain.text
+    assert plain.json()["error"]["code"] == "origin_not_allowed"
+    # text/plain without an Origin (curl -d): still not JSON
+    unlabeled = http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "text/plain"}
+    )
+    assert unlabeled.status_code == 415
+    assert unlabeled.json()["error"]["type"] == "invalid_request_error"
+    # Anthropic's shape on /v1/messages
+    msg = http.post("/v1/messages", content=b"{}", headers={"content-type": "text/plain"})
+    assert msg.status_code == 415 and msg.json()["type"] == "error"
+    # DNS rebinding: the attacker's name resolving to 127.0.0.1
+    rebound = http.post(
+        "/v1/chat/completions",
+        content=body,
+        headers={"host": "evil.example", "content-type": "application/json"},
+    )
+    assert rebound.status_code == 403, rebound.text
+    assert rebound.json()["error"]["code"] == "host_not_allowed"
+    assert (
+        http.get("/v1/models", headers={"host": f"evil.example:{server.port}"}).status_code == 403
+    )
+
+
+def test_the_chat_page_and_plain_clients_still_work(server: LiveServer, http: httpx.Client) -> None:
+    # the chat page: same origin as the server, by IP or by name
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}"):
+        r = http.post(
+            "/v1/chat/completions",
+            json=chat_body("hi", max_tokens=2),
+            headers={"host": host, "origin": f"http://{host}"},
+        )
+        assert r.status_code == 200, r.text
+    assert http.get("/", headers={"origin": f"http://127.0.0.1:{server.port}"}).status_code == 200
+    # a JSON media type with parameters is JSON
+    r = http.post(
+        "/v1/chat/completions",
+        content=json.dumps(chat_body("hi", max_tokens=2)),
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_allowed_hosts_and_origins_open_what_they_name(tiny_checkpoint: Path) -> None:
+    from fake_engine import FakeEngine
+
+    settings = ServerSettings(
+        allowed_hosts=["llm.example"], allowed_origins=["https://app.example"]
+    )
+    with LiveServer(create_app(FakeEngine(), settings)) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.get("/v1/models", headers={"host": "llm.example"}).status_code == 200
+        assert c.get("/v1/models", headers={"host": "other.example"}).status_code == 403
+        ok = c.get("/v1/models", headers={"origin": "https://app.example"})
+        assert ok.status_code == 200
+        assert c.get("/v1/models", headers={"origin": "https://b.example"}).status_code == 403
+
+
+def test_missing_key_is_each_apis_own_401_and_an_open_bind_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fake_engine import FakeEngine
+
+    open_bind = ServerSettings(host="0.0.0.0")
+    with (
+        caplog.at_level("WARNING", logger="server.app"),
+        LiveServer(create_app(FakeEngine(), open_bind)),
+    ):
+        pass
+    assert any("without an API key" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    keyed = ServerSettings(host="0.0.0.0", api_key="sekrit")
+    with (
+        caplog.at_level("WARNING", logger="server.app"),
+        LiveServer(create_app(FakeEngine(), keyed)) as srv,
+        httpx.Client(base_url=srv.url) as c,
+    ):
+        assert not any("without an API key" in r.getMessage() for r in caplog.records)
+        body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        anthropic = c.post("/v1/messages", json=body)
+        assert anthropic.status_code == 401
+        assert anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "authentication_error"
+        openai_style = c.post("/v1/chat/completions", json=body)
+        assert openai_style.status_code == 401
+        error = openai_style.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
