@@ -17,6 +17,7 @@ import pytest
 from fake_engine import LiveServer
 
 from server.app import create_app
+from server.core.finite import loads_strict
 from server.settings import ServerSettings
 
 #: Schemas llguidance compiles whose grammar allows no complete JSON: no first token at all,
@@ -194,3 +195,77 @@ def test_missing_key_is_each_apis_own_401_and_an_open_bind_warns(
         error = openai_style.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
         assert c.get("/v1/models", headers={"authorization": "Bearer sekrit"}).status_code == 200
+
+
+# -- strict JSON in, finite JSON out (server.core.finite) --------------------------------------
+
+NUMBER_TOOL = {
+    "name": "get_weather",
+    "description": "Weather forecast",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "number"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    from fake_engine import FakeEngine
+
+    with LiveServer(create_app(FakeEngine(), ServerSettings())) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_in_a_request_are_refused(fake_server: LiveServer, number: str) -> None:
+    tool = {
+        "type": "function",
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "number", "maximum": 0}}},
+    }
+    raw = json.dumps(
+        {"model": "fake-model", "input": "hi", "max_output_tokens": 4, "tools": [tool]}
+    )
+    raw = raw.replace('"maximum": 0', f'"maximum": {number}')
+    with httpx.Client(base_url=fake_server.url, timeout=60) as c:
+        r = c.post("/v1/responses", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_json"
+        chat = raw.replace('"input": "hi"', '"messages": [], "temperature": ' + number)
+        r = c.post(
+            "/v1/chat/completions", content=chat, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, r.text
+
+
+def test_a_huge_number_the_model_writes_stays_json(fake_server: LiveServer) -> None:
+    body = {
+        "model": "fake-model",
+        "max_tokens": 200,
+        "tools": [NUMBER_TOOL],
+        "messages": [{"role": "user", "content": "TRIGGER_HUGE_NUMBER"}],
+    }
+    with httpx.Client(base_url=fake_server.url, timeout=60) as c:
+        r = c.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        call = next(b for b in r.json()["content"] if b["type"] == "tool_use")
+        assert call["input"] == {"city": "Paris", "days": "1e999"}
+        with c.stream("POST", "/v1/messages", json=body | {"stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        chat = {
+            **body,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "parameters": NUMBER_TOOL["input_schema"]},
+                }
+            ],
+            "stream": True,
+        }
+        with c.stream("POST", "/v1/chat/completions", json=chat) as s:
+            lines += [line for line in s.iter_lines() if line.startswith("data: {")]
+    for line in lines:  # every event is strict JSON
+        assert loads_strict(line[6:]) is not None, line
+    assert any("1e999" in line for line in lines)

@@ -7,17 +7,17 @@ typed request schemas in /openapi.json (``json_body`` below).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import ServerSentEvent
 
 from server.auth import require_api_key
+from server.core.finite import FiniteJSONResponse, loads_strict
 from server.core.jobs import Job, StreamEncoder, collect, run_until_disconnect, stream
 from server.core.output import OutputDelta
 from server.core.sse import EventStream
@@ -84,7 +84,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        data = loads_strict(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from exc
     except RecursionError as exc:  # the parser recurses once per level of nesting
@@ -126,4 +126,4 @@ async def respond(
     deltas = await run_until_disconnect(request, collect(job), job)
     if deltas is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(body(deltas))
+    return FiniteJSONResponse(body(deltas))
