@@ -269,3 +269,17 @@ def test_a_huge_number_the_model_writes_stays_json(fake_server: LiveServer) -> N
     for line in lines:  # every event is strict JSON
         assert loads_strict(line[6:]) is not None, line
     assert any("1e999" in line for line in lines)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+def test_a_tiny_temperature_is_greedy(http: httpx.Client) -> None:
+    def text(temperature: float) -> str:
+        body = chat_body("Tell me about the sea.", temperature=temperature, seed=7, max_tokens=24)
+        r = post(http, body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    greedy = text(0)
+    assert [text(t) for t in (1e-40, 1e-30, 1e-6)] == [greedy] * 3
