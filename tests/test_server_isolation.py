@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_engine import LiveServer
+from fake_engine import LiveServer, metric
 
 from server.app import create_app
 from server.core.finite import loads_strict
@@ -37,7 +37,9 @@ def server(tiny_checkpoint: Path):
     settings = ServerSettings(model=str(tiny_checkpoint), served_model_names=["demo"], max_batch=8)
 
     def load() -> Any:
-        return Engine.load(str(tiny_checkpoint), draft_tokens=2)
+        engine = Engine.load(str(tiny_checkpoint), draft_tokens=2)
+        engine.enable_prefix_cache(64 << 20)
+        return engine
 
     app = create_app(load, settings)
     with LiveServer(app) as srv:
@@ -283,3 +285,28 @@ def test_a_tiny_temperature_is_greedy(http: httpx.Client) -> None:
 
     greedy = text(0)
     assert [text(t) for t in (1e-40, 1e-30, 1e-6)] == [greedy] * 3
+
+
+# -- refusals before a stream starts; n choices share one prefill --------------------------------
+
+
+def test_a_request_the_engine_refuses_is_refused_before_its_stream(http: httpx.Client) -> None:
+    for stream in (False, True):
+        r = post(http, chat_body("hi", draft_tokens=12, stream=stream))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "draft_tokens"
+
+
+def test_n_choices_prefill_their_prompt_once(http: httpx.Client) -> None:
+    prompt = "A prompt no other test sends, long enough to be worth sharing: " + "tide " * 40
+    body = chat_body(prompt, n=3, temperature=1.0, seed=3, max_tokens=8)
+    reused = metric(http, "mtpserve_prompt_cache_reused_tokens_total")
+    r = post(http, body)
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    # choices 2 and 3 restore what choice 1 prefilled (all but the prompt's last token)
+    delta = metric(http, "mtpserve_prompt_cache_reused_tokens_total") - reused
+    assert delta == 2 * (prompt_tokens - 1)
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    alone = post(http, chat_body(prompt, temperature=1.0, seed=4, max_tokens=8)).json()
+    assert alone["choices"][0]["message"]["content"] == texts[1]
