@@ -310,3 +310,52 @@ def test_n_choices_prefill_their_prompt_once(http: httpx.Client) -> None:
     texts = [c["message"]["content"] for c in r.json()["choices"]]
     alone = post(http, chat_body(prompt, temperature=1.0, seed=4, max_tokens=8)).json()
     assert alone["choices"][0]["message"]["content"] == texts[1]
+
+
+# -- limits before tokenizing, tokenizing off the event loop -----------------------------------
+
+
+@pytest.fixture
+def encode_threads(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads the server's tokenizer encoded on, from now on."""
+    import threading
+
+    tokenizer = server.engine.tokenizer
+    encode = tokenizer.encode
+    threads: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    return threads
+
+
+def test_cheap_limits_come_before_tokenizing(
+    server: LiveServer, http: httpx.Client, encode_threads: list[str]
+) -> None:
+    many = {"model": "demo", "prompt": ["one more prompt"] * 20_000, "max_tokens": 1}
+    r = post(http, many, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert encode_threads == []
+    from server.core.requests import longest_token_chars
+
+    # more characters than the context can hold at the longest token's length
+    engine = server.engine
+    huge = "x" * (engine.context_length * longest_token_chars(engine.tokenizer) + 1)
+    r = post(http, {"model": "demo", "prompt": huge, "max_tokens": 1}, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert encode_threads == []
+
+
+def test_prompts_are_tokenized_off_the_event_loop(
+    server: LiveServer, http: httpx.Client, encode_threads: list[str]
+) -> None:
+    assert post(http, chat_body("hi", max_tokens=1)).status_code == 200
+    assert post(http, {"model": "demo", "prompt": "hi", "max_tokens": 1}, "/v1/completions")
+    anthropic = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(http, anthropic, "/v1/messages").status_code == 200
+    assert post(http, {"model": "demo", "input": "hi", "max_output_tokens": 1}, "/v1/responses")
+    assert len(encode_threads) >= 4
+    assert server.thread.name not in encode_threads

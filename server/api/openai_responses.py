@@ -13,6 +13,7 @@ Stateless by design: nothing is stored (``store`` is accepted and answered ``fal
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,7 +105,7 @@ async def responses(request: Request) -> Response:
             param="previous_response_id",
             code="unsupported_parameter",
         )
-    prompt, grammar = _render(state, req)
+    prompt, grammar = await asyncio.to_thread(_render, state, req)  # templating, tokenizing
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     params = GenerationParams(
         max_tokens=req.max_output_tokens,
