@@ -335,7 +335,7 @@ class Engine:
         seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
         if cache is not None:
-            restored = cache.lookup(request.prompt_ids, use_head)
+            restored = cache.guarded("a lookup", cache.lookup, request.prompt_ids, use_head)
             if restored is not None:
                 seq.trunk_cache.layers = restored.layers
                 if use_head:
@@ -365,7 +365,7 @@ class Engine:
             if not fed:
                 return None
             if cache is not None:
-                cache.store(seq, self.trunk, head)
+                cache.guarded("a snapshot", cache.store, seq, self.trunk, head)
         return seq
 
     def _turn_marker(self) -> int | None:
@@ -377,9 +377,10 @@ class Engine:
 
     def _keep(self, seq: Sequence) -> None:
         """Snapshot a finished generation (after its final commit) for the next turn."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(seq, self.trunk, self.loaded.head)
-            self.prefix_cache.flush()
+        cache = self.prefix_cache
+        if cache is not None:
+            cache.guarded("a snapshot", cache.store, seq, self.trunk, self.loaded.head)
+            cache.guarded("writing to disk", cache.flush)
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""

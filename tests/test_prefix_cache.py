@@ -426,3 +426,82 @@ def test_cli_flags_reach_the_settings(tmp_path: Path) -> None:
     assert settings.prompt_cache_bytes == 0 and settings.prompt_cache_dir == str(tmp_path)
     assert settings.prompt_cache_disk_bytes == 1000
     assert ServerSettings().prompt_cache_bytes == 1 << 30  # the default the README states
+
+
+# -- the cache's faults stay the cache's ----------------------------------------------------------
+
+
+def test_a_snapshot_that_fails_to_load_leaves_no_bytes_behind(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """Its blocks load, the snapshot's own file fails its checksum: the blocks are let go
+    again and the byte count is what the memory holds (nothing), not what was read."""
+    model = make_checkpoint(VARIANTS["dense-tied"])
+    first = load(model, 0, TINY_BLOCK)
+    first.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    prompt = _prompt(21, 100)
+    run(first, prompt, k=2)
+    for path in tmp_path.glob("s-*.mtpc"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    restarted = load(model, 0, TINY_BLOCK)
+    restarted.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    cache = restarted.prefix_cache
+    assert cache.lookup(prompt + [5], need_head=True) is None
+    assert cache.counters.disk_rejected >= 1
+    assert cache.bytes_held == 0
+
+
+def test_models_sharing_a_directory_keep_to_their_own_files(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    ours = load(make_checkpoint(VARIANTS["dense-tied"]), 0, TINY_BLOCK)
+    ours.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    run(ours, _prompt(22, 100), k=2)
+    ours_files = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    assert ours_files
+    theirs = load(make_checkpoint(VARIANTS["moe-tied"]), 0, TINY_BLOCK)
+    # a disk budget the first model's files alone would fill
+    small = sum(len(b) for b in ours_files.values())
+    theirs.enable_prefix_cache(16 << 20, tmp_path, disk_budget_bytes=small, block_tokens=TINY_BLOCK)
+    for seed in range(23, 26):
+        run(theirs, _prompt(seed, 100), k=2)
+    assert {p: p.read_bytes() for p in ours_files} == ours_files  # untouched
+    their_bytes = sum(p.stat().st_size for p in tmp_path.iterdir() if p not in ours_files)
+    assert 0 < their_bytes <= small
+
+
+def test_a_full_disk_fails_no_request(
+    make_checkpoint: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC on every write: the same prompt twice through the server answers both (the
+    second from the memory tier), the worker lives on, and the faults are counted."""
+    import errno
+
+    from engine.cycle import prefix_cache
+
+    def full_disk(path: Path, *args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(prefix_cache, "_write_file", full_disk)
+    model = make_checkpoint(VARIANTS["dense-tied"])
+
+    def loaded() -> Any:
+        engine = load(model, 0, TINY_BLOCK)
+        engine.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+        return engine
+
+    settings = ServerSettings(model=str(model), served_model_names=["m"], max_batch=4)
+    body = {"model": "m", "prompt": list(range(3, 120)), "max_tokens": 8, "temperature": 0}
+    with LiveServer(create_app(loaded, settings)) as srv, httpx.Client(base_url=srv.url) as c:
+        answers = [c.post("/v1/completions", json=body) for _ in range(3)]
+        assert [r.status_code for r in answers] == [200] * 3, answers[-1].text
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        assert c.get("/health").json()["status"] == "ok"
+        faults = [
+            line
+            for line in c.get("/metrics").text.splitlines()
+            if line.startswith("mtpserve_prompt_cache_errors_total")
+        ]
+        assert faults and float(faults[0].split()[-1]) >= 1

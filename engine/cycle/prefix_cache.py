@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -51,6 +51,7 @@ from engine.cycle.speculative import PREFILL_CHUNK, _absorb_pending
 from engine.model.attention import RowKVCache
 from engine.model.trunk import GDNLayerState
 
+T = TypeVar("T")
 log = logging.getLogger("mtpserve.prefix_cache")
 
 #: Positions per KV block and between in-prompt snapshots: the prefill chunk, so that block ends
@@ -137,6 +138,9 @@ class CacheCounters:
     stored: int = 0
     disk_loads: int = 0
     disk_rejected: int = 0
+    #: faults (a full disk, an unreadable file, anything unexpected): logged, and the request
+    #: went on without the cache
+    errors: int = 0
 
 
 @dataclass
@@ -177,6 +181,16 @@ class PrefixCache:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load_index()
+
+    def guarded(self, what: str, work: Callable[..., T], *args: Any) -> T | None:
+        """``work(*args)``, or None after logging and counting its fault: the cache is an
+        optimisation, and no fault of it may fail a request or the engine's thread."""
+        try:
+            return work(*args)
+        except Exception:
+            self.counters.errors += 1
+            log.exception("prompt cache: %s failed; going on without it", what)
+            return None
 
     # -- lookup and restore --------------------------------------------------------------------
     def lookup(self, prompt: list[int], need_head: bool) -> Restored | None:
@@ -416,15 +430,33 @@ class PrefixCache:
             self._drop(snap)
 
     # -- disk tier --------------------------------------------------------------------------
+    # Every file name carries the model's fingerprint, so that models sharing a directory
+    # never read, count toward their budget, overwrite or delete each other's files.
+    @property
+    def _file_tag(self) -> str:
+        return self.fingerprint[:16] or "any"
+
     def _block_file(self, block: _Block) -> Path:
-        return self.directory / f"b-{block.digest}.mtpc"
+        return self.directory / f"b-{self._file_tag}-{block.digest}.mtpc"
 
     def _snap_file(self, snap: _Snapshot) -> Path:
-        return self.directory / f"s-{snap.digest}.mtpc"
+        return self.directory / f"s-{self._file_tag}-{snap.digest}.mtpc"
+
+    def _own_files(self, kind: str = "[bs]") -> list[Path]:
+        return list(self.directory.glob(f"{kind}-{self._file_tag}-*.mtpc"))
 
     def _write_blocks(self, node: _Block) -> None:
+        """Write ``node``'s blocks not yet on disk; a failure (a full disk) is logged and
+        counted, never raised: the disk tier is an optimisation."""
         if self.directory is None:
             return
+        try:
+            self._write_block_files(node)
+        except OSError as exc:
+            self.counters.errors += 1
+            log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
+
+    def _write_block_files(self, node: _Block) -> None:
         for block in node.path():
             if not block.on_disk and block.kv is not None:
                 arrays = {
@@ -445,7 +477,7 @@ class PrefixCache:
 
     def _write(self, snap: _Snapshot) -> None:
         try:
-            self._write_blocks(snap.node)
+            self._write_block_files(snap.node)
             arrays = {
                 f"layer{i}_{j}": a for i, pair in enumerate(snap.layers) for j, a in enumerate(pair)
             }
@@ -467,27 +499,42 @@ class PrefixCache:
             snap.on_disk = True
             self._enforce_disk_budget()
         except OSError as exc:
+            self.counters.errors += 1
             log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
 
     def _load(self, snap: _Snapshot, path: list[_Block]) -> None:
-        """Read a snapshot's missing arrays (and its blocks') from disk; checked."""
-        for block in path:
-            if block.kv is None:
-                header, arrays = _read_file(self._block_file(block), self.fingerprint)
-                if header.get("kind") != "block" or tuple(header["tokens"]) != block.tokens:
-                    raise ValueError(f"{self._block_file(block).name} does not hold this block")
-                n_attn = sum(self.is_attention)
-                block.kv = [(arrays[f"kv{i}_0"], arrays[f"kv{i}_1"]) for i in range(n_attn)]
-                block.head = (arrays["head_0"], arrays["head_1"]) if "head_0" in arrays else None
-                self.bytes_held += block.nbytes
-        if snap.loaded:
-            return
-        header, arrays = _read_file(self._snap_file(snap), self.fingerprint)
-        if header.get("kind") != "snapshot" or header["tokens"] != snap.tokens():
-            raise ValueError(f"{self._snap_file(snap).name} does not hold this snapshot")
-        layers = [
-            (arrays[f"layer{i}_0"], arrays[f"layer{i}_1"]) for i in range(len(self.is_attention))
-        ]
+        """Read a snapshot's missing arrays (and its blocks') from disk; checked. On a
+        failure the blocks read for it are let go again, so the byte count holds only what
+        some loaded snapshot uses."""
+        read: list[_Block] = []
+        try:
+            for block in path:
+                if block.kv is None:
+                    header, arrays = _read_file(self._block_file(block), self.fingerprint)
+                    if header.get("kind") != "block" or tuple(header["tokens"]) != block.tokens:
+                        raise ValueError(f"{self._block_file(block).name} does not hold this block")
+                    n_attn = sum(self.is_attention)
+                    block.kv = [(arrays[f"kv{i}_0"], arrays[f"kv{i}_1"]) for i in range(n_attn)]
+                    block.head = (
+                        (arrays["head_0"], arrays["head_1"]) if "head_0" in arrays else None
+                    )
+                    self.bytes_held += block.nbytes
+                    read.append(block)
+            if snap.loaded:
+                return
+            header, arrays = _read_file(self._snap_file(snap), self.fingerprint)
+            if header.get("kind") != "snapshot" or header["tokens"] != snap.tokens():
+                raise ValueError(f"{self._snap_file(snap).name} does not hold this snapshot")
+            layers = [
+                (arrays[f"layer{i}_0"], arrays[f"layer{i}_1"])
+                for i in range(len(self.is_attention))
+            ]
+        except BaseException:
+            for block in read:
+                if block.loaded_refs == 0 and block.kv is not None:
+                    self.bytes_held -= block.nbytes
+                    block.kv, block.head = None, None
+            raise
         if snap.has_head:
             self._fill(snap, layers, (arrays["head_0"], arrays["head_1"]), arrays["pending"])
         else:
@@ -498,7 +545,7 @@ class PrefixCache:
     def _load_index(self) -> None:
         """Register every snapshot file of this model found in the directory (headers only)."""
         B = self.block_tokens
-        for path in sorted(self.directory.glob("s-*.mtpc"), key=lambda p: p.stat().st_mtime):
+        for path in sorted(self._own_files("s"), key=lambda p: p.stat().st_mtime):
             try:
                 header = _read_header(path)
             except (OSError, ValueError, KeyError, struct.error) as exc:
@@ -530,11 +577,11 @@ class PrefixCache:
                 self._add(snap)
 
     def _enforce_disk_budget(self) -> None:
-        files = sorted(self.directory.glob("*.mtpc"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self._own_files(), key=lambda p: p.stat().st_mtime)
         total = sum(p.stat().st_size for p in files)
         if total <= self.disk_budget_bytes:
             return
-        snaps = {f"s-{s.digest}.mtpc": s for s in self._all_snapshots() if s.on_disk}
+        snaps = {self._snap_file(s).name: s for s in self._all_snapshots() if s.on_disk}
         for path in files:
             if total <= self.disk_budget_bytes:
                 break
@@ -548,8 +595,8 @@ class PrefixCache:
                         self._drop(snap)
         # blocks no remaining on-disk snapshot needs
         needed = {b.digest for s in self._all_snapshots() if s.on_disk for b in s.node.path()}
-        for path in self.directory.glob("b-*.mtpc"):
-            if path.name[2:-5] not in needed:
+        for path in self._own_files("b"):
+            if path.name.removesuffix(".mtpc").rsplit("-", 1)[-1] not in needed:
                 path.unlink(missing_ok=True)
         for block in self._all_blocks():
             block.on_disk = block.digest in needed
@@ -595,6 +642,7 @@ class PrefixCache:
             "hits": c.hits,
             "reused_tokens": c.reused_tokens,
             "evictions": c.evictions,
+            "errors": c.errors,
             "bytes_held": self.bytes_held,
             "snapshots": self.snapshots,
         }
@@ -716,7 +764,7 @@ def prefill_hook(
 
     def after_chunk(seq: Any) -> bool:
         if cache is not None and seq.trunk_cache.length % cache.snapshot_stride(seq) == 0:
-            cache.store(seq, trunk, head)
+            cache.guarded("a snapshot", cache.store, seq, trunk, head)
         return not cancelled()
 
     return after_chunk

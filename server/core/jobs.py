@@ -202,6 +202,7 @@ async def admit(state: ServerState, requests: list[GenerationRequest]) -> None:
     try:
         await asyncio.to_thread(_admit, state.engine, requests)
     except (ValueError, SamplingParamError) as exc:
+        state.metrics.generations.labels("rejected").inc()  # as the worker counts a refusal
         raise engine_error(exc) from exc
 
 
