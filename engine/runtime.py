@@ -178,8 +178,18 @@ class Engine:
             block_tokens=block_tokens,
             directory=directory,
             disk_budget_bytes=disk_budget_bytes or DEFAULT_DISK_BUDGET_BYTES,
-            fingerprint=model_fingerprint(self.loaded.model_dir, extra),
+            fingerprint=self._cache_fingerprint(extra, directory),
         )
+
+    def _cache_fingerprint(self, extra: str, directory: str | Path | None) -> str:
+        """The conversation cache's model fingerprint: over the weights' content when a disk
+        tier keeps snapshots across restarts (memory-only snapshots die with these weights)."""
+        if directory is None:
+            return extra
+        head = self.loaded.head_source
+        files = [Path(head)] if head and Path(head).is_file() else []
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return model_fingerprint(self.loaded.model_dir, extra, Path(directory), files)
 
     # -- facts the server and CLI need -------------------------------------------------------
     @property

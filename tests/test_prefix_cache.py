@@ -505,3 +505,36 @@ def test_a_full_disk_fails_no_request(
             if line.startswith("mtpserve_prompt_cache_errors_total")
         ]
         assert faults and float(faults[0].split()[-1]) >= 1
+
+
+def test_new_weights_of_the_same_shape_never_restore_old_states(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """A fine-tune copied over the old weight files (same names, same sizes, and the old
+    modification time put back): the disk tier's snapshots of the old weights are not used."""
+    import dataclasses
+    import os
+    import shutil
+
+    original = make_checkpoint(VARIANTS["dense-tied"])
+    tuned = make_checkpoint(dataclasses.replace(VARIANTS["dense-tied"], name="tuned", seed=9))
+    model = tmp_path / "model"
+    shutil.copytree(original, model)
+    cache_dir = tmp_path / "cache"
+    prompt = _prompt(31, 100)
+    first = load(model, 0, TINY_BLOCK)
+    first.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    run(first, prompt, k=2)
+    for path in model.glob("*.safetensors"):
+        times = path.stat()
+        shutil.copyfile(tuned / path.name, path)
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    restarted = load(model, 0, TINY_BLOCK)
+    restarted.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    warm, stats = run(restarted, prompt, k=2)
+    assert stats.cached_tokens == 0
+    assert warm == run(restarted, prompt, cached=False, k=2)[0]
+    # unchanged weights still resume from the disk tier
+    again = load(model, 0, TINY_BLOCK)
+    again.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    assert run(again, prompt, k=2)[1].cached_tokens > 0
