@@ -459,7 +459,7 @@ def test_models_sharing_a_directory_keep_to_their_own_files(
     ours = load(make_checkpoint(VARIANTS["dense-tied"]), 0, TINY_BLOCK)
     ours.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
     run(ours, _prompt(22, 100), k=2)
-    ours_files = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    ours_files = {p: p.read_bytes() for p in tmp_path.glob("*.mtpc")}
     assert ours_files
     theirs = load(make_checkpoint(VARIANTS["moe-tied"]), 0, TINY_BLOCK)
     # a disk budget the first model's files alone would fill
@@ -468,7 +468,7 @@ def test_models_sharing_a_directory_keep_to_their_own_files(
     for seed in range(23, 26):
         run(theirs, _prompt(seed, 100), k=2)
     assert {p: p.read_bytes() for p in ours_files} == ours_files  # untouched
-    their_bytes = sum(p.stat().st_size for p in tmp_path.iterdir() if p not in ours_files)
+    their_bytes = sum(p.stat().st_size for p in tmp_path.glob("*.mtpc") if p not in ours_files)
     assert 0 < their_bytes <= small
 
 

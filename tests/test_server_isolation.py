@@ -77,6 +77,12 @@ def test_unsatisfiable_grammar_is_refused_at_admission(http: httpx.Client) -> No
         http, chat_body("hi", stream=True, response_format=schema_format(NO_FIRST_TOKEN))
     )
     assert streamed.status_code == 400, streamed.text
+    # a thinking reply: free reasoning first, so it is the answer's grammar that is asked
+    thinking = chat_body("hi", response_format=schema_format(NO_FIRST_TOKEN))
+    thinking["chat_template_kwargs"] = {"enable_thinking": True}
+    r = post(http, thinking)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "unsatisfiable_grammar"
 
 
 def test_a_grammar_dead_end_fails_its_own_row_only(server: LiveServer, http: httpx.Client) -> None:

@@ -214,9 +214,21 @@ def output_grammar(
     end = token_id(tokenizer, THINK_CLOSE) if prompt.opens_reasoning else None
     if schema is not None:
         try:
-            return json_schema_grammar(schema, reasoning_end=end)
+            grammar = json_schema_grammar(schema, reasoning_end=end)
+            answer = json_schema_grammar(schema) if end is not None else None
         except GrammarError as exc:
             raise bad_request(str(exc), param=schema_param, code="invalid_json_schema") from exc
+        compile_grammar = getattr(state.engine, "constraint", None)
+        if answer is not None and compile_grammar is not None:
+            # after free reasoning the grammar's first token is always allowed: whether the
+            # answer can begin at all is asked of the answer's grammar alone
+            try:
+                compile_grammar(answer)
+            except ValueError as exc:  # engine.api.RequestError
+                raise bad_request(
+                    str(exc), param=schema_param, code=getattr(exc, "code", None)
+                ) from exc
+        return grammar
     call_ids = token_id(tokenizer, TOOL_OPEN), token_id(tokenizer, TOOL_CLOSE)
     if None in call_ids:
         raise bad_request(
