@@ -211,6 +211,8 @@ def run(engine: Any, prompt: list[int], cached: bool = True, **kw: Any) -> tuple
             stats, finish = event.stats, event.finish_reason
     finally:
         engine.prefix_cache = saved
+    if saved is not None and saved.writer is not None:
+        saved.writer.drain()  # its disk tier written, as a later process would find it
     stats.finish = finish
     return out, stats
 

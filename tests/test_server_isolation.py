@@ -365,3 +365,46 @@ def test_prompts_are_tokenized_off_the_event_loop(
     assert post(http, {"model": "demo", "input": "hi", "max_output_tokens": 1}, "/v1/responses")
     assert len(encode_threads) >= 4
     assert server.thread.name not in encode_threads
+
+
+# -- nothing slow between the batch's steps -----------------------------------------------------
+
+
+def test_grammars_compile_and_cache_files_are_written_off_the_engine_thread(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from engine.cycle import prefix_cache
+    from engine.runtime import Engine
+    from sampling import constraint
+
+    threads: dict[str, list[str]] = {"grammar": [], "disk": []}
+    compile_grammar = constraint.TokenConstraint.__init__
+    write_file = prefix_cache._write_file
+
+    def recording_compile(self: Any, *args: Any) -> None:
+        threads["grammar"].append(threading.current_thread().name)
+        compile_grammar(self, *args)
+
+    def recording_write(*args: Any) -> None:
+        threads["disk"].append(threading.current_thread().name)
+        write_file(*args)
+
+    monkeypatch.setattr(constraint.TokenConstraint, "__init__", recording_compile)
+    monkeypatch.setattr(prefix_cache, "_write_file", recording_write)
+
+    def load() -> Any:
+        engine = Engine.load(str(tiny_checkpoint), draft_tokens=2)
+        engine.enable_prefix_cache(64 << 20, tmp_path)
+        return engine
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    app = create_app(load, ServerSettings(served_model_names=["demo"]))
+    with LiveServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        r = post(c, chat_body("json", n=2, response_format=schema_format(schema)))
+        assert r.status_code == 200, r.text
+        assert post(c, chat_body("x " * 300, max_tokens=4)).status_code == 200
+        app.state.mtp.engine.prefix_cache.writer.drain()  # the files handed over are written
+    assert threads["grammar"] and threads["disk"]
+    assert "mtpserve-engine" not in threads["grammar"] + threads["disk"]

@@ -27,7 +27,9 @@ Memory is bounded by ``budget_bytes`` (LRU over snapshots; a block lives while a
 needs it). With ``directory`` set, every stored block and snapshot is also written to disk
 (one file each, checked on load: format version, model fingerprint, key, checksum), so a
 restarted server can resume a long chat without prefilling it; the disk tier has its own byte
-budget, oldest files go first.
+budget, oldest files go first. The files are written, and the budget kept, by a thread of
+the cache's own (``DiskWriter``): the engine's thread only copies a state's bytes out, so a
+slow or full disk never holds up the rows decoding.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -178,9 +182,11 @@ class PrefixCache:
         self.disk_budget_bytes = disk_budget_bytes
         self._stride: int | None = None
         self._unwritten: list[_Snapshot] = []
+        self.writer: DiskWriter | None = None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load_index()
+            self.writer = DiskWriter(self.directory, self._file_tag, disk_budget_bytes)
 
     def guarded(self, what: str, work: Callable[..., T], *args: Any) -> T | None:
         """``work(*args)``, or None after logging and counting its fault: the cache is an
@@ -345,8 +351,9 @@ class PrefixCache:
         self._evict()
 
     def flush(self) -> None:
-        """Write the snapshots stored since the last flush to the disk tier (the engine calls
-        this after a generation's last event, so disk writes never delay a first token)."""
+        """Hand the snapshots stored since the last flush to the disk tier's writer (the engine
+        calls this after a generation's last event)."""
+        self._forget_deleted()
         unwritten, self._unwritten = self._unwritten, []
         for snap in unwritten:
             if snap.loaded and snap.node.snapshots.get(snap.tail) is snap:
@@ -452,7 +459,7 @@ class PrefixCache:
             return
         try:
             self._write_block_files(node)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self.counters.errors += 1
             log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
 
@@ -464,15 +471,12 @@ class PrefixCache:
                 }
                 if block.head is not None:
                     arrays |= {"head_0": block.head[0], "head_1": block.head[1]}
-                _write_file(
-                    self._block_file(block),
-                    {
-                        "kind": "block",
-                        "tokens": list(block.tokens),
-                        "fingerprint": self.fingerprint,
-                    },
-                    arrays,
-                )
+                header = {
+                    "kind": "block",
+                    "tokens": list(block.tokens),
+                    "fingerprint": self.fingerprint,
+                }
+                self.writer.submit(self._block_file(block), _encode_file(header, arrays))
                 block.on_disk = True
 
     def _write(self, snap: _Snapshot) -> None:
@@ -495,10 +499,9 @@ class PrefixCache:
                 "has_head": snap.has_head,
                 "block_tokens": self.block_tokens,
             }
-            _write_file(self._snap_file(snap), header, arrays)
+            self.writer.submit(self._snap_file(snap), _encode_file(header, arrays))
             snap.on_disk = True
-            self._enforce_disk_budget()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self.counters.errors += 1
             log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
 
@@ -506,6 +509,11 @@ class PrefixCache:
         """Read a snapshot's missing arrays (and its blocks') from disk; checked. On a
         failure the blocks read for it are let go again, so the byte count holds only what
         some loaded snapshot uses."""
+        if self.writer is not None and (not snap.loaded or any(b.kv is None for b in path)):
+            self.writer.drain()  # a file it needs may still be on its way to the disk
+            self._forget_deleted()
+            if not snap.on_disk and not snap.loaded:
+                raise FileNotFoundError("the disk budget removed this snapshot")
         read: list[_Block] = []
         try:
             for block in path:
@@ -576,30 +584,19 @@ class PrefixCache:
             if tail not in node.snapshots:
                 self._add(snap)
 
-    def _enforce_disk_budget(self) -> None:
-        files = sorted(self._own_files(), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        if total <= self.disk_budget_bytes:
+    def _forget_deleted(self) -> None:
+        """Take in the files the writer removed to keep the disk budget (engine thread)."""
+        if self.writer is None:
             return
-        snaps = {self._snap_file(s).name: s for s in self._all_snapshots() if s.on_disk}
-        for path in files:
-            if total <= self.disk_budget_bytes:
-                break
-            if path.name.startswith("s-"):
-                total -= path.stat().st_size
-                path.unlink(missing_ok=True)
-                snap = snaps.get(path.name)
-                if snap is not None:
-                    snap.on_disk = False
-                    if not snap.loaded:
-                        self._drop(snap)
-        # blocks no remaining on-disk snapshot needs
-        needed = {b.digest for s in self._all_snapshots() if s.on_disk for b in s.node.path()}
-        for path in self._own_files("b"):
-            if path.name.removesuffix(".mtpc").rsplit("-", 1)[-1] not in needed:
-                path.unlink(missing_ok=True)
+        names = self.writer.take_deleted()
+        if not names:
+            return
+        for snap in self._all_snapshots():
+            if snap.on_disk and self._snap_file(snap).name in names:
+                snap.on_disk = False  # one only on disk is dropped when a lookup meets it
         for block in self._all_blocks():
-            block.on_disk = block.digest in needed
+            if block.on_disk and self._block_file(block).name in names:
+                block.on_disk = False
 
     def _all_blocks(self) -> list[_Block]:
         out, todo = [], [self.root]
@@ -642,7 +639,7 @@ class PrefixCache:
             "hits": c.hits,
             "reused_tokens": c.reused_tokens,
             "evictions": c.evictions,
-            "errors": c.errors,
+            "errors": c.errors + (self.writer.errors if self.writer is not None else 0),
             "bytes_held": self.bytes_held,
             "snapshots": self.snapshots,
         }
@@ -741,7 +738,8 @@ def _to_bytes(a: mx.array) -> tuple[str, list[int], bytes]:
     return dtype, list(a.shape), np.array(raw).tobytes()
 
 
-def _write_file(path: Path, header: dict[str, Any], arrays: dict[str, mx.array]) -> None:
+def _encode_file(header: dict[str, Any], arrays: dict[str, mx.array]) -> bytes:
+    """A cache file's bytes (copied out of the arrays on the engine's thread)."""
     payload, entries, offset = [], {}, 0
     for name, a in arrays.items():
         dtype, shape, raw = _to_bytes(a)
@@ -752,10 +750,87 @@ def _write_file(path: Path, header: dict[str, Any], arrays: dict[str, mx.array])
     full = dict(header, format=FORMAT_VERSION, arrays=entries)
     full["sha256"] = hashlib.sha256(body).hexdigest()
     head = json.dumps(full).encode()
+    return _MAGIC + struct.pack("<Q", len(head)) + head + body
+
+
+def _write_file(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(_MAGIC + struct.pack("<Q", len(head)) + head + body)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class DiskWriter:
+    """The disk tier's one writing thread: writes the files handed to it in order, then keeps
+    the model's files within the byte budget (oldest snapshots first, then the blocks no
+    snapshot left needs). Only file operations run here; what it removed is taken in by the
+    cache on the engine's thread (``take_deleted``). Its faults are logged and counted."""
+
+    def __init__(self, directory: Path, tag: str, budget_bytes: int) -> None:
+        self.directory, self.tag, self.budget_bytes = directory, tag, budget_bytes
+        self.errors = 0  # written by this thread only
+        self._jobs: queue.Queue[tuple[Path, bytes]] = queue.Queue()
+        self._deleted: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="mtpserve-cache-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path, data: bytes) -> None:
+        self._jobs.put((path, data))
+
+    def drain(self) -> None:
+        """Wait until every file handed over so far is written (or failed)."""
+        self._jobs.join()
+
+    def take_deleted(self) -> set[str]:
+        with self._lock:
+            names, self._deleted = self._deleted, set()
+        return names
+
+    def _run(self) -> None:
+        while True:
+            path, data = self._jobs.get()
+            try:
+                _write_file(path, data)
+                if path.name.startswith("s-"):
+                    self._keep_budget()
+            except Exception as exc:  # OSError above all (a full disk): the cache is optional
+                self.errors += 1
+                log.warning("prompt cache: could not write %s: %s", path, exc)
+            finally:
+                self._jobs.task_done()
+
+    def _own(self, kind: str) -> list[Path]:
+        return list(self.directory.glob(f"{kind}-{self.tag}-*.mtpc"))
+
+    def _keep_budget(self) -> None:
+        files = [(p, p.stat()) for p in self._own("[bs]")]
+        total = sum(st.st_size for _, st in files)
+        if total <= self.budget_bytes:
+            return
+        removed: set[str] = set()
+        for path, st in sorted(files, key=lambda f: f[1].st_mtime):
+            if total <= self.budget_bytes:
+                break
+            if path.name.startswith("s-"):
+                path.unlink(missing_ok=True)
+                total -= st.st_size
+                removed.add(path.name)
+        needed: set[str] = set()
+        for path in self._own("s"):
+            try:
+                needed.update(_read_header(path).get("blocks", []))
+            except (OSError, ValueError, KeyError, struct.error):
+                continue
+        for path in self._own("b"):
+            if path.name.removesuffix(".mtpc").rsplit("-", 1)[-1] not in needed:
+                path.unlink(missing_ok=True)
+                removed.add(path.name)
+        with self._lock:
+            self._deleted |= removed
 
 
 def _read_header(path: Path) -> dict[str, Any]:
