@@ -799,7 +799,13 @@ class DiskWriter:
                     self._keep_budget()
             except Exception as exc:  # OSError above all (a full disk): the cache is optional
                 self.errors += 1
-                log.warning("prompt cache: could not write %s: %s", path, exc)
+                if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... fault
+                    log.warning(
+                        "prompt cache: could not write %s: %s (%d writes failed so far)",
+                        path,
+                        exc,
+                        self.errors,
+                    )
             finally:
                 self._jobs.task_done()
 
