@@ -234,6 +234,9 @@ class PrefixCache:
         path = snap.node.path()
         try:
             self._load(snap, path)
+        except SnapshotGone:  # nothing wrong with the directory: just not there any more
+            self._drop(snap)
+            return None
         except (OSError, ValueError, KeyError, struct.error) as exc:
             log.warning("prompt cache: skipping a stored snapshot: %s", exc)
             self.counters.disk_rejected += 1
@@ -513,7 +516,7 @@ class PrefixCache:
             self.writer.drain()  # a file it needs may still be on its way to the disk
             self._forget_deleted()
             if not snap.on_disk and not snap.loaded:
-                raise FileNotFoundError("the disk budget removed this snapshot")
+                raise SnapshotGone("its file was removed for the disk budget, or never written")
         read: list[_Block] = []
         try:
             for block in path:
@@ -763,11 +766,17 @@ def _write_file(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+class SnapshotGone(FileNotFoundError):
+    """A snapshot only on disk whose file is not there: removed to keep the disk budget, or
+    its write failed."""
+
+
 class DiskWriter:
     """The disk tier's one writing thread: writes the files handed to it in order, then keeps
     the model's files within the byte budget (oldest snapshots first, then the blocks no
     snapshot left needs). Only file operations run here; what it removed is taken in by the
-    cache on the engine's thread (``take_deleted``). Its faults are logged and counted."""
+    cache on the engine's thread (``take_deleted``), as are the files it failed to write. Its
+    faults are logged and counted."""
 
     def __init__(self, directory: Path, tag: str, budget_bytes: int) -> None:
         self.directory, self.tag, self.budget_bytes = directory, tag, budget_bytes
@@ -798,6 +807,8 @@ class DiskWriter:
                 if path.name.startswith("s-"):
                     self._keep_budget()
             except Exception as exc:  # OSError above all (a full disk): the cache is optional
+                with self._lock:
+                    self._deleted.add(path.name)
                 self.errors += 1
                 if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... fault
                     log.warning(
