@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from sampling.params import SamplingParams
 
@@ -61,6 +61,9 @@ class GenerationRequest:
     #: Structured output: an llguidance grammar the generated tokens must follow
     #: (``sampling.constraint.json_schema_grammar``); None: unconstrained.
     grammar: str | None = None
+    #: ``grammar`` already compiled (``Engine.constraint``, off the engine's thread) for this
+    #: request alone: the engine advances it as the output grows; None: compiled at start.
+    constraint: Any = None
 
 
 @dataclass

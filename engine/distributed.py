@@ -64,7 +64,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest
+from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest, RequestError
 from engine.blas import all_cores
 from engine.model import loader
 from engine.model.mtp import table_rows
@@ -713,7 +713,9 @@ class DistributedEngine(Engine):
             for event in super().generate(request, cancelled, trace):
                 leader.progress()
                 yield event
-        except EngineUnavailable:
+        except (EngineUnavailable, RequestError):
+            # a request's own error (a grammar's dead end) is raised where the caches of
+            # every rank agree: it fails that request, never the group
             raise
         except Exception as exc:
             if leader.messages == sent:  # refused before anything reached the group

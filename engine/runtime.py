@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from engine.model import loader
 from engine.model.memory import limit_host_arenas, release_between_requests
 from engine.scheduling.autok import DraftPolicy, EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
-from sampling.constraint import GrammarError, TokenConstraint, build_tokenizer
+from sampling.constraint import GrammarDeadEnd, GrammarError, TokenConstraint, build_tokenizer
 from sampling.params import (
     SamplingOverrides,
     SamplingParams,
@@ -61,6 +62,8 @@ from sampling.params import (
 )
 
 log = logging.getLogger("mtpserve.engine")
+#: guards building the llguidance tokenizer once (grammars compile off the worker thread)
+_GRAMMAR_TOKENIZER_LOCK = threading.Lock()
 
 #: Optional file in a model folder: token ids by corpus frequency, for the draft vocabulary.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -175,8 +178,18 @@ class Engine:
             block_tokens=block_tokens,
             directory=directory,
             disk_budget_bytes=disk_budget_bytes or DEFAULT_DISK_BUDGET_BYTES,
-            fingerprint=model_fingerprint(self.loaded.model_dir, extra),
+            fingerprint=self._cache_fingerprint(extra, directory),
         )
+
+    def _cache_fingerprint(self, extra: str, directory: str | Path | None) -> str:
+        """The conversation cache's model fingerprint: over the weights' content when a disk
+        tier keeps snapshots across restarts (memory-only snapshots die with these weights)."""
+        if directory is None:
+            return extra
+        head = self.loaded.head_source
+        files = [Path(head)] if head and Path(head).is_file() else []
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return model_fingerprint(self.loaded.model_dir, extra, Path(directory), files)
 
     # -- facts the server and CLI need -------------------------------------------------------
     @property
@@ -233,6 +246,9 @@ class Engine:
                 f"request asks for {len(request.prompt_ids)} prompt + {request.max_tokens} "
                 f"completion tokens"
             )
+        k = request.draft_tokens
+        if isinstance(k, int) and not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
         request.sampling.validate(self.vocab_size)
@@ -241,15 +257,38 @@ class Engine:
 
     def constraint(self, grammar: str) -> TokenConstraint:
         """A fresh ``TokenConstraint`` for ``grammar``; ``RequestError`` if it does not compile
-        (the llguidance tokenizer is built on first use: ~0.1-1 s)."""
-        if "_grammar_tokenizer" not in self.__dict__:
-            self.__dict__["_grammar_tokenizer"] = build_tokenizer(
-                self.tokenizer, self.vocab_size, self.eos_token_ids
-            )
+        or allows no first token (a schema that describes no finite JSON, ``{"$ref": "#"}``).
+        Touches no mlx: callers run it on their own thread (the server compiles a request's
+        grammar before queueing it, and hands it over as ``GenerationRequest.constraint``).
+        The llguidance tokenizer is built on first use (~0.1-1 s)."""
+        with _GRAMMAR_TOKENIZER_LOCK:
+            if "_grammar_tokenizer" not in self.__dict__:
+                self.__dict__["_grammar_tokenizer"] = build_tokenizer(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
         try:
-            return TokenConstraint(self.__dict__["_grammar_tokenizer"], grammar, self.vocab_size)
+            constraint = TokenConstraint(
+                self.__dict__["_grammar_tokenizer"], grammar, self.vocab_size
+            )
+            constraint.allowed()
+        except GrammarDeadEnd as exc:
+            raise RequestError(
+                "the output grammar allows no token at all: the schema describes no JSON that "
+                "can be completed",
+                "grammar",
+                code="unsatisfiable_grammar",
+            ) from exc
         except GrammarError as exc:
             raise RequestError(f"the output grammar does not compile: {exc}", "grammar") from exc
+        return constraint
+
+    def _sequence_constraint(self, request: GenerationRequest) -> TokenConstraint | None:
+        """The request's grammar as it starts: compiled by the caller, or here."""
+        if request.constraint is not None:
+            return request.constraint
+        if request.grammar is not None:
+            return self.constraint(request.grammar)
+        return None
 
     # -- the loop --------------------------------------------------------------------------------
     def generate(
@@ -303,11 +342,10 @@ class Engine:
             self.trunk, head, request.prompt_ids, request.sampling, use_head, coupled
         )
         seq.draft_confidence = self.draft_confidence
-        if request.grammar is not None:
-            seq.constraint = self.constraint(request.grammar)
+        seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
         if cache is not None:
-            restored = cache.lookup(request.prompt_ids, use_head)
+            restored = cache.guarded("a lookup", cache.lookup, request.prompt_ids, use_head)
             if restored is not None:
                 seq.trunk_cache.layers = restored.layers
                 if use_head:
@@ -337,7 +375,7 @@ class Engine:
             if not fed:
                 return None
             if cache is not None:
-                cache.store(seq, self.trunk, head)
+                cache.guarded("a snapshot", cache.store, seq, self.trunk, head)
         return seq
 
     def _turn_marker(self) -> int | None:
@@ -349,9 +387,10 @@ class Engine:
 
     def _keep(self, seq: Sequence) -> None:
         """Snapshot a finished generation (after its final commit) for the next turn."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(seq, self.trunk, self.loaded.head)
-            self.prefix_cache.flush()
+        cache = self.prefix_cache
+        if cache is not None:
+            cache.guarded("a snapshot", cache.store, seq, self.trunk, self.loaded.head)
+            cache.guarded("writing to disk", cache.flush)
 
     def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
         """Prefill a new sequence (everything but the prompt's last token)."""
@@ -365,8 +404,7 @@ class Engine:
             coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
-        if request.grammar is not None:
-            seq.constraint = self.constraint(request.grammar)
+        seq.constraint = self._sequence_constraint(request)
         return seq
 
     def decode(
@@ -426,7 +464,7 @@ class Engine:
                 if unread:
                     emitted = finish_unread(seq, result)
                 else:
-                    emitted = commit(seq, result, n_keep)
+                    emitted = _commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
@@ -485,6 +523,7 @@ class Engine:
         chooser = policy.chooser
         timed = chooser if not self.profile else None
         last_end: float | None = None
+        kept: Sequence | None = seq  # what the conversation cache may snapshot at the end
         try:
             while True:
                 if cancelled():
@@ -497,13 +536,19 @@ class Engine:
                     return policy.choose(seq, remaining) if seq.can_draft else 0
 
                 need = CycleNeed(seq, own_k, remaining - 1, policy.fixed is None, chooser)
-                result = yield need
+                try:
+                    result = yield need
+                except GeneratorExit:  # dropped while waiting: the sequence is consistent
+                    raise
+                except BaseException:  # its cycle failed mid-way: nothing of it is kept
+                    kept = None
+                    raise
                 n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 if result.committed:  # the batch committed it and told auto K (look-ahead)
                     emitted = finish_unread(seq, result)
                 else:
-                    emitted = commit(seq, result, n_keep)
+                    emitted = _commit(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
@@ -520,7 +565,8 @@ class Engine:
                 if finish is not None:
                     return
         finally:
-            self._keep(seq)
+            if kept is not None:
+                self._keep(kept)
 
 
 @dataclass
@@ -619,6 +665,15 @@ def _cancelled_in_prefill(request: GenerationRequest, started: float) -> Generat
     stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
     stats.prompt_seconds = time.perf_counter() - started
     return GenerationEvent([], finish_reason="cancelled", stats=stats)
+
+
+def _commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
+    """``commit``; a grammar dead end the kept tokens ran into is this request's error (the
+    caches were committed first, so the sequence stays consistent)."""
+    try:
+        return commit(seq, result, n_keep)
+    except GrammarDeadEnd as exc:
+        raise RequestError(str(exc), "grammar", code="unsatisfiable_grammar") from exc
 
 
 def _apply_stops(

@@ -294,10 +294,13 @@ def follow_if_follower(args: argparse.Namespace) -> int | None:
     if args.command == "serve":
         from server.cli import settings_from_args
 
-        model = settings_from_args(args).model or default_model()
+        # rank 0 reads its dtype from the settings (flag, environment, TOML, then "auto"): the
+        # follower must load the very same, or the first collective meets mismatched sizes
+        settings = settings_from_args(args)
+        model, dtype = settings.model or default_model(), settings.dtype
     else:
-        model = args.model
-    return distributed.run_follower(model, getattr(args, "dtype", "auto"))
+        model, dtype = args.model, getattr(args, "dtype", None) or "auto"
+    return distributed.run_follower(model, dtype)
 
 
 if __name__ == "__main__":

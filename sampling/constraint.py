@@ -48,6 +48,12 @@ class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile (the client's 400)."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar allows no token after the output so far: a schema llguidance accepts can
+    still describe no finite JSON (``{"$ref": "#"}``). The request's own fault, never its
+    neighbours'."""
+
+
 def json_schema_grammar(schema: dict[str, Any], reasoning_end: int | None = None) -> str:
     """A JSON schema -> the llguidance grammar that generates JSON valid under it.
 
@@ -282,30 +288,63 @@ class TokenConstraint:
     """
 
     def __init__(self, tokenizer: LLTokenizer, grammar: str, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        #: every token consumed so far: an llguidance error is sticky (no rollback out of it),
+        #: so a state is rebuilt from these when a draft led into a dead end
+        self.consumed: list[int] = []
+        self.matcher = self._new_matcher()
+
+    def _new_matcher(self) -> LLMatcher:
         try:
-            self.matcher = LLMatcher(tokenizer, grammar)
+            matcher = LLMatcher(self.tokenizer, self.grammar)
         except (TypeError, ValueError) as exc:
             raise GrammarError(str(exc)) from exc
-        if self.matcher.is_error():
-            raise GrammarError(self.matcher.get_error())
-        self.vocab_size = vocab_size
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    def copy(self) -> TokenConstraint:
+        """An independent constraint at the same position (one per choice of a request)."""
+        twin = object.__new__(TokenConstraint)
+        twin.tokenizer, twin.grammar = self.tokenizer, self.grammar
+        twin.vocab_size = self.vocab_size
+        twin.consumed = list(self.consumed)
+        twin.matcher = self.matcher.deep_copy()
+        return twin
 
     def allowed(self) -> np.ndarray:
-        """``[vocab_size]`` bool: the tokens that may come next."""
+        """``[vocab_size]`` bool: the tokens that may come next; ``GrammarDeadEnd`` when none
+        may (never a draw from no tokens)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if self.matcher.is_error() or not allowed.any():
-            # (llguidance's limits, e.g. lexer fuel): an error, never a draw from no tokens
-            raise RuntimeError(f"the grammar cannot continue: {self.matcher.get_error()}")
+            raise GrammarDeadEnd(
+                f"the output grammar allows no token after {len(self.consumed)} generated "
+                "tokens: the schema describes no JSON that can be completed"
+            )
         return allowed
 
     def consume(self, token: int) -> bool:
         """Advance over ``token``, which ``allowed()`` allowed; False when the grammar had
-        already stopped (nothing consumed, nothing to roll back)."""
+        already stopped (nothing consumed, nothing to roll back). ``GrammarDeadEnd`` when the
+        grammar cannot take it (it was drawn past a dead end)."""
+        if self.matcher.is_error():  # (an errored matcher also reports itself stopped)
+            raise GrammarDeadEnd(
+                f"the output grammar allows no token after {len(self.consumed)} generated "
+                "tokens: the schema describes no JSON that can be completed"
+            )
         if self.matcher.is_stopped():
             return False
-        if not self.matcher.consume_token(token) or self.matcher.is_error():
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        if not self.matcher.consume_token(token):
+            raise GrammarDeadEnd(
+                f"the output grammar allows no token after {len(self.consumed)} generated "
+                "tokens: the schema describes no JSON that can be completed"
+            )
+        if self.matcher.is_error():
+            raise GrammarDeadEnd(f"the output grammar refused token {token}")
+        self.consumed.append(token)
         return True
 
     def consume_all(self, tokens: list[int]) -> None:
@@ -314,6 +353,14 @@ class TokenConstraint:
             self.consume(token)
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` consumed tokens (a cycle's drafts)."""
-        if n and not self.matcher.rollback(n):
-            raise RuntimeError(f"the grammar could not roll back {n} tokens")
+        """Undo the last ``n`` consumed tokens (a cycle's drafts); out of an error state (a
+        draft that led into a dead end) by replaying the tokens before them."""
+        if not n:
+            return
+        kept = self.consumed[: len(self.consumed) - n]
+        if not self.matcher.is_error() and self.matcher.rollback(n):
+            self.consumed = kept
+            return
+        self.matcher, self.consumed = self._new_matcher(), []
+        for token in kept:
+            self.consume(token)

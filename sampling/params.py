@@ -28,6 +28,11 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+#: Temperatures below this sample the argmax: dividing logits by 1e-40 gives infinities (then
+#: NaN probabilities), and long before that the distribution is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Fully resolved sampler settings for one request (every field has a value)."""
@@ -44,7 +49,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax draws: temperature 0, top_k 1, or a temperature below ``GREEDY_BELOW``
+        (logits divided by one overflow float32; the limit is vLLM's)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def uses_history(self) -> bool:

@@ -30,6 +30,7 @@ from server.api import (
 )
 from server.core.http import openapi_schema
 from server.errors import install_error_handlers
+from server.guard import RequestGuard, startup_warning
 from server.metrics import ServerMetrics
 from server.page import router as page_router
 from server.settings import ServerSettings
@@ -114,6 +115,9 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        warning = startup_warning(settings)
+        if warning is not None:
+            logger.warning("%s", warning)
         scheduler.start()
         loaded = await scheduler.wait_ready_async()  # raises (and aborts startup) on failure
         state.attach_engine(loaded)
@@ -148,7 +152,8 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     ):
         app.include_router(api.router)
     app.include_router(page_router)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestGuard, settings=settings)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts refusals too
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -43,6 +43,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=DRAFT_VOCAB_HELP,
     )
     parser.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--allowed-hosts",
+        dest="allowed_hosts",
+        nargs="+",
+        metavar="HOST",
+        help="Host names served besides loopback and the bound address (a reverse proxy's "
+        "name); '*': any",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        dest="allowed_origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="web origins whose pages may call the API besides the chat page; '*': any",
+    )
     parser.add_argument("--preset", help="sampler preset from configs/presets.toml")
     parser.add_argument(
         "--max-queue",
@@ -109,6 +124,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "dtype",
             "draft_vocab",
             "api_key",
+            "allowed_hosts",
+            "allowed_origins",
             "preset",
             "max_queue",
             "max_batch",

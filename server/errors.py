@@ -23,11 +23,12 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # as OpenAI answers it (code "invalid_api_key")
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -40,6 +41,7 @@ _ANTHROPIC_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",

@@ -136,6 +136,7 @@ class _PromptCacheCollector(Collector):
         ("hits", "Lookups that restored a cached prefix"),
         ("reused_tokens", "Prompt tokens restored from the cache instead of prefilled"),
         ("evictions", "Snapshots evicted to stay within the byte budget"),
+        ("errors", "Prompt-cache faults (a full disk, ...): logged, the request went on"),
     )
 
     def __init__(self, figures: Callable[[], dict[str, Any] | None]) -> None:

@@ -47,6 +47,12 @@ class ServerSettings(BaseSettings):
     draft_vocab: int | None = Field(None, ge=0)
     #: When set, every /v1 route requires ``Authorization: Bearer <key>``.
     api_key: SecretStr | None = None
+    #: Host names served besides the loopback names and the bound address (a reverse proxy's
+    #: public name); "*": any (server.guard).
+    allowed_hosts: list[str] = Field(default_factory=list)
+    #: Web origins (``https://app.example``) whose pages may call the API besides this
+    #: server's own chat page; "*": any (server.guard).
+    allowed_origins: list[str] = Field(default_factory=list)
     #: A sampler preset from configs/presets.toml (between generation_config and the request).
     preset: str | None = None
     #: Explicit sampler overrides (applied after the preset).

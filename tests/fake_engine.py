@@ -51,6 +51,11 @@ SCRIPTS: dict[str, str] = {
     "TRIGGER_UNICODE": "héllo → 世界 🙂 naïve café",
     "TRIGGER_STOP": "one two three STOP four five",
     "TRIGGER_PLAIN": "The answer is 42.",
+    # a number past the range of a double, as a model may write one
+    "TRIGGER_HUGE_NUMBER": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n1e999\n</parameter>\n</function>\n</tool_call>"
+    ),
 }
 
 

@@ -308,3 +308,70 @@ def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
             leader.announce((distributed.OP_FORWARD, 1, 1, 1))
     finally:
         distributed._lost = None
+
+
+def test_serve_starts_on_a_bfloat16_checkpoint_and_survives_a_request_error(
+    make_checkpoint, tmp_path: Path
+) -> None:
+    """``mtpserve serve`` on 2 ranks without ``--dtype``, the checkpoint stored in bfloat16:
+    every rank loads the dtype rank 0 chooses (float32 on CPUs), so the group starts; a
+    request whose grammar dead-ends fails alone (a 400), and the group serves on."""
+    import dataclasses
+
+    import httpx
+
+    variant = dataclasses.replace(VARIANTS["dense-tied"], name="dense-tied-bf16", dtype="bfloat16")
+    model = str(make_checkpoint(variant))
+    ring, http = free_ports(2), free_ports(1)[0]
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
+    cmd = [
+        sys.executable, "-m", "mtpserve.cli", "serve", "--model", model, "--port", str(http),
+        "--served-model-name", "tiny", "--draft-tokens", "2", "--log-level", "warning",
+    ]  # fmt: skip
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+        env["PYTHONPATH"] = str(ROOT)
+        env["MTPSERVE_DISTRIBUTED_TIMEOUT"] = str(WATCHDOG_S)
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+    url = f"http://127.0.0.1:{http}"
+
+    def exited() -> str | None:
+        if not any(p.poll() is not None for p in procs):
+            return None
+        logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+        return "a rank exited during start-up:\n" + "\n".join(logs)
+
+    try:
+        wait_healthy(url, exited, timeout=300)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        dead_end = {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/properties/a"}},
+            "required": ["a"],
+        }
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": dead_end}}
+        with httpx.Client(base_url=url, timeout=120) as c:
+            assert c.post("/v1/chat/completions", json=chat).status_code == 200
+            no_thinking = {"chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 48}
+            bad = c.post("/v1/chat/completions", json=chat | no_thinking | {"response_format": fmt})
+            assert bad.status_code == 400, bad.text
+            unsatisfiable = {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+            }
+            refused = c.post("/v1/chat/completions", json=chat | {"response_format": unsatisfiable})
+            assert refused.status_code == 400, refused.text
+            assert c.post("/v1/chat/completions", json=chat).status_code == 200
+        assert all(p.poll() is None for p in procs)
+    finally:
+        if procs and procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

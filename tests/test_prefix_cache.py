@@ -211,6 +211,8 @@ def run(engine: Any, prompt: list[int], cached: bool = True, **kw: Any) -> tuple
             stats, finish = event.stats, event.finish_reason
     finally:
         engine.prefix_cache = saved
+    if saved is not None and saved.writer is not None:
+        saved.writer.drain()  # its disk tier written, as a later process would find it
     stats.finish = finish
     return out, stats
 
@@ -426,3 +428,115 @@ def test_cli_flags_reach_the_settings(tmp_path: Path) -> None:
     assert settings.prompt_cache_bytes == 0 and settings.prompt_cache_dir == str(tmp_path)
     assert settings.prompt_cache_disk_bytes == 1000
     assert ServerSettings().prompt_cache_bytes == 1 << 30  # the default the README states
+
+
+# -- the cache's faults stay the cache's ----------------------------------------------------------
+
+
+def test_a_snapshot_that_fails_to_load_leaves_no_bytes_behind(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """Its blocks load, the snapshot's own file fails its checksum: the blocks are let go
+    again and the byte count is what the memory holds (nothing), not what was read."""
+    model = make_checkpoint(VARIANTS["dense-tied"])
+    first = load(model, 0, TINY_BLOCK)
+    first.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    prompt = _prompt(21, 100)
+    run(first, prompt, k=2)
+    for path in tmp_path.glob("s-*.mtpc"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    restarted = load(model, 0, TINY_BLOCK)
+    restarted.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    cache = restarted.prefix_cache
+    assert cache.lookup(prompt + [5], need_head=True) is None
+    assert cache.counters.disk_rejected >= 1
+    assert cache.bytes_held == 0
+
+
+def test_models_sharing_a_directory_keep_to_their_own_files(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    ours = load(make_checkpoint(VARIANTS["dense-tied"]), 0, TINY_BLOCK)
+    ours.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+    run(ours, _prompt(22, 100), k=2)
+    ours_files = {p: p.read_bytes() for p in tmp_path.glob("*.mtpc")}
+    assert ours_files
+    theirs = load(make_checkpoint(VARIANTS["moe-tied"]), 0, TINY_BLOCK)
+    # a disk budget the first model's files alone would fill
+    small = sum(len(b) for b in ours_files.values())
+    theirs.enable_prefix_cache(16 << 20, tmp_path, disk_budget_bytes=small, block_tokens=TINY_BLOCK)
+    for seed in range(23, 26):
+        run(theirs, _prompt(seed, 100), k=2)
+    assert {p: p.read_bytes() for p in ours_files} == ours_files  # untouched
+    their_bytes = sum(p.stat().st_size for p in tmp_path.glob("*.mtpc") if p not in ours_files)
+    assert 0 < their_bytes <= small
+
+
+def test_a_full_disk_fails_no_request(
+    make_checkpoint: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC on every write: the same prompt twice through the server answers both (the
+    second from the memory tier), the worker lives on, and the faults are counted."""
+    import errno
+
+    from engine.cycle import prefix_cache
+
+    def full_disk(path: Path, *args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(prefix_cache, "_write_file", full_disk)
+    model = make_checkpoint(VARIANTS["dense-tied"])
+
+    def loaded() -> Any:
+        engine = load(model, 0, TINY_BLOCK)
+        engine.enable_prefix_cache(16 << 20, tmp_path, block_tokens=TINY_BLOCK)
+        return engine
+
+    settings = ServerSettings(model=str(model), served_model_names=["m"], max_batch=4)
+    body = {"model": "m", "prompt": list(range(3, 120)), "max_tokens": 8, "temperature": 0}
+    with LiveServer(create_app(loaded, settings)) as srv, httpx.Client(base_url=srv.url) as c:
+        answers = [c.post("/v1/completions", json=body) for _ in range(3)]
+        assert [r.status_code for r in answers] == [200] * 3, answers[-1].text
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        assert c.get("/health").json()["status"] == "ok"
+        faults = [
+            line
+            for line in c.get("/metrics").text.splitlines()
+            if line.startswith("mtpserve_prompt_cache_errors_total")
+        ]
+        assert faults and float(faults[0].split()[-1]) >= 1
+
+
+def test_new_weights_of_the_same_shape_never_restore_old_states(
+    make_checkpoint: Any, tmp_path: Path
+) -> None:
+    """A fine-tune copied over the old weight files (same names, same sizes, and the old
+    modification time put back): the disk tier's snapshots of the old weights are not used."""
+    import dataclasses
+    import os
+    import shutil
+
+    original = make_checkpoint(VARIANTS["dense-tied"])
+    tuned = make_checkpoint(dataclasses.replace(VARIANTS["dense-tied"], name="tuned", seed=9))
+    model = tmp_path / "model"
+    shutil.copytree(original, model)
+    cache_dir = tmp_path / "cache"
+    prompt = _prompt(31, 100)
+    first = load(model, 0, TINY_BLOCK)
+    first.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    run(first, prompt, k=2)
+    for path in model.glob("*.safetensors"):
+        times = path.stat()
+        shutil.copyfile(tuned / path.name, path)
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    restarted = load(model, 0, TINY_BLOCK)
+    restarted.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    warm, stats = run(restarted, prompt, k=2)
+    assert stats.cached_tokens == 0
+    assert warm == run(restarted, prompt, cached=False, k=2)[0]
+    # unchanged weights still resume from the disk tier
+    again = load(model, 0, TINY_BLOCK)
+    again.enable_prefix_cache(16 << 20, cache_dir, block_tokens=TINY_BLOCK)
+    assert run(again, prompt, k=2)[1].cached_tokens > 0

@@ -375,3 +375,57 @@ def test_a_server_stopped_as_its_process_exits_exits_cleanly(tmp_path: Path) -> 
             [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 0, done.stderr
+
+
+class FailingCleanupBatch:
+    """A batch whose cycle fails once and whose row clean-up then raises too (the row's
+    snapshot for the conversation cache, say, on a full disk)."""
+
+    capacity = 4
+
+    def __init__(self, engine: CountingEngine) -> None:
+        self.rows: dict[int, Iterator[GenerationEvent]] = {}
+        self.engine = engine
+        self.failed_once = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rows
+
+    def add(self, key: int, request: GenerationRequest, cancelled: Callable[[], bool]) -> None:
+        self.rows[key] = iter(self.engine.generate(request, cancelled))
+
+    def drop(self, key: int) -> None:
+        self.rows.pop(key, None)
+        raise OSError(28, "No space left on device")
+
+    def step(self) -> list[tuple[int, GenerationEvent | BaseException]]:
+        if not self.failed_once:
+            self.failed_once = True
+            raise RuntimeError("a batched cycle failed")
+        out: list[tuple[int, GenerationEvent | BaseException]] = []
+        for key, events in list(self.rows.items()):
+            try:
+                out.append((key, next(events)))
+            except StopIteration:
+                del self.rows[key]
+        return out
+
+
+def test_a_failing_row_cleanup_never_ends_the_worker() -> None:
+    engine = CountingEngine()
+    engine.batch = lambda capacity: FailingCleanupBatch(engine)  # type: ignore[attr-defined]
+    sched = make(engine, max_batch=4)
+
+    async def main() -> list[int]:
+        (first,) = sched.submit([req(3)])
+        with pytest.raises(GenerationFailedError):
+            await collect(first)
+        (second,) = sched.submit([req(7)])
+        return await collect(second)
+
+    assert run(main()) == [7000, 7001, 7002]
+    assert sched.alive
+    sched.shutdown()

@@ -244,7 +244,8 @@ ANTHROPIC_BAD = [
 def test_messages_errors_in_anthropic_shape(
     http: httpx.Client, name: str, body: Any, status: int, what: str | None
 ) -> None:
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    json_type = {"content-type": "application/json"}
+    kw = {"content": body, "headers": json_type} if isinstance(body, bytes) else {"json": body}
     r = http.post("/v1/messages", **kw)
     assert r.status_code == status, r.text
     err = r.json()

@@ -27,7 +27,9 @@ Memory is bounded by ``budget_bytes`` (LRU over snapshots; a block lives while a
 needs it). With ``directory`` set, every stored block and snapshot is also written to disk
 (one file each, checked on load: format version, model fingerprint, key, checksum), so a
 restarted server can resume a long chat without prefilling it; the disk tier has its own byte
-budget, oldest files go first.
+budget, oldest files go first. The files are written, and the budget kept, by a thread of
+the cache's own (``DiskWriter``): the engine's thread only copies a state's bytes out, so a
+slow or full disk never holds up the rows decoding.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -51,6 +55,7 @@ from engine.cycle.speculative import PREFILL_CHUNK, _absorb_pending
 from engine.model.attention import RowKVCache
 from engine.model.trunk import GDNLayerState
 
+T = TypeVar("T")
 log = logging.getLogger("mtpserve.prefix_cache")
 
 #: Positions per KV block and between in-prompt snapshots: the prefill chunk, so that block ends
@@ -137,6 +142,9 @@ class CacheCounters:
     stored: int = 0
     disk_loads: int = 0
     disk_rejected: int = 0
+    #: faults (a full disk, an unreadable file, anything unexpected): logged, and the request
+    #: went on without the cache
+    errors: int = 0
 
 
 @dataclass
@@ -174,9 +182,21 @@ class PrefixCache:
         self.disk_budget_bytes = disk_budget_bytes
         self._stride: int | None = None
         self._unwritten: list[_Snapshot] = []
+        self.writer: DiskWriter | None = None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load_index()
+            self.writer = DiskWriter(self.directory, self._file_tag, disk_budget_bytes)
+
+    def guarded(self, what: str, work: Callable[..., T], *args: Any) -> T | None:
+        """``work(*args)``, or None after logging and counting its fault: the cache is an
+        optimisation, and no fault of it may fail a request or the engine's thread."""
+        try:
+            return work(*args)
+        except Exception:
+            self.counters.errors += 1
+            log.exception("prompt cache: %s failed; going on without it", what)
+            return None
 
     # -- lookup and restore --------------------------------------------------------------------
     def lookup(self, prompt: list[int], need_head: bool) -> Restored | None:
@@ -214,6 +234,9 @@ class PrefixCache:
         path = snap.node.path()
         try:
             self._load(snap, path)
+        except SnapshotGone:  # nothing wrong with the directory: just not there any more
+            self._drop(snap)
+            return None
         except (OSError, ValueError, KeyError, struct.error) as exc:
             log.warning("prompt cache: skipping a stored snapshot: %s", exc)
             self.counters.disk_rejected += 1
@@ -331,8 +354,9 @@ class PrefixCache:
         self._evict()
 
     def flush(self) -> None:
-        """Write the snapshots stored since the last flush to the disk tier (the engine calls
-        this after a generation's last event, so disk writes never delay a first token)."""
+        """Hand the snapshots stored since the last flush to the disk tier's writer (the engine
+        calls this after a generation's last event)."""
+        self._forget_deleted()
         unwritten, self._unwritten = self._unwritten, []
         for snap in unwritten:
             if snap.loaded and snap.node.snapshots.get(snap.tail) is snap:
@@ -416,15 +440,33 @@ class PrefixCache:
             self._drop(snap)
 
     # -- disk tier --------------------------------------------------------------------------
+    # Every file name carries the model's fingerprint, so that models sharing a directory
+    # never read, count toward their budget, overwrite or delete each other's files.
+    @property
+    def _file_tag(self) -> str:
+        return self.fingerprint[:16] or "any"
+
     def _block_file(self, block: _Block) -> Path:
-        return self.directory / f"b-{block.digest}.mtpc"
+        return self.directory / f"b-{self._file_tag}-{block.digest}.mtpc"
 
     def _snap_file(self, snap: _Snapshot) -> Path:
-        return self.directory / f"s-{snap.digest}.mtpc"
+        return self.directory / f"s-{self._file_tag}-{snap.digest}.mtpc"
+
+    def _own_files(self, kind: str = "[bs]") -> list[Path]:
+        return list(self.directory.glob(f"{kind}-{self._file_tag}-*.mtpc"))
 
     def _write_blocks(self, node: _Block) -> None:
+        """Write ``node``'s blocks not yet on disk; a failure (a full disk) is logged and
+        counted, never raised: the disk tier is an optimisation."""
         if self.directory is None:
             return
+        try:
+            self._write_block_files(node)
+        except (OSError, ValueError) as exc:
+            self.counters.errors += 1
+            log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
+
+    def _write_block_files(self, node: _Block) -> None:
         for block in node.path():
             if not block.on_disk and block.kv is not None:
                 arrays = {
@@ -432,20 +474,17 @@ class PrefixCache:
                 }
                 if block.head is not None:
                     arrays |= {"head_0": block.head[0], "head_1": block.head[1]}
-                _write_file(
-                    self._block_file(block),
-                    {
-                        "kind": "block",
-                        "tokens": list(block.tokens),
-                        "fingerprint": self.fingerprint,
-                    },
-                    arrays,
-                )
+                header = {
+                    "kind": "block",
+                    "tokens": list(block.tokens),
+                    "fingerprint": self.fingerprint,
+                }
+                self.writer.submit(self._block_file(block), _encode_file(header, arrays))
                 block.on_disk = True
 
     def _write(self, snap: _Snapshot) -> None:
         try:
-            self._write_blocks(snap.node)
+            self._write_block_files(snap.node)
             arrays = {
                 f"layer{i}_{j}": a for i, pair in enumerate(snap.layers) for j, a in enumerate(pair)
             }
@@ -463,31 +502,50 @@ class PrefixCache:
                 "has_head": snap.has_head,
                 "block_tokens": self.block_tokens,
             }
-            _write_file(self._snap_file(snap), header, arrays)
+            self.writer.submit(self._snap_file(snap), _encode_file(header, arrays))
             snap.on_disk = True
-            self._enforce_disk_budget()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
+            self.counters.errors += 1
             log.warning("prompt cache: could not write to %s: %s", self.directory, exc)
 
     def _load(self, snap: _Snapshot, path: list[_Block]) -> None:
-        """Read a snapshot's missing arrays (and its blocks') from disk; checked."""
-        for block in path:
-            if block.kv is None:
-                header, arrays = _read_file(self._block_file(block), self.fingerprint)
-                if header.get("kind") != "block" or tuple(header["tokens"]) != block.tokens:
-                    raise ValueError(f"{self._block_file(block).name} does not hold this block")
-                n_attn = sum(self.is_attention)
-                block.kv = [(arrays[f"kv{i}_0"], arrays[f"kv{i}_1"]) for i in range(n_attn)]
-                block.head = (arrays["head_0"], arrays["head_1"]) if "head_0" in arrays else None
-                self.bytes_held += block.nbytes
-        if snap.loaded:
-            return
-        header, arrays = _read_file(self._snap_file(snap), self.fingerprint)
-        if header.get("kind") != "snapshot" or header["tokens"] != snap.tokens():
-            raise ValueError(f"{self._snap_file(snap).name} does not hold this snapshot")
-        layers = [
-            (arrays[f"layer{i}_0"], arrays[f"layer{i}_1"]) for i in range(len(self.is_attention))
-        ]
+        """Read a snapshot's missing arrays (and its blocks') from disk; checked. On a
+        failure the blocks read for it are let go again, so the byte count holds only what
+        some loaded snapshot uses."""
+        if self.writer is not None and (not snap.loaded or any(b.kv is None for b in path)):
+            self.writer.drain()  # a file it needs may still be on its way to the disk
+            self._forget_deleted()
+            if not snap.on_disk and not snap.loaded:
+                raise SnapshotGone("its file was removed for the disk budget, or never written")
+        read: list[_Block] = []
+        try:
+            for block in path:
+                if block.kv is None:
+                    header, arrays = _read_file(self._block_file(block), self.fingerprint)
+                    if header.get("kind") != "block" or tuple(header["tokens"]) != block.tokens:
+                        raise ValueError(f"{self._block_file(block).name} does not hold this block")
+                    n_attn = sum(self.is_attention)
+                    block.kv = [(arrays[f"kv{i}_0"], arrays[f"kv{i}_1"]) for i in range(n_attn)]
+                    block.head = (
+                        (arrays["head_0"], arrays["head_1"]) if "head_0" in arrays else None
+                    )
+                    self.bytes_held += block.nbytes
+                    read.append(block)
+            if snap.loaded:
+                return
+            header, arrays = _read_file(self._snap_file(snap), self.fingerprint)
+            if header.get("kind") != "snapshot" or header["tokens"] != snap.tokens():
+                raise ValueError(f"{self._snap_file(snap).name} does not hold this snapshot")
+            layers = [
+                (arrays[f"layer{i}_0"], arrays[f"layer{i}_1"])
+                for i in range(len(self.is_attention))
+            ]
+        except BaseException:
+            for block in read:
+                if block.loaded_refs == 0 and block.kv is not None:
+                    self.bytes_held -= block.nbytes
+                    block.kv, block.head = None, None
+            raise
         if snap.has_head:
             self._fill(snap, layers, (arrays["head_0"], arrays["head_1"]), arrays["pending"])
         else:
@@ -498,7 +556,7 @@ class PrefixCache:
     def _load_index(self) -> None:
         """Register every snapshot file of this model found in the directory (headers only)."""
         B = self.block_tokens
-        for path in sorted(self.directory.glob("s-*.mtpc"), key=lambda p: p.stat().st_mtime):
+        for path in sorted(self._own_files("s"), key=lambda p: p.stat().st_mtime):
             try:
                 header = _read_header(path)
             except (OSError, ValueError, KeyError, struct.error) as exc:
@@ -529,30 +587,19 @@ class PrefixCache:
             if tail not in node.snapshots:
                 self._add(snap)
 
-    def _enforce_disk_budget(self) -> None:
-        files = sorted(self.directory.glob("*.mtpc"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        if total <= self.disk_budget_bytes:
+    def _forget_deleted(self) -> None:
+        """Take in the files the writer removed to keep the disk budget (engine thread)."""
+        if self.writer is None:
             return
-        snaps = {f"s-{s.digest}.mtpc": s for s in self._all_snapshots() if s.on_disk}
-        for path in files:
-            if total <= self.disk_budget_bytes:
-                break
-            if path.name.startswith("s-"):
-                total -= path.stat().st_size
-                path.unlink(missing_ok=True)
-                snap = snaps.get(path.name)
-                if snap is not None:
-                    snap.on_disk = False
-                    if not snap.loaded:
-                        self._drop(snap)
-        # blocks no remaining on-disk snapshot needs
-        needed = {b.digest for s in self._all_snapshots() if s.on_disk for b in s.node.path()}
-        for path in self.directory.glob("b-*.mtpc"):
-            if path.name[2:-5] not in needed:
-                path.unlink(missing_ok=True)
+        names = self.writer.take_deleted()
+        if not names:
+            return
+        for snap in self._all_snapshots():
+            if snap.on_disk and self._snap_file(snap).name in names:
+                snap.on_disk = False  # one only on disk is dropped when a lookup meets it
         for block in self._all_blocks():
-            block.on_disk = block.digest in needed
+            if block.on_disk and self._block_file(block).name in names:
+                block.on_disk = False
 
     def _all_blocks(self) -> list[_Block]:
         out, todo = [], [self.root]
@@ -595,6 +642,7 @@ class PrefixCache:
             "hits": c.hits,
             "reused_tokens": c.reused_tokens,
             "evictions": c.evictions,
+            "errors": c.errors + (self.writer.errors if self.writer is not None else 0),
             "bytes_held": self.bytes_held,
             "snapshots": self.snapshots,
         }
@@ -636,15 +684,53 @@ def _pending_one(seq: Any, trunk: Any, head: Any) -> mx.array | None:
     return mx.concatenate(seq.head_pending, axis=1)[:, -1:]
 
 
-def model_fingerprint(model_dir: Path, extra: str = "") -> str:
-    """What a disk snapshot must match: config, weight files (names and sizes), format."""
+def model_fingerprint(
+    model_dir: Path, extra: str = "", memo_dir: Path | None = None, files: list[Path] | None = None
+) -> str:
+    """What a disk snapshot must match: the format, ``extra``, config.json and the content of
+    every weight file (the model folder's ``*.safetensors`` and ``files``): a fine-tune of the
+    same shape copied over the old files changes it. Hashing the weights reads them once;
+    with ``memo_dir`` each file's digest is remembered there by its size, modification and
+    change times and inode, so a restart on unchanged files reads nothing (any write to a
+    file changes its change time, which no tool can set back)."""
     h = hashlib.sha256(f"mtpserve-prefix-cache-v{FORMAT_VERSION}|{extra}|".encode())
     config = model_dir / "config.json"
     if config.exists():
         h.update(config.read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{path.name}:{path.stat().st_size}|".encode())
+    memo_path = memo_dir / "weights-digests.json" if memo_dir is not None else None
+    memo: dict[str, str] = {}
+    if memo_path is not None:
+        try:
+            memo = json.loads(memo_path.read_text())
+        except (OSError, ValueError):
+            memo = {}
+    fresh: dict[str, str] = {}
+    for path in [*sorted(model_dir.glob("*.safetensors")), *(files or [])]:
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+        digest = memo.get(key) or _file_digest(path)
+        fresh[key] = digest
+        h.update(f"{path.name}:{digest}|".encode())
+    if memo_path is not None and fresh.items() - memo.items():
+        try:
+            _replace_text(memo_path, json.dumps(memo | fresh))
+        except OSError as exc:  # the memo only saves time
+            log.warning("prompt cache: could not write %s: %s", memo_path, exc)
     return h.hexdigest()[:32]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _to_bytes(a: mx.array) -> tuple[str, list[int], bytes]:
@@ -655,7 +741,8 @@ def _to_bytes(a: mx.array) -> tuple[str, list[int], bytes]:
     return dtype, list(a.shape), np.array(raw).tobytes()
 
 
-def _write_file(path: Path, header: dict[str, Any], arrays: dict[str, mx.array]) -> None:
+def _encode_file(header: dict[str, Any], arrays: dict[str, mx.array]) -> bytes:
+    """A cache file's bytes (copied out of the arrays on the engine's thread)."""
     payload, entries, offset = [], {}, 0
     for name, a in arrays.items():
         dtype, shape, raw = _to_bytes(a)
@@ -666,10 +753,101 @@ def _write_file(path: Path, header: dict[str, Any], arrays: dict[str, mx.array])
     full = dict(header, format=FORMAT_VERSION, arrays=entries)
     full["sha256"] = hashlib.sha256(body).hexdigest()
     head = json.dumps(full).encode()
+    return _MAGIC + struct.pack("<Q", len(head)) + head + body
+
+
+def _write_file(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(_MAGIC + struct.pack("<Q", len(head)) + head + body)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class SnapshotGone(FileNotFoundError):
+    """A snapshot only on disk whose file is not there: removed to keep the disk budget, or
+    its write failed."""
+
+
+class DiskWriter:
+    """The disk tier's one writing thread: writes the files handed to it in order, then keeps
+    the model's files within the byte budget (oldest snapshots first, then the blocks no
+    snapshot left needs). Only file operations run here; what it removed is taken in by the
+    cache on the engine's thread (``take_deleted``), as are the files it failed to write. Its
+    faults are logged and counted."""
+
+    def __init__(self, directory: Path, tag: str, budget_bytes: int) -> None:
+        self.directory, self.tag, self.budget_bytes = directory, tag, budget_bytes
+        self.errors = 0  # written by this thread only
+        self._jobs: queue.Queue[tuple[Path, bytes]] = queue.Queue()
+        self._deleted: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="mtpserve-cache-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path, data: bytes) -> None:
+        self._jobs.put((path, data))
+
+    def drain(self) -> None:
+        """Wait until every file handed over so far is written (or failed)."""
+        self._jobs.join()
+
+    def take_deleted(self) -> set[str]:
+        with self._lock:
+            names, self._deleted = self._deleted, set()
+        return names
+
+    def _run(self) -> None:
+        while True:
+            path, data = self._jobs.get()
+            try:
+                _write_file(path, data)
+                if path.name.startswith("s-"):
+                    self._keep_budget()
+            except Exception as exc:  # OSError above all (a full disk): the cache is optional
+                with self._lock:
+                    self._deleted.add(path.name)
+                self.errors += 1
+                if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... fault
+                    log.warning(
+                        "prompt cache: could not write %s: %s (%d writes failed so far)",
+                        path,
+                        exc,
+                        self.errors,
+                    )
+            finally:
+                self._jobs.task_done()
+
+    def _own(self, kind: str) -> list[Path]:
+        return list(self.directory.glob(f"{kind}-{self.tag}-*.mtpc"))
+
+    def _keep_budget(self) -> None:
+        files = [(p, p.stat()) for p in self._own("[bs]")]
+        total = sum(st.st_size for _, st in files)
+        if total <= self.budget_bytes:
+            return
+        removed: set[str] = set()
+        for path, st in sorted(files, key=lambda f: f[1].st_mtime):
+            if total <= self.budget_bytes:
+                break
+            if path.name.startswith("s-"):
+                path.unlink(missing_ok=True)
+                total -= st.st_size
+                removed.add(path.name)
+        needed: set[str] = set()
+        for path in self._own("s"):
+            try:
+                needed.update(_read_header(path).get("blocks", []))
+            except (OSError, ValueError, KeyError, struct.error):
+                continue
+        for path in self._own("b"):
+            if path.name.removesuffix(".mtpc").rsplit("-", 1)[-1] not in needed:
+                path.unlink(missing_ok=True)
+                removed.add(path.name)
+        with self._lock:
+            self._deleted |= removed
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -716,7 +894,7 @@ def prefill_hook(
 
     def after_chunk(seq: Any) -> bool:
         if cache is not None and seq.trunk_cache.length % cache.snapshot_stride(seq) == 0:
-            cache.store(seq, trunk, head)
+            cache.guarded("a snapshot", cache.store, seq, trunk, head)
         return not cancelled()
 
     return after_chunk

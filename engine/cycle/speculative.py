@@ -61,7 +61,7 @@ from sampling.acceptance import (
     accept_greedy,
     accept_greedy_rows,
 )
-from sampling.constraint import TokenConstraint
+from sampling.constraint import GrammarDeadEnd, TokenConstraint
 from sampling.distribution import (
     PenaltyHistory,
     Truncated,
@@ -545,7 +545,7 @@ class _RowDrafts:
             self.q = Truncated.concatenate(self.rows)
         constraint = self.seq.constraint
         if constraint is not None:
-            self.masks.append(constraint.allowed() if self.following else None)
+            self.masks.append(self._allowed() if self.following else None)
             constraint.rollback(self.advanced)
             full = np.ones(constraint.vocab_size, dtype=bool)
             self.verify_mask = mx.array(np.stack([full if m is None else m for m in self.masks]))
@@ -575,10 +575,24 @@ class _RowDrafts:
         if not self.following:
             self.masks.append(None)
             return step_logits
-        allowed = self.seq.constraint.allowed()
+        allowed = self._allowed()
         self.masks.append(allowed)
+        if allowed is None:
+            return step_logits
         masked = mx.where(mx.array(allowed), step_logits, -mx.inf)
         return mx.where(mx.any(masked > -mx.inf), masked, step_logits)
+
+    def _allowed(self) -> np.ndarray | None:
+        """The grammar's mask here; None (every token, and the grammar no longer followed)
+        where it allows none. A dead end after drafts is this row's alone and decides nothing
+        yet: if the verify rejects a draft before it, the output never goes there; if not, the
+        row's commit meets it (``GrammarDeadEnd``) and fails this row only, as plain decoding
+        would have failed it one token later."""
+        try:
+            return self.seq.constraint.allowed()
+        except GrammarDeadEnd:
+            self.following = False
+            return None
 
     def follow(self) -> None:
         """Advance the grammar over the draft just drawn (a host sync), or stop following it

@@ -199,6 +199,10 @@ class _Row:
     undo: Callable[[], None] | None = None
     #: the K its own policy chose for its next cycle when the batch looked ahead
     decided_k: int | None = None
+    #: its prompt, kept while the conversation cache can share a prefill (``_waits``)
+    prompt: tuple[int, ...] | None = None
+    #: its prefill has begun
+    started: bool = False
 
     def next_chunk(self, chunk_tokens: int) -> int:
         """The most prompt tokens its next advance prefills: chunks end at multiples of
@@ -236,6 +240,8 @@ class BatchDecoder:
             raise RuntimeError("the batch is full")
         row = _Row(self.engine.row_steps(request, cancelled, trace))
         row.prompt_left = max(1, len(request.prompt_ids) - 1)
+        if getattr(self.engine, "prefix_cache", None) is not None:
+            row.prompt = tuple(request.prompt_ids)
         self.rows[key] = row
 
     def drop(self, key: Hashable) -> None:
@@ -256,6 +262,9 @@ class BatchDecoder:
         budget = PREFILL_TOKENS_IDLE if idle else chunk_tokens
         for key, row in list(self.rows.items()):
             if not row.decoding:
+                if self._waits(row):
+                    continue
+                row.started = True
                 chunk = row.next_chunk(chunk_tokens)
                 if queue_closed or (prefilled and prefilled + chunk > budget):
                     queue_closed = True  # it and every later newcomer wait for the next step
@@ -269,6 +278,19 @@ class BatchDecoder:
         self._release_if_idle()
         return out
 
+    def _waits(self, row: _Row) -> bool:
+        """Whether a row that has not begun its prefill waits for an earlier row prefilling
+        the same prompt (the n choices of one request): once that row has prefilled, the
+        conversation cache restores the prompt for this one, so it is prefilled once, not n
+        times. The restored state gives exactly what a prefill would."""
+        if row.started or row.prompt is None:
+            return False
+        return any(
+            other.started and not other.decoding and other.prompt == row.prompt
+            for other in self.rows.values()
+            if other is not row
+        )
+
     # ------------------------------------------------------------------------------------------
     def _advance(
         self, key: Hashable, row: _Row, out: list[tuple[Hashable, GenerationEvent | Any]]
@@ -276,7 +298,7 @@ class BatchDecoder:
         """Resume one row until it yields to the batch; True when it has ended."""
         if row.error is not None:
             out.append((key, row.error))
-            _close(row)
+            _close(row, row.error)
             return True
         send, row.result, row.need = row.result, None, None
         try:
@@ -398,10 +420,18 @@ class BatchDecoder:
             release_between_requests()
 
 
-def _close(row: _Row) -> None:
+def _close(row: _Row, failed: BaseException | None = None) -> None:
     """End a row's generator; a plain cycle launched ahead for it is undone first, so the
-    sequence it leaves (to the conversation cache) holds exactly what it emitted."""
+    sequence it leaves (to the conversation cache) holds exactly what it emitted. ``failed``:
+    its cycle failed mid-way, which the generator is told so that it keeps nothing."""
     if row.undo is not None:
         row.undo()
         row.ahead = row.undo = None
-    row.steps.close()
+    if failed is None:
+        row.steps.close()
+        return
+    try:
+        row.steps.throw(failed)
+    except BaseException as exc:  # the error itself, as expected
+        if exc is not failed and not isinstance(exc, StopIteration):
+            log.exception("closing a failed row raised")

@@ -311,6 +311,9 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self._serve()
+        except BaseException as exc:  # never a silent death that leaves the queue waiting
+            logger.exception("the engine's worker thread failed")
+            self.abort(exc)
         finally:
             release_thread()
 
@@ -336,7 +339,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._closing:
                     for handle in self._rows.values():
-                        batch.drop(handle.request_id)
+                        self._drop(batch, handle.request_id)
                         handle._post(_END)
                     self._rows.clear()
                     return
@@ -357,7 +360,7 @@ class Scheduler:
             logger.exception("a batched cycle failed")
             events = [(key, exc) for key in list(self._rows)]
             for key in list(self._rows):
-                batch.drop(key)
+                self._drop(batch, key)
         for key, item in events:
             handle = self._rows.get(key)
             if handle is None:
@@ -387,7 +390,7 @@ class Scheduler:
         self._grace.pop(key, None)
         last = self._last.pop(key, None)
         if key in batch:
-            batch.drop(key)
+            self._drop(batch, key)
         if error is not None:
             if isinstance(error, RequestError):  # answered as a 400: the client's to fix
                 logger.info("generation %d rejected: %s", key, error)
@@ -400,6 +403,14 @@ class Scheduler:
             if last is None or last.finish_reason is None:
                 handle._post(_END)
         self._finished(handle, last, error)
+
+    @staticmethod
+    def _drop(batch: Any, key: int) -> None:
+        """Remove a row; a failure there (the row's clean-up) must not end the worker."""
+        try:
+            batch.drop(key)
+        except Exception:
+            logger.exception("removing generation %s from the batch failed", key)
 
     def _finished(
         self, handle: RequestHandle, last: GenerationEvent | None, error: BaseException | None

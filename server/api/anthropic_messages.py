@@ -13,6 +13,7 @@ tokens that were not read from the prompt cache; those are ``cache_read_input_to
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -161,14 +162,15 @@ def assistant_prefill(req: CountTokensRequest) -> str:
 async def count_tokens(request: Request) -> JSONResponse:
     state, req = await read_body(request, CountTokensRequest)
     state.check_model(req.model)
-    return JSONResponse({"input_tokens": len(render(state, req)[0].ids)})
+    prompt, _ = await asyncio.to_thread(render, state, req)  # templating, tokenizing
+    return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
 @router.post("/messages", response_model=None, openapi_extra=json_body(MessagesRequest))
 async def messages(request: Request) -> Response:
     state, req = await read_body(request, MessagesRequest)
     model = state.check_model(req.model)
-    prompt, grammar = render(state, req)
+    prompt, grammar = await asyncio.to_thread(render, state, req)  # templating, tokenizing
     params = GenerationParams(
         max_tokens=req.max_tokens,
         prompt_param="messages",
@@ -179,7 +181,7 @@ async def messages(request: Request) -> Response:
         grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state, [prompt], params, requests, model=model, id=new_id("msg", "_"), parse=True
     )
     return await respond(

@@ -6,6 +6,7 @@ Reasoning comes back as ``reasoning_content`` (what Open WebUI reads), tool call
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,12 +83,14 @@ async def chat_completions(request: Request) -> Response:
     schema = response_schema(req)
     if schema is not None:
         check_structured(tools, "response_format", "continue_final_message" if prefill else None)
-    prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
+    # templating and tokenizing a long prompt must not hold up every other stream
+    prompt = await asyncio.to_thread(render_chat, state, messages, tools, kwargs, prefill=prefill)
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )
     named = isinstance(choice, NamedToolChoice)
-    params.grammar = output_grammar(
+    params.grammar = await asyncio.to_thread(
+        output_grammar,
         state,
         prompt,
         schema,
@@ -100,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
         params.max_tokens = req.max_completion_tokens
         params.max_tokens_param = "max_completion_tokens"
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state,
         [prompt],
         params,

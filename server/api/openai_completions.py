@@ -7,6 +7,7 @@ cut at EOS or a stop string.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,10 +59,13 @@ class TextLogprobs:
 async def completions(request: Request) -> Response:
     state, req = await read_body(request, CompletionRequest)
     model = state.check_model(req.model)
-    prompts = encode_prompts(state, req.prompt)
     params = openai_params(req, top_logprobs=req.logprobs, top_logprobs_param="logprobs")
+    # the prompt count is limited before anything is tokenized, which runs off the event loop
+    prompts = await asyncio.to_thread(encode_prompts, state, req.prompt, n=params.n)
     requests = build_requests(state, prompts, params)
-    job = start_job(state, prompts, params, requests, model=model, id=new_id("cmpl"), parse=False)
+    job = await start_job(
+        state, prompts, params, requests, model=model, id=new_id("cmpl"), parse=False
+    )
     tokenizer = state.engine.tokenizer
     echoes = [
         tokenizer.decode(p.ids, skip_special_tokens=False) if req.echo else ""

@@ -13,6 +13,7 @@ Stateless by design: nothing is stored (``store`` is accepted and answered ``fal
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -105,7 +106,7 @@ async def responses(request: Request) -> Response:
             param="previous_response_id",
             code="unsupported_parameter",
         )
-    prompt, grammar = _render(state, req)
+    prompt, grammar = await asyncio.to_thread(_render, state, req)  # templating, tokenizing
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     params = GenerationParams(
         max_tokens=req.max_output_tokens,
@@ -116,7 +117,7 @@ async def responses(request: Request) -> Response:
         grammar=grammar,
     )
     requests = build_requests(state, [prompt], params)
-    job = start_job(
+    job = await start_job(
         state, [prompt], params, requests, model=model, id=new_id("resp", "_"), parse=True
     )
     view = ResponseView(job, req)

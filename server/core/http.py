@@ -7,17 +7,18 @@ typed request schemas in /openapi.json (``json_body`` below).
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import ServerSentEvent
 
 from server.auth import require_api_key
+from server.core.finite import FiniteJSONResponse, loads_strict
 from server.core.jobs import Job, StreamEncoder, collect, run_until_disconnect, stream
 from server.core.output import OutputDelta
 from server.core.sse import EventStream
@@ -25,6 +26,7 @@ from server.errors import APIError, bad_request, from_validation_error
 from server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 def v1_router() -> APIRouter:
@@ -63,6 +65,17 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
+#: Bodies from this size up are parsed and validated on a worker thread: an 8 MB body takes
+#: long enough to stall every open stream if the event loop does it.
+LARGE_BODY_BYTES = 1 << 16
+
+
+async def _off_loop_if_large(size: int, work: Callable[..., T], *args: Any) -> T:
+    if size < LARGE_BODY_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 413 beyond ``limit`` bytes (checked while reading)."""
     declared = request.headers.get("content-length")
@@ -84,7 +97,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        data = await _off_loop_if_large(len(raw), loads_strict, raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from exc
     except RecursionError as exc:  # the parser recurses once per level of nesting
@@ -99,7 +112,9 @@ async def read_body(request: Request, model: type[M]) -> tuple[ServerState, M]:
     state: ServerState = request.app.state.mtp
     data = await read_json(request, state.settings.max_body_bytes)
     try:
-        body = model.model_validate(data)
+        body = await _off_loop_if_large(
+            int(request.headers.get("content-length") or 0), model.model_validate, data
+        )
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
     state.require_engine()
@@ -126,4 +141,4 @@ async def respond(
     deltas = await run_until_disconnect(request, collect(job), job)
     if deltas is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(body(deltas))
+    return FiniteJSONResponse(body(deltas))

@@ -177,7 +177,36 @@ class Job:
             raise APIError(503, "generation ended without a result", code="cancelled")
 
 
-def start_job(
+def _admit(engine: Any, requests: list[GenerationRequest]) -> None:
+    """The engine's own checks of every request, and each grammar compiled (one compilation
+    per distinct grammar, a copy per choice) — before anything is queued, so that a request
+    the engine would refuse is a 400 (also before a stream starts) and compiling a grammar
+    never stalls the rows decoding on the engine's thread. Runs off the event loop."""
+    check = getattr(engine, "check", None)
+    compile_grammar = getattr(engine, "constraint", None)
+    compiled: dict[str, Any] = {}
+    for request in requests:
+        if check is not None:
+            check(request)
+        grammar = request.grammar
+        if grammar is None or compile_grammar is None or request.constraint is not None:
+            continue
+        if grammar in compiled:
+            request.constraint = compiled[grammar].copy()
+        else:
+            request.constraint = compiled[grammar] = compile_grammar(grammar)
+
+
+async def admit(state: ServerState, requests: list[GenerationRequest]) -> None:
+    """``_admit`` on a worker thread of the event loop; the engine's refusal is a 400."""
+    try:
+        await asyncio.to_thread(_admit, state.engine, requests)
+    except (ValueError, SamplingParamError) as exc:
+        state.metrics.generations.labels("rejected").inc()  # as the worker counts a refusal
+        raise engine_error(exc) from exc
+
+
+async def start_job(
     state: ServerState,
     prompts: list[Prompt],
     params: GenerationParams,
@@ -188,7 +217,9 @@ def start_job(
     parse: bool,
     include_reasoning: bool = True,
 ) -> Job:
-    """Queue the requests; ``parse``: split reasoning / content / tool calls (chat APIs)."""
+    """Check and queue the requests; ``parse``: split reasoning / content / tool calls (chat
+    APIs)."""
+    await admit(state, requests)
     handles = submit(state, requests)
     engine = state.engine
     choices = []

@@ -247,9 +247,21 @@ def output_grammar(
     end = token_id(tokenizer, THINK_CLOSE) if prompt.opens_reasoning else None
     if schema is not None:
         try:
-            return json_schema_grammar(schema, reasoning_end=end)
+            grammar = json_schema_grammar(schema, reasoning_end=end)
+            answer = json_schema_grammar(schema) if end is not None else None
         except GrammarError as exc:
             raise bad_request(str(exc), param=schema_param, code="invalid_json_schema") from exc
+        compile_grammar = getattr(state.engine, "constraint", None)
+        if answer is not None and compile_grammar is not None:
+            # after free reasoning the grammar's first token is always allowed: whether the
+            # answer can begin at all is asked of the answer's grammar alone
+            try:
+                compile_grammar(answer)
+            except ValueError as exc:  # engine.api.RequestError
+                raise bad_request(
+                    str(exc), param=schema_param, code=getattr(exc, "code", None)
+                ) from exc
+        return grammar
     call_ids = token_id(tokenizer, TOOL_OPEN), token_id(tokenizer, TOOL_CLOSE)
     if None in call_ids:
         raise bad_request(
@@ -296,14 +308,19 @@ def render_chat(
     if not isinstance(text, str):
         raise bad_request("the chat template did not produce text", param=param)
     text += prefill
+    check_text_fits(state, text, param)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered prompt is empty", param=param)
     return Prompt(ids=ids, text=text, tools=tools)
 
 
-def encode_prompts(state: ServerState, prompt: Any, param: str = "prompt") -> list[Prompt]:
-    """A completion ``prompt`` (string, token ids, or a batch of either) -> prompts."""
+def encode_prompts(
+    state: ServerState, prompt: Any, param: str = "prompt", n: int = 1
+) -> list[Prompt]:
+    """A completion ``prompt`` (string, token ids, or a batch of either) -> prompts. The
+    cheap limits come first: the prompt count (``n`` choices each) and each text's length,
+    before anything is tokenized."""
     tokenizer, vocab_size = state.engine.tokenizer, state.engine.vocab_size
     batch: list[str | list[int]]
     if isinstance(prompt, str):
@@ -314,6 +331,11 @@ def encode_prompts(state: ServerState, prompt: Any, param: str = "prompt") -> li
         batch = list(prompt)
     if not batch:
         raise bad_request("prompt must not be empty", param=param)
+    if len(batch) * n > state.settings.max_n:
+        raise bad_request(f"n must be at most {state.settings.max_n}", param="n")
+    for item in batch:
+        if isinstance(item, str):
+            check_text_fits(state, item, param)
     out: list[Prompt] = []
     for item in batch:
         ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else item
@@ -324,6 +346,33 @@ def encode_prompts(state: ServerState, prompt: Any, param: str = "prompt") -> li
             raise bad_request(f"token id {bad} is out of range [0, {vocab_size})", param=param)
         out.append(Prompt(ids=list(ids)))
     return out
+
+
+def check_text_fits(state: ServerState, text: str, param: str) -> None:
+    """A text longer than the context could hold at the longest token's length is refused
+    without tokenizing it (a 400 that costs nothing, however large the body)."""
+    engine = state.engine
+    limit = engine.context_length * longest_token_chars(engine.tokenizer)
+    if len(text) > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.context_length} tokens, and the "
+            f"prompt's {len(text)} characters are more than that many tokens can hold.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+_LONGEST_TOKEN: dict[int, int] = {}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (its byte-level spelling's length: one
+    character per byte, and a text character is at least one byte); computed once."""
+    key = id(tokenizer)
+    if key not in _LONGEST_TOKEN:
+        _LONGEST_TOKEN[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    return _LONGEST_TOKEN[key]
 
 
 def check_limits(state: ServerState, params: GenerationParams, n_prompts: int = 1) -> None:

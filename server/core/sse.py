@@ -13,13 +13,14 @@ unobserved.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
+
+from server.core.finite import dumps_finite
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ DONE: dict[str, Any] = {"data": "[DONE]"}
 
 def sse_json(obj: Any, event: str | None = None) -> dict[str, Any]:
     """One event carrying a JSON object (named when ``event`` is given)."""
-    out: dict[str, Any] = {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
+    out: dict[str, Any] = {"data": dumps_finite(obj, ensure_ascii=False, separators=(",", ":"))}
     if event is not None:
         out["event"] = event
     return out

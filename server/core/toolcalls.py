@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sampling.constraint import declared_type
+from server.core.finite import loads_keeping_huge
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -151,7 +152,7 @@ def _convert_value(raw: str, kind: str | None) -> Any:
     if kind in (None, "", "string"):
         return value
     try:
-        return json.loads(value)
+        return loads_keeping_huge(value)
     except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         if kind == "boolean" and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
@@ -171,14 +172,14 @@ def parse_tool_block(body: str, types: dict[str, dict[str, str]]) -> tuple[str, 
         return name, args
     # Qwen3 / Hermes JSON form: {"name": ..., "arguments": {...}}
     try:
-        data = json.loads(body.strip())
+        data = loads_keeping_huge(body.strip())
     except (ValueError, RecursionError):
         return None
     if isinstance(data, dict) and isinstance(data.get("name"), str):
         args = data.get("arguments", data.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = loads_keeping_huge(args)
             except (ValueError, RecursionError):
                 args = {"value": args}
         return data["name"], args if isinstance(args, dict) else {"value": args}
