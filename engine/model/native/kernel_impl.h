@@ -5,23 +5,29 @@
 // Layout of the work, for output columns [first, last):
 // - tiles of V::J weight rows (output columns) by V::R activation rows, every (row, column)
 //   sum in one vector accumulator of its own;
-// - the input dimension in chunks of kChunk: a chunk of J weight rows (decoded to fp32 in an
-//   L1-sized scratch when the weight is not fp32) is read from memory once and then multiplied
-//   by every activation row from cache. Accumulators are kept in a small buffer between chunks
-//   (stored and loaded exactly), so a product of many rows reads its weights once.
-// One element's accumulation is the same sequence of vector FMAs (chunk boundaries at multiples
-// of the vector width, the one partial vector at the end of the row, zero-filled) followed by
-// the same horizontal sum, whatever the number of rows, the tile it sits in or the thread.
+// - a product of at most R rows reads fp32, bf16 and fp16 weight rows where they lie and
+//   widens them in registers; one of more rows (or of quantized weights) widens each tile's
+//   J weight rows
+//   into a per-thread fp32 scratch once and multiplies every activation row by them from cache,
+//   so a product of many rows reads its weights from memory once;
+// - rows wider than kWholeRow go in chunks, the accumulators kept in a small buffer between
+//   chunks (stored and loaded exactly).
+// One output element's sum is the same sequence of vector FMAs over the same fp32 weight
+// values (a widened weight is the same number in registers or in the scratch; the one partial
+// vector at the end of a row is zero-filled either way) followed by the same horizontal sum,
+// whatever the number of rows, the tile it sits in or the thread that runs it.
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace mtpserve {
 namespace KERNEL_NAMESPACE {
 
-// Weight columns per chunk: a multiple of every vector width and of every group size mlx
-// writes (32, 64, 128), small enough that J decoded rows stay in L1.
-constexpr int64_t kChunk = 512;
+// Rows up to this wide are taken whole; wider ones in chunks of kChunk, a multiple of every
+// vector width and of every group size mlx writes (32, 64, 128).
+constexpr int64_t kWholeRow = 8192;
+constexpr int64_t kChunk = 2048;
 // Activation rows whose accumulators are kept at once; more rows run in blocks of this many.
 constexpr int kBlockRows = 64;
 
@@ -29,12 +35,36 @@ inline int64_t round_up(int64_t n, int64_t m) {
   return (n + m - 1) / m * m;
 }
 
-template <class V, int RN, int JN>
+// -- weight rows as fp32 vectors: where they lie, or widened in registers --------------------
+
+template <class V>
+struct F32Rows {  // fp32 rows in memory (the weight itself, or the scratch)
+  const float* row[V::J];
+  typename V::reg load(int j, int64_t k) const { return V::load(row[j] + k); }
+  typename V::reg load_tail(int j, int64_t k, int n) const {
+    return V::load_partial(row[j] + k, n);
+  }
+};
+
+template <class V, bool Bf16>
+struct HalfRows {  // bf16 or fp16 rows, widened in registers
+  const uint16_t* row[V::J];
+  typename V::reg load(int j, int64_t k) const {
+    return Bf16 ? V::load_bf16(row[j] + k) : V::load_f16(row[j] + k);
+  }
+  typename V::reg load_tail(int j, int64_t k, int n) const {
+    alignas(64) float part[V::W] = {};
+    for (int i = 0; i < n; ++i)
+      part[i] = Bf16 ? bf16_to_float(row[j][k + i]) : half_to_float(row[j][k + i]);
+    return V::load(part);
+  }
+};
+
+template <class V, int RN, int JN, class Rows>
 inline void tile(
-    const float* const* w,
+    const Rows& w,
     int64_t steps,
     int tail,
-    bool masked_tail,
     const float* x,
     int64_t x_stride,
     typename V::reg (*acc)[V::J]) {
@@ -46,7 +76,7 @@ inline void tile(
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k = s * W;
     reg wv[JN];
-    for (int j = 0; j < JN; ++j) wv[j] = V::load(w[j] + k);
+    for (int j = 0; j < JN; ++j) wv[j] = w.load(j, k);
     for (int r = 0; r < RN; ++r) {
       const reg xv = V::load(x + r * x_stride + k);
       for (int j = 0; j < JN; ++j) c[r][j] = V::fma(wv[j], xv, c[r][j]);
@@ -55,8 +85,7 @@ inline void tile(
   if (tail) {
     const int64_t k = steps * W;
     reg wv[JN];
-    for (int j = 0; j < JN; ++j)
-      wv[j] = masked_tail ? V::load_partial(w[j] + k, tail) : V::load(w[j] + k);
+    for (int j = 0; j < JN; ++j) wv[j] = w.load_tail(j, k, tail);
     for (int r = 0; r < RN; ++r) {
       const reg xv = V::load(x + r * x_stride + k);  // zero past the row's end
       for (int j = 0; j < JN; ++j) c[r][j] = V::fma(wv[j], xv, c[r][j]);
@@ -66,41 +95,26 @@ inline void tile(
     for (int j = 0; j < JN; ++j) acc[r][j] = c[r][j];
 }
 
-template <class V, int RN, int JN = V::J>
-inline void tile_jn(
-    int jn,
-    const float* const* w,
-    int64_t steps,
-    int tail,
-    bool masked,
-    const float* x,
-    int64_t xs,
-    typename V::reg (*acc)[V::J]) {
+template <class V, int RN, int JN = V::J, class Rows>
+inline void tile_jn(int jn, const Rows& w, int64_t steps, int tail, const float* x, int64_t xs,
+                    typename V::reg (*acc)[V::J]) {
   if constexpr (JN > 1) {
-    if (jn < JN) return tile_jn<V, RN, JN - 1>(jn, w, steps, tail, masked, x, xs, acc);
+    if (jn < JN) return tile_jn<V, RN, JN - 1>(jn, w, steps, tail, x, xs, acc);
   }
-  tile<V, RN, JN>(w, steps, tail, masked, x, xs, acc);
+  tile<V, RN, JN>(w, steps, tail, x, xs, acc);
 }
 
-template <class V, int RN = V::R>
-inline void tile_rn(
-    int rn,
-    int jn,
-    const float* const* w,
-    int64_t steps,
-    int tail,
-    bool masked,
-    const float* x,
-    int64_t xs,
-    typename V::reg (*acc)[V::J]) {
+template <class V, int RN = V::R, class Rows>
+inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, const float* x,
+                    int64_t xs, typename V::reg (*acc)[V::J]) {
   if constexpr (RN > 1) {
-    if (rn < RN) return tile_rn<V, RN - 1>(rn, jn, w, steps, tail, masked, x, xs, acc);
+    if (rn < RN) return tile_rn<V, RN - 1>(rn, jn, w, steps, tail, x, xs, acc);
   }
-  tile_jn<V, RN>(jn, w, steps, tail, masked, x, xs, acc);
+  tile_jn<V, RN>(jn, w, steps, tail, x, xs, acc);
 }
 
-// Decodes codes [k0, k0 + n) of one affine-quantized row to fp32 in `dst` (k0 and n multiples of
-// the group size, except n at the row's end).
+// Decodes codes [k0, k0 + n) of one affine-quantized row to fp32 in `dst` (k0 a multiple of
+// the group size).
 template <class V>
 inline void decode_affine(const WeightView& wv, int64_t row, int64_t k0, int64_t n, float* dst) {
   const int bits = wv.bits;
@@ -127,32 +141,36 @@ inline void decode_affine(const WeightView& wv, int64_t row, int64_t k0, int64_t
 template <class V>
 inline void decode_row(const WeightView& wv, int64_t row, int64_t k0, int64_t n, float* dst) {
   const int64_t base = row * wv.in + k0;
-  int64_t i = 0;
   switch (wv.kind) {
-    case WeightKind::bf16: {
-      const auto* p = static_cast<const uint16_t*>(wv.data) + base;
-      for (; i + V::W <= n; i += V::W) V::store(dst + i, V::load_bf16(p + i));
-      for (; i < n; ++i) dst[i] = bf16_to_float(p[i]);
-      break;
-    }
+    case WeightKind::bf16:
     case WeightKind::f16: {
-      const auto* p = static_cast<const uint16_t*>(wv.data) + base;
-      for (; i + V::W <= n; i += V::W) V::store(dst + i, V::load_f16(p + i));
-      for (; i < n; ++i) dst[i] = half_to_float(p[i]);
+      HalfRows<V, true> bf{};
+      HalfRows<V, false> f16{};
+      bf.row[0] = f16.row[0] = static_cast<const uint16_t*>(wv.data) + base;
+      const bool is_bf16 = wv.kind == WeightKind::bf16;
+      int64_t i = 0;
+      for (; i + V::W <= n; i += V::W) V::store(dst + i, is_bf16 ? bf.load(0, i) : f16.load(0, i));
+      if (i < n) V::store(dst + i, is_bf16 ? bf.load_tail(0, i, n - i) : f16.load_tail(0, i, n - i));
       break;
     }
     case WeightKind::affine:
       decode_affine<V>(wv, row, k0, n, dst);
-      i = n;
+      for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
       break;
-    default: {
-      const auto* p = static_cast<const float*>(wv.data) + base;
-      std::memcpy(dst, p, n * sizeof(float));
-      i = n;
-    }
+    default:
+      std::memcpy(dst, static_cast<const float*>(wv.data) + base, n * sizeof(float));
+      for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
   }
-  for (int64_t e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
-  (void)i;
+}
+
+// Runs every row tile of one J-row weight tile over [k0, k0 + kn).
+template <class V, class Rows>
+inline void row_tiles(const Rows& w, int jn, int tn, int64_t kn, const float* x, int64_t xs,
+                      typename V::reg (*acc)[V::J]) {
+  const int64_t steps = kn / V::W;
+  const int tail = static_cast<int>(kn % V::W);
+  for (int t0 = 0; t0 < tn; t0 += V::R)
+    tile_rn<V>(std::min(V::R, tn - t0), jn, w, steps, tail, x + t0 * xs, xs, acc + t0);
 }
 
 template <class V>
@@ -160,15 +178,19 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   using reg = typename V::reg;
   constexpr int R = V::R;
   constexpr int J = V::J;
-  constexpr int W = V::W;
   const WeightView& wv = a.w;
   const int64_t in = wv.in;
   const int64_t out = wv.out;
-  const bool direct = wv.kind == WeightKind::f32;
-  // fp32 weights are read in place; a product of one tile of rows needs no accumulator buffer
-  // round trips, so it takes the whole row as one chunk
-  const int64_t chunk = (direct && a.rows <= R) ? round_up(in, W) : kChunk;
-  alignas(64) float scratch[J][kChunk + 16];
+  const int64_t chunk = in <= kWholeRow ? in : kChunk;
+  // fp32 weights are read in place; bf16 and fp16 widened in registers for a product of few
+  // rows; any other (and quantized ones always: dequantizing into the scratch measured faster
+  // than in registers) once per tile into the scratch
+  const bool in_registers =
+      wv.kind == WeightKind::f32 || (a.rows <= R && wv.kind != WeightKind::affine);
+  thread_local std::vector<float> scratch;  // J rows of one chunk, widened
+  const int64_t scratch_stride = round_up(chunk, 16);
+  if (!in_registers && scratch.size() < static_cast<size_t>(J * scratch_stride))
+    scratch.resize(J * scratch_stride);
   alignas(64) reg acc[kBlockRows][J];
   for (int t_begin = 0; t_begin < a.rows; t_begin += kBlockRows) {
     const int tn = std::min(kBlockRows, a.rows - t_begin);
@@ -179,20 +201,31 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
         for (int j = 0; j < J; ++j) acc[t][j] = V::zero();
       for (int64_t k0 = 0; k0 < in; k0 += chunk) {
         const int64_t kn = std::min(chunk, in - k0);
-        const float* w[J];
-        for (int j = 0; j < jn; ++j) {
-          if (direct) {
-            w[j] = static_cast<const float*>(wv.data) + (j0 + j) * in + k0;
-          } else {
-            decode_row<V>(wv, j0 + j, k0, kn, scratch[j]);
-            w[j] = scratch[j];
+        const float* xk = xb + k0;
+        if (!in_registers) {
+          F32Rows<V> rows{};
+          for (int j = 0; j < jn; ++j) {
+            float* row = scratch.data() + j * scratch_stride;
+            decode_row<V>(wv, j0 + j, k0, kn, row);
+            rows.row[j] = row;
           }
-        }
-        const int64_t steps = kn / W;
-        const int tail = static_cast<int>(kn % W);
-        for (int t0 = 0; t0 < tn; t0 += R) {
-          const int rn = std::min(R, tn - t0);
-          tile_rn<V>(rn, jn, w, steps, tail, direct, xb + t0 * a.x_stride + k0, a.x_stride, acc + t0);
+          row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
+        } else if (wv.kind == WeightKind::f32) {
+          F32Rows<V> rows{};
+          for (int j = 0; j < jn; ++j)
+            rows.row[j] = static_cast<const float*>(wv.data) + (j0 + j) * in + k0;
+          row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
+        } else {
+          const auto* base = static_cast<const uint16_t*>(wv.data);
+          if (wv.kind == WeightKind::bf16) {
+            HalfRows<V, true> rows{};
+            for (int j = 0; j < jn; ++j) rows.row[j] = base + (j0 + j) * in + k0;
+            row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
+          } else {
+            HalfRows<V, false> rows{};
+            for (int j = 0; j < jn; ++j) rows.row[j] = base + (j0 + j) * in + k0;
+            row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
+          }
         }
       }
       for (int t = 0; t < tn; ++t)

@@ -19,43 +19,50 @@ ThreadPool::ThreadPool(int threads, int spin_us) : spin_us_(spin_us) {
 
 ThreadPool::~ThreadPool() {
   stopping_.store(true);
-  epoch_.fetch_add(1, std::memory_order_release);
-  epoch_.notify_all();
+  wake_.fetch_add(1);
+  wake_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
 void ThreadPool::run(const std::function<void(int)>& body) {
   std::unique_lock<std::mutex> lock(running_, std::try_to_lock);
   if (!lock.owns_lock() || workers_.empty()) {
-    for (int part = 0; part < threads(); ++part) body(part);
+    body(0);
     return;
   }
-  body_ = &body;
-  pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-  epoch_.fetch_add(1, std::memory_order_release);
-  epoch_.notify_all();
+  const uint64_t epoch = (state_.load() >> 32) + 1;
+  body_.store(&body);
+  finished_.store(0);
+  state_.store(epoch << 32 | kOpen);
+  wake_.store(static_cast<uint32_t>(epoch));
+  wake_.notify_all();
   body(0);
-  while (pending_.load(std::memory_order_acquire) != 0) MTPSERVE_PAUSE();
-  body_ = nullptr;
+  // close the job to late workers; wait only for those that joined
+  const uint64_t joined = state_.fetch_and(~kOpen) & (kOpen - 1);
+  while (static_cast<uint64_t>(finished_.load()) != joined) MTPSERVE_PAUSE();
 }
 
 void ThreadPool::work(int index) {
-  uint32_t seen = 0;  // the epoch at construction: a job posted before this thread ran is still seen
+  uint32_t seen = 0;  // the epoch at construction: a job posted before this thread ran is seen
   for (;;) {
-    uint32_t now = epoch_.load(std::memory_order_acquire);
+    uint32_t now = wake_.load();
     if (now == seen) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-      for (int i = 0; (now = epoch_.load(std::memory_order_acquire)) == seen; ++i) {
+      for (int i = 0; (now = wake_.load()) == seen; ++i) {
         MTPSERVE_PAUSE();
-        if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
-          epoch_.wait(seen, std::memory_order_acquire);
-        }
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) wake_.wait(seen);
       }
     }
     seen = now;
     if (stopping_.load()) return;
-    (*body_)(index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    uint64_t s = state_.load();
+    while ((s & kOpen) && static_cast<uint32_t>(s >> 32) == now) {
+      if (state_.compare_exchange_weak(s, s + 1)) {
+        (*body_.load())(index);
+        finished_.fetch_add(1);
+        break;
+      }
+    }
   }
 }
 

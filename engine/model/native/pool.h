@@ -15,27 +15,33 @@ namespace mtpserve {
 class ThreadPool {
  public:
   // `threads` counts the calling thread: a pool of 1 has no workers.
-  explicit ThreadPool(int threads, int spin_us);
+  ThreadPool(int threads, int spin_us);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Runs body(0) on the calling thread and body(1) .. body(threads() - 1) on the workers, and
-  // returns when all have returned. A call made while another runs (a product on a second mlx
-  // stream) runs every part on its own calling thread instead of waiting.
+  // Runs body(0) on the calling thread and body(i) on each worker that joins while body(0)
+  // runs; returns when every joined body has returned. `body` must share its work out
+  // dynamically (each call takes parts until none are left): a worker that the OS has not
+  // scheduled in time never joins, and the calling thread does its share instead of waiting
+  // for it. A call made while another runs (a product on a second mlx stream) runs on its
+  // calling thread alone.
   void run(const std::function<void(int)>& body);
 
  private:
   void work(int index);
 
+  // job state: epoch << 32 | open << 31 | workers joined
+  static constexpr uint64_t kOpen = 1ull << 31;
   std::vector<std::thread> workers_;
   std::mutex running_;
-  std::atomic<uint32_t> epoch_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> state_{0};
+  std::atomic<uint32_t> wake_{0};  // the epoch, as a futex word for sleeping workers
+  std::atomic<int> finished_{0};
   std::atomic<bool> stopping_{false};
-  const std::function<void(int)>* body_ = nullptr;
+  std::atomic<const std::function<void(int)>*> body_{nullptr};
   int spin_us_;
 };
 

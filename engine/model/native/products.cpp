@@ -8,6 +8,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -240,7 +241,8 @@ void compute(
     kernel(args, 0, out);
     return;
   }
-  // columns in blocks handed out in turn, so a thread that the OS delays takes fewer of them
+  // columns in blocks handed out in turn: a thread that the OS delays takes fewer of them, and
+  // one that has not started by the time the blocks run out takes none
   const int64_t per = (out + threads * 4 - 1) / (threads * 4);
   const int64_t block = std::min<int64_t>(4096, std::max<int64_t>(16, (per + 15) / 16 * 16));
   const int64_t blocks = (out + block - 1) / block;
@@ -338,6 +340,32 @@ mx::array product(
       std::move(inputs));
 }
 
+// Seconds to read every byte of `a` once on the pool's threads (each reading its own slices):
+// the memory bandwidth the product kernel is measured against.
+double read_seconds(const mx::array& a) {
+  mx::eval(a);
+  const auto* words = a.data<uint64_t>();
+  const int64_t count = static_cast<int64_t>(a.nbytes() / 8);
+  auto [kernel, pool] = current();
+  (void)kernel;
+  constexpr int64_t kBlock = 1 << 16;  // words: 512 KiB a block
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+  std::atomic<int64_t> next{0};
+  std::atomic<uint64_t> sink{0};
+  const auto start = std::chrono::steady_clock::now();
+  pool->run([&](int) {
+    uint64_t acc = 0;
+    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      const int64_t end = std::min(count, (b + 1) * kBlock);
+      for (int64_t i = b * kBlock; i < end; ++i) acc ^= words[i];
+    }
+    sink.fetch_xor(acc);
+  });
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start);
+  if (sink.load() == 0x5eed) std::abort();  // keeps the reads
+  return seconds.count();
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (const auto& isa : kIsas)
@@ -367,6 +395,8 @@ NB_MODULE(_products, m) {
     ensure_state();
     return std::string(current_isa->name);
   }, "The instruction set the kernel runs.");
+  m.def("read_seconds", &read_seconds, "a"_a,
+        "Seconds to read every byte of `a` once on the kernel's threads (memory bandwidth).");
   m.def("supported_isas", &supported_isas, "The instruction sets this CPU runs, best first.");
   m.def("set_isa", [](const std::string& name) {
     std::lock_guard<std::mutex> guard(state_lock);
