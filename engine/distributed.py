@@ -66,7 +66,7 @@ from mlx.utils import tree_flatten
 
 from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest, RequestError
 from engine.blas import all_cores
-from engine.model import loader
+from engine.model import loader, products
 from engine.model.mtp import table_rows
 from engine.model.trunk import TrunkCache, prefill_on_all_cores, trunk_hidden
 from engine.runtime import Engine
@@ -487,7 +487,9 @@ class LeaderTrunkCache(TrunkCache):
 
     def embed(self, trunk: Any, token_ids: mx.array, capture: bool) -> mx.array:
         op = (OP_FORWARD, self.cache_id, token_ids.shape[1], int(capture))
-        return trunk.model.embed_tokens.lookup(self.leader.announce(op, token_ids))
+        return products.activations(
+            trunk.model.embed_tokens.lookup(self.leader.announce(op, token_ids))
+        )
 
     def forwarded(self, hidden: mx.array) -> mx.array:
         return self.leader.forwarded(hidden)

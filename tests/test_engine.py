@@ -25,6 +25,12 @@ PROMPTS = [
     "class Point:\n    def __init__(self, x, y):",
 ]
 
+#: tests of the products' path without the native kernel (row by row, column parts on streams):
+#: `make test` runs this file a second time with MTPSERVE_NATIVE_PRODUCTS=0
+mlx_products_only = pytest.mark.skipif(
+    products.on_native(), reason="mlx's products only; `make test` runs them without the kernel"
+)
+
 
 def greedy_request(
     prompt_ids: list[int], k: int | None, max_tokens: int, **kw
@@ -588,10 +594,7 @@ def _unsplit(x: mx.array, weight: mx.array, rowwise_max_rows: int) -> mx.array:
     return x @ weight.T
 
 
-@pytest.mark.skipif(
-    products.on_native(),
-    reason="mlx's products only; `make test` runs them again without the kernel",
-)
+@mlx_products_only
 def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     """On a CPU a float32 product of 2 to ``rowwise_max_rows`` rows (a verify pass's K+1
     positions, a batch's rows), where row by row pays, gives every row bit for bit what that
@@ -667,6 +670,7 @@ def test_row_by_row_is_kept_up_to_the_last_row_count_that_pays() -> None:
     assert trunk.last_paying_rows(trials, seconds) == 16
 
 
+@mlx_products_only
 def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engine) -> None:
     """Every prepared float32 weight of a loaded engine multiplies row by row up to exactly the
     row count measured for its shape on this machine (``rowwise_rows``), within its size's
@@ -692,6 +696,7 @@ def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engi
     assert seen > 0
 
 
+@mlx_products_only
 def test_a_product_split_across_streams_is_bit_identical() -> None:
     """``trunk.product`` over column parts on two CPU streams equals the whole product bit for
     bit, for a linear layer and a tied embedding's vocabulary projection, 2-D and 3-D inputs,
@@ -725,6 +730,7 @@ def test_a_product_split_across_streams_is_bit_identical() -> None:
     assert mx.array_equal(split, x @ layer.weight.T).item()
 
 
+@mlx_products_only
 def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoint) -> None:
     """An engine whose weights are all split into column parts on two CPU streams (the
     threshold lowered so the tiny checkpoint's weights split) emits exactly the tokens of one

@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
+from engine.model import products
 from engine.model.trunk import (
     attention_block,
     attention_block_rows,
@@ -76,7 +77,7 @@ class MTPHead(nn.Module):
             catch-up over 128 positions after plain cycles took 2.5-3.2 ms, 10.2 ms with the whole
             layer (docs/BENCHMARKS.md §3).
         """
-        embedded = trunk.model.embed_tokens(token_ids)
+        embedded = products.activations(trunk.model.embed_tokens(token_ids))
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
         z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
         if isinstance(cache, list):

@@ -78,6 +78,23 @@ def description() -> str:
     return f"products: native kernel, {_native.isa()}, {_native.threads()} threads"
 
 
+def activations(x: mx.array) -> mx.array:
+    """Embedded tokens as the layers should carry them: float32 on a CPU that runs the kernel.
+
+    The kernel reads half-precision and quantized weights as stored and returns its input's
+    type, so with float32 activations every product, norm, attention and recurrence runs in
+    float32 while the weights keep the checkpoint's size (mlx's CPU elementwise kernels are
+    also fastest in float32); elsewhere the activations keep the embedding's type."""
+    if on_native() and x.dtype in (mx.bfloat16, mx.float16):
+        return x.astype(mx.float32)
+    return x
+
+
+#: the layers the kernel multiplies by; a tensor-parallel layer (mlx-lm's shard()) is another
+#: type and keeps its own product, which sums the ranks' parts
+_PROJECTIONS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+
+
 def _quantized(module: nn.Module) -> tuple[int, int] | None:
     """(bits, group size) of an affine-quantized layer the kernel takes; None otherwise."""
     if getattr(module, "mode", "affine") != "affine" or "scales" not in module:
@@ -90,7 +107,7 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
     ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection;
     None where the kernel does not take it (not on a CPU, not built, a type mlx would promote
     differently, or an fp32 product of more rows than ``NATIVE_MAX_ROWS_F32``)."""
-    if not on_native() or x.dtype not in _FLOATS:
+    if not on_native() or x.dtype not in _FLOATS or type(module) not in _PROJECTIONS:
         return None
     weight = module.get("weight")
     if weight is None:

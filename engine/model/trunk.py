@@ -398,7 +398,7 @@ class TrunkCache:
         """The input of a forward about to run over this cache: ``token_ids [1, T]`` embedded.
         Rank 0 of a sharded model first announces the forward to the other ranks, and every
         rank embeds with its part of the vocabulary (engine.distributed)."""
-        return trunk.model.embed_tokens(token_ids)
+        return products.activations(trunk.model.embed_tokens(token_ids))
 
     def forwarded(self, hidden: mx.array) -> mx.array:
         """A forward's output over this cache (rank 0 of a sharded model orders the next
@@ -527,7 +527,7 @@ def trunk_hidden_rows(trunk: Any, token_ids: mx.array, caches: list[TrunkCache])
     and recurrent states are stacked for the block and its per-position captures handed back
     as row views, so every row commits its own accepted length (``TrunkCache.commit``).
     """
-    return _trunk_rows(trunk, trunk.model.embed_tokens(token_ids), caches)
+    return _trunk_rows(trunk, products.activations(trunk.model.embed_tokens(token_ids)), caches)
 
 
 def _trunk_rows(trunk: Any, x: mx.array, caches: list[TrunkCache]) -> mx.array:
