@@ -13,7 +13,7 @@ ms per token, the bytes of weights read per second (T=1) against ``read`` — ev
 as a multiple of one row's. mlx's own product of the same weights is timed at T=1 and T=5
 (BLIS for fp32, mlx's CPU kernels for bf16 and quantized weights). ``--crossover`` times fp32
 products of many rows (prefill) on the kernel and on BLIS with every core, to place
-``engine.model.products.NATIVE_MAX_ROWS_F32``.
+``engine.model.products.NATIVE_MAX_ROWS``.
 
 Results: bench-results/bench_kernel.json and .md.
 """

@@ -13,9 +13,9 @@ accumulation order depends only on the weight's width and kind, never on T or th
 count), so greedy output does not move with K or the batch size.
 
 Metal and CUDA keep mlx's own products, and so does a CPU without the built extension (one log
-line says which runs: ``description``). fp32 products of more than ``NATIVE_MAX_ROWS_F32`` rows
-(long prefills) keep BLAS, which threads them itself; bf16, fp16 and quantized weights always
-take the kernel on a CPU, mlx having no fast CPU product for them.
+line says which runs: ``description``). products of more than ``NATIVE_MAX_ROWS`` rows
+(long prefills) keep BLAS, which threads them itself (half-precision and quantized weights
+widened to float32 for it, one weight at a time: mlx has no fast CPU product for them).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import mlx.nn as nn
 
 log = logging.getLogger(__name__)
 
-#: fp32 products of more rows than this keep BLAS (BLIS threads a product of many rows itself).
-#: Below it the kernel wins: measured with ``scripts/bench_kernel.py --crossover``
+#: Products of more rows than this (prefill chunks) run on BLAS, which threads a product of many
+#: rows itself and computes faster there; half-precision and quantized weights are widened to
+#: float32 for it, one weight at a time. Measured with ``scripts/bench_kernel.py --crossover``
 #: (docs/BENCHMARKS.md, "Product kernel").
-NATIVE_MAX_ROWS_F32 = 64
+NATIVE_MAX_ROWS = 64
 
 #: set to 0 to run mlx's own products on a CPU even where the kernel is built
 DISABLE_ENV = "MTPSERVE_NATIVE_PRODUCTS"
@@ -106,27 +107,33 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ module.weight.T`` (plus the bias) by the kernel, for an ``nn.Linear``,
     ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection;
     None where the kernel does not take it (not on a CPU, not built, a type mlx would promote
-    differently, or an fp32 product of more rows than ``NATIVE_MAX_ROWS_F32``)."""
+    differently). A product of more than ``NATIVE_MAX_ROWS`` rows is BLAS's, by float32 weights.
+    """
     if not on_native() or x.dtype not in _FLOATS or type(module) not in _PROJECTIONS:
         return None
     weight = module.get("weight")
     if weight is None:
         return None
+    many = x.size // x.shape[-1] > NATIVE_MAX_ROWS
     if weight.dtype == mx.uint32:
         quantized = _quantized(module)
         if quantized is None:
             return None
         bits, group = quantized
-        out = _native.product(
-            x, weight, module["scales"], module["biases"], bits=bits, group_size=group
-        )
+        scales, biases = module["scales"], module["biases"]
+        if many:
+            wide = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+            out = x @ wide.astype(x.dtype).T
+        else:
+            out = _native.product(x, weight, scales, biases, bits=bits, group_size=group)
     elif weight.dtype in _FLOATS:
         # the result takes x's type: mlx would promote a narrower x to the weight's type
         if x.dtype != weight.dtype and x.dtype != mx.float32:
             return None
-        if weight.dtype == mx.float32 and x.size // x.shape[-1] > NATIVE_MAX_ROWS_F32:
-            return None
-        out = _native.product(x, weight)
+        if many:
+            out = x @ weight.astype(x.dtype).T
+        else:
+            out = _native.product(x, weight)
     else:
         return None
     bias = module.get("bias")

@@ -5,9 +5,9 @@
 // Layout of the work, for output columns [first, last):
 // - tiles of V::J weight rows (output columns) by V::R activation rows, every (row, column)
 //   sum in one vector accumulator of its own;
-// - a product of at most R rows reads fp32, bf16 and fp16 weight rows where they lie and
-//   widens them in registers; one of more rows (or of quantized weights) widens each tile's
-//   J weight rows
+// - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
+//   registers, for products of up to kRegisterRows rows); wider products, and quantized
+//   weights, widen each tile's J weight rows
 //   into a per-thread fp32 scratch once and multiplies every activation row by them from cache,
 //   so a product of many rows reads its weights from memory once;
 // - rows wider than kWholeRow go in chunks, the accumulators kept in a small buffer between
@@ -30,6 +30,8 @@ constexpr int64_t kWholeRow = 8192;
 constexpr int64_t kChunk = 2048;
 // Activation rows whose accumulators are kept at once; more rows run in blocks of this many.
 constexpr int kBlockRows = 64;
+// Half-precision products of up to this many rows widen the weights in registers.
+constexpr int kRegisterRows = 16;
 
 inline int64_t round_up(int64_t n, int64_t m) {
   return (n + m - 1) / m * m;
@@ -182,11 +184,12 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t in = wv.in;
   const int64_t out = wv.out;
   const int64_t chunk = in <= kWholeRow ? in : kChunk;
-  // fp32 weights are read in place; bf16 and fp16 widened in registers for a product of few
-  // rows; any other (and quantized ones always: dequantizing into the scratch measured faster
-  // than in registers) once per tile into the scratch
-  const bool in_registers =
-      wv.kind == WeightKind::f32 || (a.rows <= R && wv.kind != WeightKind::affine);
+  // fp32 weights are read in place; bf16 and fp16 widened in registers for a product of up to
+  // kRegisterRows rows (a tile's first rows read them from memory, the next ones from cache);
+  // quantized ones (dequantizing into the scratch measured faster than in registers) and wider
+  // products once per tile into the scratch
+  const bool in_registers = wv.kind == WeightKind::f32 ||
+      (a.rows <= kRegisterRows && wv.kind != WeightKind::affine);
   thread_local std::vector<float> scratch;  // J rows of one chunk, widened
   const int64_t scratch_stride = round_up(chunk, 16);
   if (!in_registers && scratch.size() < static_cast<size_t>(J * scratch_stride))
