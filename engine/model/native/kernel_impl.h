@@ -75,22 +75,24 @@ inline void tile(
   reg c[RN][JN];
   for (int r = 0; r < RN; ++r)
     for (int j = 0; j < JN; ++j) c[r][j] = acc[r][j];
+  // the RN activation vectors stay in registers while each weight vector is loaded and used
+  // once: RN + 1 + RN * JN registers
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k = s * W;
-    reg wv[JN];
-    for (int j = 0; j < JN; ++j) wv[j] = w.load(j, k);
-    for (int r = 0; r < RN; ++r) {
-      const reg xv = V::load(x + r * x_stride + k);
-      for (int j = 0; j < JN; ++j) c[r][j] = V::fma(wv[j], xv, c[r][j]);
+    reg xv[RN];
+    for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);
+    for (int j = 0; j < JN; ++j) {
+      const reg wj = w.load(j, k);
+      for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
   if (tail) {
     const int64_t k = steps * W;
-    reg wv[JN];
-    for (int j = 0; j < JN; ++j) wv[j] = w.load_tail(j, k, tail);
-    for (int r = 0; r < RN; ++r) {
-      const reg xv = V::load(x + r * x_stride + k);  // zero past the row's end
-      for (int j = 0; j < JN; ++j) c[r][j] = V::fma(wv[j], xv, c[r][j]);
+    reg xv[RN];
+    for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);  // zero past the end
+    for (int j = 0; j < JN; ++j) {
+      const reg wj = w.load_tail(j, k, tail);
+      for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
   for (int r = 0; r < RN; ++r)
