@@ -259,8 +259,10 @@ def test_group_size_32_round_trip(converted, make_checkpoint, tmp_path) -> None:
     engine = Engine.load(str(out), draft_tokens=0)
     down = engine.loaded.head.layers[0].mlp.switch_mlp.down_proj
     assert down.group_size == 32 and down.bits == 4
-    proposed, accepted = assert_speculative_equals_plain(engine, ks=(1, 2))
-    assert accepted > 0
+    proposed, _ = assert_speculative_equals_plain(engine, ks=(1, 2))
+    # the head drafted; how many of a random head's drafts the random trunk accepts follows
+    # the greedy text, which moves with the products' rounding (mlx's or the native kernel's)
+    assert proposed > 0
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
