@@ -199,6 +199,26 @@ def test_keyed_uniforms_are_uniform_independent_and_fixed_by_seed_position_purpo
     assert (other_seed != draws[EMIT]).mean() > 0.99
 
 
+def test_top_k_candidates_are_in_token_order() -> None:
+    """A draw walks a row's candidates in column order, so the order must not move with the
+    last bits of the logits (a batch row's can differ from the same row's alone): each row's
+    candidates come in increasing token order, and the same uniforms draw the same tokens from
+    logits perturbed by rounding-sized noise."""
+    from sampling.distribution import draw_tokens_with
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((64, 4096)).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=40)
+    rows = truncate(mx.array(logits), params)
+    ids = np.array(rows.ids)
+    assert (np.diff(ids, axis=-1) > 0).all()
+    nudged = truncate(mx.array(logits + rng.standard_normal(logits.shape) * 1e-6), params)
+    assert (np.array(nudged.ids) == ids).all()
+    uniforms = mx.array(rng.random(64).astype(np.float32))
+    drawn = draw_tokens_with(rows.probs, rows.ids, uniforms)
+    assert drawn.tolist() == draw_tokens_with(nudged.probs, nudged.ids, uniforms).tolist()
+
+
 def test_top_k_ids_are_the_k_largest() -> None:
     """The two-stage (blocked) top-k selects the k largest logits of every row: on random rows,
     on rows with half the vocabulary at -inf (a draft vocabulary), with many ties (the kept
