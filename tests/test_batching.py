@@ -155,6 +155,24 @@ def test_seeded_sampled_rows_equal_each_request_alone(
             assert got[j] == expected[i], f"row {i} (K={ROWS[i][0]}) beside other rows"
 
 
+@pytest.mark.parametrize("seeded_k", [0, 1, 3])
+def test_seeded_auto_rows_equal_each_request_alone_at_any_seeded_k(
+    load_engine, seeded_k: int
+) -> None:
+    """Whichever K the build and machine decided for seeded rows under automatic K (a cost
+    table decides it, so the suite's own machine may pick any): plain rows too (K=0, no head),
+    which draw from the verify rows of a batched trunk pass."""
+    engine = load_engine("dense-tied")
+    engine.policy(None, sampled(0))
+    engine.autok.seeded = seeded_k
+    reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
+    reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]
+    expected = [alone(engine, r) for r in reqs]
+    got, _ = batched(engine, reqs, capacity=5)
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]}, seeded K={seeded_k})"
+
+
 @pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded"])
 def test_rows_sharing_a_k_each_draft_from_their_own_head_position(engine: Engine, mix: str) -> None:
     """Four rows in every cycle at K=4: each draft step writes and rotates each row's head
