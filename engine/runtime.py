@@ -225,6 +225,11 @@ class Engine:
             if self.autok is None:
                 self.autok = EngineAutoK(self)
             params = params or SamplingParams(temperature=0.0)
+            if params.seed is not None and not params.greedy:
+                # Rejection sampling's text depends on which positions were drafted: a seed
+                # repeats only under a K that is a function of the request, never of timings
+                # or neighbours (``EngineAutoK.seeded_k``).
+                return DraftPolicy(fixed=self.autok.seeded_k(params))
             return DraftPolicy(fixed=None, chooser=self.autok.for_request(params))
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
@@ -336,11 +341,7 @@ class Engine:
         """``start_cached`` one prefill chunk per step (``prefill_steps``)."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
-        # a seeded request under auto K draws with coupled noise: the same text whatever K runs
-        coupled = policy.fixed is None
-        seq = new_sequence(
-            self.trunk, head, request.prompt_ids, request.sampling, use_head, coupled
-        )
+        seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
         seq.draft_confidence = self.draft_confidence
         seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
@@ -401,7 +402,6 @@ class Engine:
             request.prompt_ids,
             request.sampling,
             use_head=policy.fixed != 0,
-            coupled=policy.fixed is None,  # a seed gives the same text whatever K auto picks
         )
         seq.draft_confidence = self.draft_confidence
         seq.constraint = self._sequence_constraint(request)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from sampling.distribution import Truncated, draw_tokens, sample
+from sampling.distribution import Truncated, draw_tokens_with, inverse_cdf_index
 
 
 def accept_drafts(
@@ -28,36 +28,73 @@ def accept_drafts(
     target: Truncated,
     key: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    """Run the acceptance rule.
+    """``accept_drafts_with`` on uniforms drawn from a PRNG key: K for the acceptance tests,
+    K+1 for the emitted token's draw (one of which is used)."""
+    k = 0 if draft is None else draft_ids.shape[0]
+    accept_key, emit_key = mx.random.split(key)
+    return accept_drafts_with(
+        draft_ids,
+        draft,
+        target,
+        mx.random.uniform(shape=(k,), key=accept_key),
+        mx.random.uniform(shape=(k + 1,), key=emit_key),
+    )
+
+
+def accept_drafts_with(
+    draft_ids: mx.array,
+    draft: Truncated | None,
+    target: Truncated,
+    accept_uniforms: mx.array,
+    emit_uniforms: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Run the acceptance rule with the uniforms given.
 
     Args:
         draft_ids: ``[K]`` int, the proposed tokens (K may be 0).
         draft: the K rows q_i each draft was drawn from (None when K is 0).
         target: the K+1 rows p_i from the verify pass, truncated by the same settings (so both
             hold their top_k candidates, or both the whole vocabulary).
-        key: a PRNG key; the uniforms and the final draw are split from it.
+        accept_uniforms: ``[K]`` in [0, 1), u_i tests d_i: accepted iff u_i q_i(d_i) < p_i(d_i).
+        emit_uniforms: ``[K+1]`` in [0, 1); the token emitted after m accepted drafts is the
+            inverse-CDF draw of ``emit_uniforms[m]`` from its row. The engine keys both by
+            sequence position (``distribution.keyed_uniforms``).
+
+    Exactness needs every uniform independent and uniform, and none reused once it has
+    decided an emitted token. Uniforms at positions after the first rejection decide nothing
+    (the scan has stopped), so a later cycle may draw those positions with the same ones.
 
     Returns:
         ``(n_accepted, next_token)``: scalar int32 number of accepted drafts m (0..K) and the
         token emitted after them (residual draw at m < K, bonus draw from p_{K+1} at m == K).
     """
     if draft is None or draft_ids.shape[0] == 0:  # plain decoding: a draw from p_1
-        return mx.array(0, dtype=mx.int32), sample(target, key)[0]
+        ids = None if target.ids is None else target.ids[:1]
+        token = draw_tokens_with(target.probs[:1], ids, emit_uniforms[:1])[0]
+        return mx.array(0, dtype=mx.int32), token
     if target.ids is None:
-        return _compiled_dense_rule(draft_ids, draft.probs, target.probs, key)
+        return _compiled_dense_rule(
+            draft_ids, draft.probs, target.probs, accept_uniforms, emit_uniforms
+        )
     return _compiled_candidate_rule(
-        draft_ids, draft.probs, draft.ids, target.probs, target.ids, key
+        draft_ids,
+        draft.probs,
+        draft.ids,
+        target.probs,
+        target.ids,
+        accept_uniforms,
+        emit_uniforms,
     )
 
 
 def _dense_rule(
-    draft_ids: mx.array, q: mx.array, p: mx.array, key: mx.array
+    draft_ids: mx.array, q: mx.array, p: mx.array, u_accept: mx.array, u_emit: mx.array
 ) -> tuple[mx.array, mx.array]:
     """The rule on rows over the whole vocabulary (column = token id)."""
     k = draft_ids.shape[0]
     rows = mx.arange(k)
-    n_accepted, chosen, draw_key = _accept(p[rows, draft_ids], q[rows, draft_ids], p, q, key)
-    return n_accepted, draw_tokens(chosen[None], None, draw_key)[0]
+    n_accepted, chosen = _accept(p[rows, draft_ids], q[rows, draft_ids], p, q, u_accept)
+    return n_accepted, inverse_cdf_index(chosen[None], u_emit[n_accepted][None])[0]
 
 
 def _candidate_rule(
@@ -66,7 +103,8 @@ def _candidate_rule(
     q_ids: mx.array,
     p: mx.array,
     p_ids: mx.array,
-    key: mx.array,
+    u_accept: mx.array,
+    u_emit: mx.array,
 ) -> tuple[mx.array, mx.array]:
     """The rule on top_k candidate rows: ``p[i, j]`` is p_i of token ``p_ids[i, j]``, and the
     same for q. A token outside a row's candidates has probability 0 in it. The residual
@@ -77,21 +115,21 @@ def _candidate_rule(
     p_at_d = (p[:k] * (p_ids[:k] == drafted)).sum(axis=-1)
     q_at_d = (q * (q_ids == drafted)).sum(axis=-1)
     q_on_p = ((p_ids[:k, :, None] == q_ids[:, None, :]) * q[:, None, :]).sum(axis=-1)
-    n_accepted, chosen, draw_key = _accept(p_at_d, q_at_d, p, q_on_p, key)
-    return n_accepted, draw_tokens(chosen[None], p_ids[n_accepted][None], draw_key)[0]
+    n_accepted, chosen = _accept(p_at_d, q_at_d, p, q_on_p, u_accept)
+    drawn = draw_tokens_with(chosen[None], p_ids[n_accepted][None], u_emit[n_accepted][None])
+    return n_accepted, drawn[0]
 
 
 def _accept(
-    p_at_d: mx.array, q_at_d: mx.array, p: mx.array, q_on_p: mx.array, key: mx.array
-) -> tuple[mx.array, mx.array, mx.array]:
+    p_at_d: mx.array, q_at_d: mx.array, p: mx.array, q_on_p: mx.array, u: mx.array
+) -> tuple[mx.array, mx.array]:
     """The scan and the row to draw from, on p's columns: ``p`` ``[K+1, W]``, ``q_on_p``
-    ``[K, W]`` (q_i at p_i's columns), ``p_at_d``/``q_at_d`` ``[K]`` (p_i and q_i of d_i).
-    Returns (m, the residual row m — or p_{K+1} when m == K —, the key for the draw)."""
+    ``[K, W]`` (q_i at p_i's columns), ``p_at_d``/``q_at_d`` ``[K]`` (p_i and q_i of d_i),
+    ``u`` ``[K]`` the acceptance uniforms. Returns (m, the residual row m — or p_{K+1} when
+    m == K)."""
     k = p_at_d.shape[0]
-    u_key, draw_key = mx.random.split(key)
     # accept iff u < p/q (strict): a zero-probability target is never accepted, a ratio >= 1
     # always is. u * q < p avoids dividing by q.
-    u = mx.random.uniform(shape=(k,), key=u_key)
     accepted = u * q_at_d < p_at_d
     n_accepted = mx.cumprod(accepted.astype(mx.int32)).sum().astype(mx.int32)
 
@@ -102,7 +140,7 @@ def _accept(
     # residual row is never used; fall back to p_i to keep the row a valid distribution.
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
     candidates = mx.concatenate([residual, p[k:]], axis=0)
-    return n_accepted, candidates[n_accepted], draw_key
+    return n_accepted, candidates[n_accepted]
 
 
 #: Compiled once per K (shapes): ~25 small ops that cost more dispatched one by one on CPUs.
@@ -134,28 +172,3 @@ def accept_greedy_rows(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.ar
     matches = (draft_ids == target_ids[:, :k]).astype(mx.int32)
     n_accepted = mx.cumprod(matches, axis=1).sum(axis=1).astype(mx.int32)
     return n_accepted, mx.take_along_axis(target_ids, n_accepted[:, None], axis=1)[:, 0]
-
-
-def accept_coupled(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
-    """The acceptance rule of seeded requests: drafts and targets were drawn with the same noise
-    per position (``distribution.coupled_draw``); a draft is accepted while it equals the
-    target's draw, and the target's draw at the first mismatch (or the bonus) is emitted.
-
-    Every emitted token is the target's own draw at its position, so the output is exactly
-    plain sampling with that noise — the same text for a seed whatever K each cycle drafts.
-    The price is acceptance: the coupling agrees less often than rejection sampling's
-    ``min(1, p/q)`` (at total-variation distance d between q and p, at least (1-d)/(1+d)
-    instead of 1-d).
-
-    Args:
-        draft_ids: ``[K]`` drafts; target_ids: ``[K+1]`` the verify rows' coupled draws.
-
-    Returns:
-        ``(n_accepted, next_token)`` as ``accept_drafts``.
-    """
-    k = draft_ids.shape[0]
-    if k == 0:
-        return mx.array(0, dtype=mx.int32), target_ids[0]
-    matches = (draft_ids == target_ids[:k]).astype(mx.int32)
-    n_accepted = mx.cumprod(matches).sum().astype(mx.int32)
-    return n_accepted, target_ids[n_accepted]

@@ -112,9 +112,10 @@ def greedy_tokens(
 @dataclass(frozen=True)
 class Truncated:
     """Rows of truncated, renormalised distributions: ``probs[t, j]`` is the probability of
-    token ``ids[t, j]``. With top_k set (< vocabulary) a row holds its k candidates only, every
-    other token having probability 0 — so drafting, the acceptance rule and the draws work on k
-    entries instead of the vocabulary; without top_k ``ids`` is None and column j is token j
+    token ``ids[t, j]`` (each row's ids in increasing order). With top_k set (< vocabulary) a
+    row holds its k candidates only, every other token having probability 0 — so drafting, the
+    acceptance rule and the draws work on k entries instead of the vocabulary; without top_k
+    ``ids`` is None and column j is token j
     (``probs`` is ``[T, V]``)."""
 
     probs: mx.array
@@ -157,12 +158,13 @@ def truncate(
 def truncate_and_sample(
     logits: mx.array,
     params: SamplingParams,
-    key: mx.array,
+    uniforms: mx.array,
     history: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[Truncated, mx.array]:
-    """``truncate`` and a draw from its rows (``sample``) in one compiled call: a draft step runs
-    both, and on CPUs the one dispatch group instead of two saved ~50 us a step (~0.2 ms of a
-    sampled K=4 cycle). Same truncation, same draw."""
+    """``truncate`` and one inverse-CDF draw per row (``draw_tokens_with``, row t drawn by
+    ``uniforms[t]``, e.g. ``keyed_uniforms``) in one compiled call: a draft step runs both, and
+    on CPUs the one dispatch group instead of two saved ~50 us a step (~0.2 ms of a sampled K=4
+    cycle). Same truncation, same draw."""
     if params.greedy:
         rows = truncate(logits, params, history)
         return rows, rows.ids[:, 0]
@@ -170,7 +172,7 @@ def truncate_and_sample(
     fused = _compiled_truncation(
         params.temperature, params.top_k, params.top_p, params.min_p, draw=True
     )
-    probs, *ids, token = fused(logits, key)
+    probs, *ids, token = fused(logits, uniforms)
     return Truncated(probs, ids[0] if ids else None), token
 
 
@@ -187,17 +189,17 @@ def truncated_probs(
 def _compiled_truncation(
     temperature: float, top_k: int, top_p: float, min_p: float, draw: bool = False
 ) -> Callable[..., tuple[mx.array, ...]]:
-    """``_truncate`` for one setting, compiled (with ``draw``, followed by ``sample``'s draw
-    from its rows, taking a key): a sampled cycle runs it on every draft step and on the
-    verify rows, and on CPUs its ~20 small ops cost more dispatched one by one (T=2 rows: 256
-    -> 153 us). The settings are compile-time constants; T recompiles per shape."""
+    """``_truncate`` for one setting, compiled (with ``draw``, followed by an inverse-CDF draw
+    from its rows, taking one uniform per row): a sampled cycle runs it on every draft step and
+    on the verify rows, and on CPUs its ~20 small ops cost more dispatched one by one (T=2
+    rows: 256 -> 153 us). The settings are compile-time constants; T recompiles per shape."""
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if not draw:
         return mx.compile(partial(_truncate, **settings))
 
-    def truncate_and_draw(logits: mx.array, key: mx.array) -> tuple[mx.array, ...]:
+    def truncate_and_draw(logits: mx.array, uniforms: mx.array) -> tuple[mx.array, ...]:
         probs, *ids = _truncate(logits, **settings)
-        return (probs, *ids, draw_tokens(probs, ids[0] if ids else None, key))
+        return (probs, *ids, draw_tokens_with(probs, ids[0] if ids else None, uniforms))
 
     return mx.compile(truncate_and_draw)
 
@@ -213,7 +215,11 @@ def _truncate(
     if 0 < top_k < vocab:
         # Everything after top_k happens on the k candidates only (the rest have probability
         # 0 from here on): no full-vocabulary sort, scatter or cumulative sum on the hot path.
-        ids = top_k_ids(logits, top_k)
+        # In token order: an inverse-CDF draw walks the candidates in their column order, and
+        # the selection's order moves with rounding (a batch row's logits can differ from the
+        # same row's alone in the last bits); in token order a draw's outcome moves only when
+        # its uniform lies within that rounding of a boundary.
+        ids = mx.sort(top_k_ids(logits, top_k), axis=-1)
         kept = softmax(mx.take_along_axis(logits, ids, axis=-1))
         return _top_p_min_p(kept, top_p, min_p), ids
     return (_top_p_min_p(softmax(logits), top_p, min_p),)
@@ -291,9 +297,17 @@ def sample(rows: Truncated, key: mx.array) -> mx.array:
 
 
 def inverse_cdf_draw(probs: mx.array, key: mx.array) -> mx.array:
-    """Draw one column per row of ``probs [T, W]`` (rows need not be normalised); int32 ``[T]``.
+    """Draw one column per row of ``probs [T, W]`` (rows need not be normalised) with one
+    uniform per row from ``key``; int32 ``[T]`` (``inverse_cdf_index``)."""
+    u = mx.random.uniform(shape=(probs.shape[0],), key=key)
+    return inverse_cdf_index(probs, u)
 
-    Inverse CDF: with ``c`` the running sum of a row and one uniform ``u``, column i is drawn
+
+def inverse_cdf_index(probs: mx.array, uniforms: mx.array) -> mx.array:
+    """Column of each row of ``probs [T, W]`` at the uniform ``uniforms[t]`` in [0, 1); int32
+    ``[T]``.
+
+    Inverse CDF: with ``c`` the running sum of a row and its uniform ``u``, column i is drawn
     iff ``c[i-1] <= u * c[-1] < c[i]``: probability exactly ``p_i / sum(p)``, and a column with
     probability 0 has an empty interval, so it is never drawn. One random number per row
     instead of the V Gumbel draws of ``mx.random.categorical`` (~150 us per 8k-token row on a
@@ -301,8 +315,7 @@ def inverse_cdf_draw(probs: mx.array, key: mx.array) -> mx.array:
     dispatches).
     """
     cdf = mx.cumsum(probs.astype(mx.float32), axis=-1)
-    u = mx.random.uniform(shape=(probs.shape[0], 1), key=key)
-    index = (cdf <= u * cdf[:, -1:]).sum(axis=-1)
+    index = (cdf <= uniforms.reshape(-1, 1) * cdf[:, -1:]).sum(axis=-1)
     # Rounding can put u * c[-1] on c[-1] itself (u just below 1): clamp to the last column
     # that has mass, never past it onto a zero-probability one.
     last = probs.shape[-1] - 1 - mx.argmax(probs[:, ::-1] > 0, axis=-1)
@@ -316,41 +329,40 @@ def draw_tokens(probs: mx.array, ids: mx.array | None, key: mx.array) -> mx.arra
     return index if ids is None else mx.take_along_axis(ids, index[:, None], axis=-1)[:, 0]
 
 
+def draw_tokens_with(probs: mx.array, ids: mx.array | None, uniforms: mx.array) -> mx.array:
+    """``draw_tokens`` with the uniforms given, one per row (``keyed_uniforms``)."""
+    index = inverse_cdf_index(probs, uniforms)
+    return index if ids is None else mx.take_along_axis(ids, index[:, None], axis=-1)[:, 0]
+
+
 _compiled_draw = mx.compile(inverse_cdf_draw)
 _compiled_sample_ids = mx.compile(draw_tokens)
 
 
-def _mix32(x: mx.array) -> mx.array:
-    """A 32-bit integer hash (Wellons' lowbias32): every input bit moves every output bit."""
-    x = x ^ mx.right_shift(x, 16)
-    x = x * mx.array(0x7FEB352D, dtype=mx.uint32)
-    x = x ^ mx.right_shift(x, 15)
-    x = x * mx.array(0x846CA68B, dtype=mx.uint32)
-    return x ^ mx.right_shift(x, 16)
+#: what a keyed uniform is for (``keyed_uniforms``): a position's draft draw, its acceptance
+#: test, and the draw of the token emitted there (a residual, a bonus or a plain draw)
+DRAFT, ACCEPT, EMIT = 0, 1, 2
+
+_MASK64 = (1 << 64) - 1
 
 
-def position_noise(seed: int, positions: mx.array, ids: mx.array) -> mx.array:
-    """Exponential(1) noise fixed by (seed, sequence position, token id): ``[T, W]`` float32 for
-    ``positions [T]`` and token ids ``ids [T, W]``. Counter-based (a hash, no PRNG state), so a
-    token's noise at a position is the same whichever cycle, K or row layout draws it."""
-    lo = mx.array(seed & 0xFFFFFFFF, dtype=mx.uint32)
-    hi = mx.array((seed >> 32) & 0xFFFFFFFF, dtype=mx.uint32)
-    h = _mix32(ids.astype(mx.uint32) * mx.array(0x9E3779B9, dtype=mx.uint32) + lo)
-    h = _mix32(h ^ (positions.astype(mx.uint32)[:, None] * mx.array(0x85EBCA6B, dtype=mx.uint32)))
-    h = _mix32(h ^ hi)
-    u = (mx.right_shift(h, 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
-    return -mx.log(u)
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers in which every input bit moves
+    every output bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def coupled_draw(rows: Truncated, seed: int, positions: mx.array) -> mx.array:
-    """One draw per row by the exponential race: the token maximising p / E, E the noise of
-    (seed, the row's position, the token) — exactly a draw from the row's p, whose outcome
-    depends on the distribution and that noise only. Drafts and targets drawn this way at the
-    same position agree whenever q and p are close (``sampling.acceptance.accept_coupled``).
-    int32 ``[T]``."""
-    ids = rows.ids
-    if ids is None:
-        ids = mx.broadcast_to(mx.arange(rows.probs.shape[-1], dtype=mx.int32), rows.probs.shape)
-    score = rows.probs / position_noise(seed, positions, ids)
-    column = mx.argmax(score, axis=-1)
-    return mx.take_along_axis(ids, column[:, None], axis=-1)[:, 0].astype(mx.int32)
+def keyed_uniform(seed: int, position: int, purpose: int) -> float:
+    """A uniform in (0, 1) fixed by (seed, sequence position, purpose): counter-based (a hash
+    chain, no PRNG state), so a row's draw at a position is the same whichever cycle, batch or
+    moment draws it. 24 bits, as float32 holds them: ``(h + 1/2) / 2^24``."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ purpose)
+    return ((h >> 40) + 0.5) / float(1 << 24)
+
+
+def keyed_uniforms(seed: int, positions: range, purpose: int) -> mx.array:
+    """``keyed_uniform`` for each of ``positions``: float32 ``[len(positions)]``."""
+    return mx.array([keyed_uniform(seed, p, purpose) for p in positions], dtype=mx.float32)

@@ -84,12 +84,12 @@ MUTATIONS = [
     Mutation(
         "bonus-untruncated",
         "engine/cycle/speculative.py",
-        "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n",
-        "        n_acc, next_token = accept_drafts(drafts, q_all, p_all, seq.next_key())\n"
+        "        return accept_drafts_with(drafts, self.q, p_all, accept, emit)\n",
+        "        n_acc, next_token = accept_drafts_with(drafts, self.q, p_all, accept, emit)\n"
         "        untruncated = mx.random.categorical(\n"
-        "            logits[-1].astype(mx.float32) / params.temperature, key=seq.next_key()\n"
+        "            logits[-1].astype(mx.float32) / params.temperature\n"
         "        ).astype(mx.int32)\n"
-        "        next_token = mx.where(n_acc == len(draft_ids), untruncated, next_token)\n",
+        "        return n_acc, mx.where(n_acc == len(self.ids), untruncated, next_token)\n",
         (
             "tests/test_acceptance_exact.py::test_bonus_and_every_draw_respect_top_k_on_a_flat_model",
         ),

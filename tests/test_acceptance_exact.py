@@ -117,17 +117,20 @@ def test_bonus_and_every_draw_respect_top_k_on_a_flat_model(flat_engine) -> None
         return lm_head @ normed
 
     prompt = engine.tokenizer.encode("def add(a, b):")
-    for k, seed in ((2, 0), (3, 1)):
+    accepted = proposed = 0
+    for k, seed in ((2, 0), (3, 1), (2, 2), (3, 3)):
         params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
         request = GenerationRequest(prompt, params, 20, draft_tokens=k, ignore_eos=True)
         events = list(engine.generate(request))
         generated = [t for e in events for t in e.token_ids]
-        # the head drafts (nearly) the target rows: most cycles end with a bonus draw
-        stats = events[-1].stats
-        assert stats.accepted > 0.7 * stats.proposed > 0
+        accepted += events[-1].stats.accepted
+        proposed += events[-1].stats.proposed
         everything = prompt + generated
         for before, token in zip(everything[len(prompt) - 1 :], generated, strict=False):
             logits = row(before)
             kept = np.sort(np.exp(logits))[-3:].sum() / np.exp(logits).sum()
             assert kept < 0.01  # flat: an untruncated draw would land outside the top 3
             assert token in np.argsort(-logits)[:3], (k, before, token)
+    # the head drafts close to the target rows (~0.75 accepted over many seeds): the drafts'
+    # rows are truncated like the targets', or acceptance would collapse
+    assert accepted > 0.6 * proposed > 0

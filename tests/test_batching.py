@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue
+from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue, counted_entropy
 
 from engine.api import MAX_DRAFT_TOKENS, GenerationRequest, RequestError
 from engine.runtime import Engine
@@ -133,8 +133,10 @@ def test_greedy_rows_equal_each_request_alone(engine: Engine, widest_cycle: list
 def test_seeded_sampled_rows_equal_each_request_alone(
     engine: Engine, widest_cycle: list[int]
 ) -> None:
-    """Each row draws with its own key (fixed K) or coupled seed (automatic K), so a seeded
-    row's text is the text of the same request alone, whatever else runs beside it."""
+    """Each row's draws are keyed by (its seed, position) and its K per cycle is a function of
+    the request (a seeded row under automatic K drafts ``EngineAutoK.seeded_k``), so a seeded
+    row's text is the text of the same request alone, whatever else runs beside it: two
+    batches with other neighbours, joining at other steps, each give every row's own text."""
     reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
     reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]  # greedy and sampled rows mix
     expected = [alone(engine, r) for r in reqs]
@@ -143,6 +145,32 @@ def test_seeded_sampled_rows_equal_each_request_alone(
     for i, want in enumerate(expected):
         assert got[i] == want, f"row {i} (K={ROWS[i][0]})"
     assert max(widest_cycle) >= 2
+    # other neighbours: the rows in reverse, three at a time, an unseeded row among them
+    order = [*reversed(range(len(reqs)))]
+    others = [reqs[i] for i in order]
+    others[1] = replace(others[1], sampling=replace(others[1].sampling, seed=None))
+    got, _ = batched(engine, others, capacity=3, join_at={0: 2, 4: 1})
+    for j, i in enumerate(order):
+        if j != 1:
+            assert got[j] == expected[i], f"row {i} (K={ROWS[i][0]}) beside other rows"
+
+
+@pytest.mark.parametrize("seeded_k", [0, 1, 3])
+def test_seeded_auto_rows_equal_each_request_alone_at_any_seeded_k(
+    load_engine, seeded_k: int
+) -> None:
+    """Whichever K the build and machine decided for seeded rows under automatic K (a cost
+    table decides it, so the suite's own machine may pick any): plain rows too (K=0, no head),
+    which draw from the verify rows of a batched trunk pass."""
+    engine = load_engine("dense-tied")
+    engine.policy(None, sampled(0))
+    engine.autok.seeded = seeded_k
+    reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
+    reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]
+    expected = [alone(engine, r) for r in reqs]
+    got, _ = batched(engine, reqs, capacity=5)
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]}, seeded K={seeded_k})"
 
 
 @pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded"])
@@ -528,20 +556,21 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
 
 
 def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
-    widest_cycle: list[int],
+    widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 seeded
-    rows, 8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3 and
-    automatic K in turn), against 400 requests decoded alone without drafts; the first three
-    tokens, position by position."""
+    """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 rows,
+    8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3, 4 and
+    automatic K in turn; seeded and unseeded batches alternate), against 400 requests decoded
+    alone without drafts; the first three tokens, position by position."""
     # eight short prompts fit in one step's prefill budget, so that all 8 draw their first
     # tokens together (staggered, they would not all share a 3-token generation's cycles)
     engine = Engine.load(str(DEMO), draft_tokens=0)
     engine.enable_prefix_cache(64 << 20)  # 800 runs of one prompt: prefilled once
     prompt = engine.tokenizer.encode("def add(a, b):")
     params = SETTINGS["temp1-topk-topp"]
-    n, capacity, ks = 400, 8, [1, 2, 3, None]
+    n, capacity, ks = 400, 8, [1, 2, 3, 4, None]
     plain = _first_tokens(engine, prompt, params, 0, n)
+    counted_entropy(monkeypatch, 1 << 41)
     rows: dict[int, list[int]] = {}
     accepted = proposed = 0
     widest_cycle.clear()
@@ -550,7 +579,7 @@ def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
         for seed in range(first, first + capacity):
             request = GenerationRequest(
                 prompt,
-                replace(params, seed=seed),
+                replace(params, seed=None if first // capacity % 2 else seed),
                 3,
                 draft_tokens=ks[first // capacity % len(ks)],
                 ignore_eos=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -266,32 +267,30 @@ def test_a_request_asks_for_automatic_k_whatever_the_engines_default(load_engine
 
 
 def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> None:
-    """Auto K follows the machine's timings, so a seeded request's K differ from run to run: its
-    draws are coupled to (seed, position) and its text is the same whatever K each cycle
-    drafts. Three runs, the auto K costs skewed between them so that K really differs."""
-    from engine.runtime import DraftPolicy
-    from engine.scheduling.autok import PatternChooser
-
+    """Auto K follows the machine's timings; a seeded sampled request under it drafts the one
+    K decided for the build and machine (``EngineAutoK.seeded_k``) every cycle, and its draws
+    are keyed by (seed, position), so its text is the same on every run — the text of that
+    fixed K, at rejection sampling's acceptance. Three runs, the auto K costs skewed between
+    them (as a slow spell of the machine would), and a fresh engine that reads the decision
+    back from the cache."""
     engine = load_engine("dense-untied-sharded")
     prompt = engine.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(temperature=8.0, top_k=40, presence_penalty=0.5, seed=11)
     request = GenerationRequest(prompt, params, 48, draft_tokens=None, ignore_eos=True)
     runs = []
     for calibration in ([1.0, 1.0], [0.3, 3.0], [3.0, 0.3]):  # as measured, plain, drafting
-        engine.policy(None, params)  # the sampled kind's costs exist from here on
+        engine.autok = None  # a fresh auto K each run: only the cache carries the decision
+        engine.policy(None, SamplingParams(temperature=1.0))  # the sampled kind's costs exist
         engine.autok.kinds["sampled"].calibration = calibration
         tokens, event = run(engine, request)
         runs.append((tokens, event.stats.k_histogram))
-    assert runs[0][0] == runs[1][0] == runs[2][0] and len(runs[0][0]) == 48
-    assert runs[1][1][0] > runs[2][1][0]  # the runs drafted differently
-    # Any schedule of K gives that text (the pattern stands in for auto K's choices).
-    for pattern in ([3], [0, 0, 1, 2], [2, 0]):
-        seq = engine.start(request, DraftPolicy(fixed=None))
-        chooser = PatternChooser(pattern)
-        events = engine.decode(seq, request, policy=DraftPolicy(fixed=None, chooser=chooser))
-        assert [t for e in events for t in e.token_ids] == runs[0][0], pattern
-    # Unseeded requests are not coupled; neither are fixed-K ones (rejection sampling).
-    assert engine.start(request, DraftPolicy(fixed=2)).coupled_seed is None
+    assert runs[0] == runs[1] == runs[2] and len(runs[0][0]) == 48
+    seeded_k = engine.autok.seeded_k(params)
+    histogram = runs[0][1]
+    # every cycle drafts seeded_k, but those that max_tokens cuts short (at most seeded_k)
+    assert sum(histogram[seeded_k + 1 :]) == 0 and sum(histogram[:seeded_k]) <= seeded_k
+    fixed, _ = run(engine, replace(request, draft_tokens=seeded_k))
+    assert fixed == runs[0][0]
 
 
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:

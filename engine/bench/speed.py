@@ -127,15 +127,8 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
 def run_ours(
     engine: Any, prompt_ids: list[int], params: Any, k: int | None, max_tokens: int, row: Row
 ) -> None:
-    from dataclasses import replace
-
     from engine.api import GenerationRequest
 
-    if k is None and params.seed is not None:
-        # A seeded auto-K request draws by the coupled rule (repeatable whatever K; lower
-        # acceptance): the bench measures auto K as unseeded requests run it, with rejection
-        # sampling like the fixed-K rows.
-        params = replace(params, seed=None)
     request = GenerationRequest(prompt_ids, params, max_tokens, draft_tokens=k, ignore_eos=True)
     event = None
     for event in engine.generate(request):

@@ -55,18 +55,16 @@ from engine.model.trunk import (
     trunk_hidden,
     trunk_hidden_rows,
 )
-from sampling.acceptance import (
-    accept_coupled,
-    accept_drafts,
-    accept_greedy,
-    accept_greedy_rows,
-)
+from sampling.acceptance import accept_drafts_with, accept_greedy, accept_greedy_rows
 from sampling.constraint import GrammarDeadEnd, TokenConstraint
 from sampling.distribution import (
+    ACCEPT,
+    DRAFT,
+    EMIT,
     PenaltyHistory,
     Truncated,
-    coupled_draw,
     greedy_tokens,
+    keyed_uniforms,
     truncate,
     truncate_and_sample,
 )
@@ -94,7 +92,11 @@ class Sequence:
     trunk_cache: TrunkCache
     head_cache: KVCache | None
     history: PenaltyHistory | None
-    key: mx.array
+    #: the request's seed, or a random one: every random number of the sequence is a
+    #: ``keyed_uniform`` of (seed, sequence position, purpose), so its draws do not depend on
+    #: when, in which cycle or beside which rows they run; with a fixed K per cycle its text
+    #: is a function of the request
+    seed: int
     head_pending: list[mx.array] = field(default_factory=list)
     #: stop drafting when the head's top probability is below this (None: always draft K)
     draft_confidence: float | None = None
@@ -104,10 +106,6 @@ class Sequence:
     head_skipped: int = 0
     #: prompt positions restored from the prefix cache instead of prefilled
     restored: int = 0
-    #: a seeded sampled request's seed: every draw is ``coupled_draw`` with noise fixed by
-    #: (seed, position), so its text does not depend on the K of each cycle (auto K follows
-    #: timings); None: draws from ``key`` and rejection sampling
-    coupled_seed: int | None = None
     #: structured output: the grammar the emitted tokens follow (``sampling.constraint``)
     constraint: TokenConstraint | None = None
 
@@ -124,10 +122,6 @@ class Sequence:
     @property
     def can_draft(self) -> bool:
         return self.head_cache is not None and bool(self.head_pending)
-
-    def next_key(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return sub
 
 
 @dataclass
@@ -147,19 +141,18 @@ class LaunchedCycle:
 
 @dataclass
 class CacheSnapshot:
-    """What launching a plain cycle changes: the trunk cache and the PRNG key (a plain cycle
-    touches neither the head cache nor the history). Restoring undoes a launched cycle."""
+    """What launching a plain cycle changes: the trunk cache (a plain cycle touches neither the
+    head cache nor the history, and its draw is keyed by position). Restoring undoes a
+    launched cycle."""
 
     trunk: list[tuple[Any, ...]]
-    key: mx.array
 
     @classmethod
     def of(cls, seq: Sequence) -> CacheSnapshot:
-        return cls(seq.trunk_cache.snapshot(), seq.key)
+        return cls(seq.trunk_cache.snapshot())
 
     def restore(self, seq: Sequence) -> None:
         seq.trunk_cache.restore(self.trunk)
-        seq.key = self.key
 
 
 @dataclass
@@ -187,14 +180,9 @@ def start_sequence(
     prompt_ids: list[int],
     params: SamplingParams,
     use_head: bool,
-    coupled: bool = False,
 ) -> Sequence:
-    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks.
-
-    ``coupled``: draw a seeded sampled request with ``coupled_draw`` (``Sequence.coupled_seed``):
-    for automatic K, whose choices follow the machine's timings; a fixed K is repeatable with
-    rejection sampling's draws already."""
-    seq = new_sequence(trunk, head, prompt_ids, params, use_head, coupled)
+    """Prefill ``prompt_ids[:-1]`` through the trunk (and the head's cache) in chunks."""
+    seq = new_sequence(trunk, head, prompt_ids, params, use_head)
     prefill(trunk, head, seq, prompt_ids[:-1])
     return seq
 
@@ -205,9 +193,8 @@ def new_sequence(
     prompt_ids: list[int],
     params: SamplingParams,
     use_head: bool,
-    coupled: bool = False,
 ) -> Sequence:
-    """A sequence for ``prompt_ids`` with empty caches, its penalty history and PRNG key."""
+    """A sequence for ``prompt_ids`` with empty caches, its penalty history and seed."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
     seed = params.seed if params.seed is not None else int.from_bytes(_entropy(), "little")
@@ -218,8 +205,7 @@ def new_sequence(
         trunk_cache=new_trunk_cache(trunk),
         head_cache=RowKVCache() if (head is not None and use_head) else None,
         history=history,
-        key=mx.random.key(seed),
-        coupled_seed=params.seed if coupled and not params.greedy else None,
+        seed=seed,
     )
 
 
@@ -372,7 +358,7 @@ def launch_cycles(
     Every row drafts the same ``k`` (0 when any row cannot draft): each draft depth runs the
     head once for all rows, the verify is one trunk pass over every row's K+1 positions
     (``engine.model.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
-    per row, with each row's own sampler, PRNG key and penalty history. Rows accept different
+    per row, with each row's own sampler, seed and penalty history. Rows accept different
     lengths: each row's caches are committed on their own (``commit``).
     """
     rows = len(seqs)
@@ -559,12 +545,10 @@ class _RowDrafts:
         history = seq.history.row_after(self.ids) if seq.history else None
         if params.greedy:
             d = greedy_tokens(step_logits, params, history)
-        elif seq.coupled_seed is not None:
-            q = truncate(step_logits, params, history)
-            d = coupled_draw(q, seq.coupled_seed, mx.array([self.position + i]))
-            self.rows.append(q)
         else:
-            q, d = truncate_and_sample(step_logits, params, seq.next_key(), history)
+            position = self.position + i
+            uniform = keyed_uniforms(seq.seed, range(position, position + 1), DRAFT)
+            q, d = truncate_and_sample(step_logits, params, uniform, history)
             self.rows.append(q)
         self.ids.append(d)
 
@@ -627,15 +611,16 @@ class _RowDrafts:
         history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None
         if params.greedy:
             return accept_greedy(drafts, greedy_tokens(logits, params, history))
-        if seq.coupled_seed is not None:
-            positions = mx.arange(self.position, self.position + len(self.ids) + 1)
-            targets = coupled_draw(truncate(logits, params, history), seq.coupled_seed, positions)
-            return accept_coupled(drafts, targets)
+        # Position i's uniforms serve only the token at position i: the first rejection ends
+        # the scan, so those past it decide nothing and the next cycle may draw them again.
+        first, k = self.position, len(self.ids)
+        emit = keyed_uniforms(seq.seed, range(first, first + k + 1), EMIT)
         if not self.ids:  # plain decoding: a draw from p_1, truncation and draw in one call
-            token = truncate_and_sample(logits, params, seq.next_key(), history)[1][0]
+            token = truncate_and_sample(logits, params, emit, history)[1][0]
             return mx.array(0, dtype=mx.int32), token
         p_all = truncate(logits, params, history)
-        return accept_drafts(drafts, self.q, p_all, seq.next_key())
+        accept = keyed_uniforms(seq.seed, range(first, first + k), ACCEPT)
+        return accept_drafts_with(drafts, self.q, p_all, accept, emit)
 
 
 def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:

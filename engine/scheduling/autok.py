@@ -541,6 +541,12 @@ def cost_cache_path(engine: Any, kind: str) -> Path:
     return CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
 
 
+def seeded_k_path(engine: Any) -> Path:
+    """Where ``EngineAutoK.seeded_k`` keeps its decision (per build, machine and model)."""
+    key = machine_key(engine.loaded.model_dir)
+    return CACHE_DIR / f"seeded-k-{key}-v{engine.draft_vocab_size}.json"
+
+
 def cached_costs(engine: Any, kind: str) -> CostTable | None:
     path = cost_cache_path(engine, kind)
     try:
@@ -723,6 +729,8 @@ class EngineAutoK:
     engine: Any
     kinds: dict[str, AutoK] = field(default_factory=dict)
     saved_at: dict[str, int] = field(default_factory=dict)
+    #: ``seeded_k`` once decided
+    seeded: int | None = None
 
     def for_request(self, params: Any) -> RequestAutoK:
         self.costs(params)
@@ -753,6 +761,42 @@ class EngineAutoK:
         self.kinds[kind] = AutoK(costs, policy=POLICIES[kind])
         self.saved_at[kind] = 0
         return costs
+
+    def seeded_k(self, params: Any) -> int:
+        """The K every seeded sampled request under automatic K drafts, every cycle.
+
+        Why fixed: with rejection sampling the token emitted at a position depends on whether
+        it was drafted, so a seed repeats only if the row's K per cycle is a function of the
+        request — not of live timings or batch neighbours, which auto K follows. (Coupled
+        draws that repeat whatever K runs accept less: at total-variation distance d between
+        q and p at least (1-d)/(1+d) against rejection sampling's 1-d.) So it is decided once
+        per build and machine: the K the sampled kind's cost table favours at the kind's
+        acceptance estimates then (its prior, on a fresh start), kept in the cost cache
+        beside the table (``seeded_k_path``) and read back on every later start."""
+        if self.seeded is not None:
+            return self.seeded
+        path = seeded_k_path(self.engine)
+        try:
+            self.seeded = int(json.loads(path.read_text())["k"])
+            return self.seeded
+        except (OSError, KeyError, TypeError, ValueError):
+            pass
+        self.costs(params)
+        auto = self.kinds[decoding_kind(params)]
+        acceptance = auto.counts.estimates()
+        self.seeded = best_k(auto.costs, acceptance)
+        log.info(
+            "auto K: seeded sampled requests draft K=%d (acceptance %s, cycle costs %s ms)",
+            self.seeded,
+            [round(a, 3) for a in acceptance],
+            [round(1e3 * c, 2) for c in auto.costs.cycle],
+        )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"k": self.seeded, "acceptance": acceptance}))
+        except OSError:
+            pass
+        return self.seeded
 
     def save_refined(self, kind: str) -> None:
         """Write the kind's calibrated table to the disk cache once it has enough new timings."""

@@ -16,10 +16,12 @@ of the batch advances every row once:
    starts decoding together; of several newcomers none overtakes an earlier one; a row that
    finishes, is cancelled or fails leaves at once.
 
-Rows are independent: a row's draws use its own PRNG key (or its coupled seed), its own
-penalty history and its own caches, and its commit keeps its own accepted length, so what a
-row emits does not depend on the other rows (tests/test_batching.py checks it against the
-same request alone).
+Rows are independent: a row's draws are keyed by its own seed and sequence position
+(``sampling.distribution.keyed_uniform``), it has its own penalty history and caches, and its
+commit keeps its own accepted length, so what a row emits does not depend on the other rows
+(tests/test_batching.py checks it against the same request alone). A seeded sampled row never
+shares the batch's automatic K: it drafts ``EngineAutoK.seeded_k``, a function of the build and
+machine, so its text repeats beside any neighbours.
 
 Plain cycles run one ahead, as a request alone runs them (``engine.cycle.speculative``'s
 docstring): when every row of the batch is decoding, they all run a plain cycle together and
