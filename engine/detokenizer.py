@@ -1,7 +1,7 @@
 """Token ids -> text, incrementally, for streaming; and stop strings matched across tokens.
 
 Why this exists: a byte-level BPE splits one multi-byte UTF-8 character over several tokens, so
-decoding token by token produces U+FFFD for each half (one of the serving bugs in REFERENCE §9).
+decoding token by token produces U+FFFD for each half (a serving bug seen in other servers).
 ``IncrementalDetokenizer`` decodes a short window that ends at the newest token and starts a few
 tokens back (so tokenizers that drop a leading space at the start of a decode still see the
 context), and holds text back while it ends in U+FFFD: the missing bytes usually arrive with the

@@ -2,7 +2,7 @@
 
 The loop turns cycles into ``GenerationEvent``s and applies stop conditions (EOS ids,
 max_tokens, cancellation). A stop inside a draft block commits only the tokens up to the stop,
-so the caches always hold exactly prompt + emitted (minus the last) — REFERENCE §3.
+so the caches always hold exactly prompt + emitted (minus the last).
 """
 
 from __future__ import annotations

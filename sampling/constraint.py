@@ -136,7 +136,7 @@ def tool_call_grammar(
     parallel: bool = True,
 ) -> str:
     """The grammar of a reply that must call tools (``tool_choice`` required or a named
-    function): one or more of Qwen's XML tool calls (REFERENCE §5; the blocks
+    function): one or more of Qwen's XML tool calls (the chat template's format; the blocks
     ``server.core.toolcalls`` parses) of the tools given, and nothing else.
 
     ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function whose

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-#: per-position acceptance vLLM publishes for Qwen3.5's MTP heads (docs/REFERENCE)
+#: per-position acceptance vLLM publishes for Qwen3.5's MTP heads
 ACCEPTANCE = (0.92, 0.84, 0.65, 0.54)
 MAX_K = 4
 

@@ -225,7 +225,7 @@ def llama_sampler(params: Any) -> dict[str, Any]:
         "min_p": params.min_p,
         "presence_penalty": params.presence_penalty,
         "seed": params.seed or 0,
-        # vLLM/HF order, as mtpserve's truncate (REFERENCE §4)
+        # vLLM/HF order, as mtpserve's truncate
         "samplers": ["penalties", "temperature", "top_k", "top_p", "min_p"],
     }
 

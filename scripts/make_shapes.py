@@ -10,7 +10,7 @@ vocabulary 248,320, three Gated-DeltaNet layers then one full-attention layer, t
 conv1d weights as ``[C, 1, kernel]``, sharded with ``model.safetensors.index.json`` (the head in
 the last shard, as Qwen's checkpoints do), ``generation_config.json`` with Qwen's sampler, and a
 small byte-level BPE tokenizer with Qwen's special tokens (ids far below the vocabulary: the
-checkpoint serves, the text means nothing). Sizes from docs/REFERENCE (Qwen's model cards).
+checkpoint serves, the text means nothing). Sizes from Qwen's model cards.
 
 Acceptance on random weights means nothing; costs, start-up and memory do. Tensors are made
 and written one shard at a time (~1 GB), so writing needs about one shard of memory. Output

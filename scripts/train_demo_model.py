@@ -2,7 +2,7 @@
 """Train, export and check the embedded demo checkpoint ``models/qwen3.5-demo``.
 
 A 9.9 M-parameter Qwen3.5-shaped text model (8 layers: 6 Gated DeltaNet + 2 gated full
-attention) with Qwen's one-layer MTP head (shared/REFERENCE.md sections 1-2), trained jointly on
+attention) with Qwen's one-layer MTP head, trained jointly on
 offline text only: the CPython standard library's sources (tests excluded), the reference prose in
 ``pydoc_data/topics.py`` and chat-formatted requests built from them (through
 ``configs/chat_template.jinja``). Loss = next-token CE + 0.5 x head CE for x_{t+2}. A second,
@@ -1275,7 +1275,7 @@ def verify(args) -> None:
 
 
 def truncated_probs(logits, temperature=1.0, top_k=20, top_p=0.95):
-    """temperature -> top-k -> top-p -> softmax (fp32), as in REFERENCE section 4."""
+    """temperature -> top-k -> top-p -> softmax (fp32), vLLM's and Hugging Face's order."""
     import torch
 
     x = logits.float() / temperature

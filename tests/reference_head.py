@@ -1,6 +1,6 @@
 """An independent slow reference of the Qwen3.5 MTP head, in float64 numpy.
 
-Written from REFERENCE §2 and the HF tensor layout only; it shares no code with ``engine/``. It
+From the head's forward and the HF tensor layout only; it shares no code with ``engine/``. It
 reads the raw checkpoint tensors itself (zero-centred norms applied as 1 + w, q_proj emitting
 [query | gate] per head, partial rotary embedding) and recomputes every pair from scratch for
 each cycle, attending over all earlier positions without any cache.

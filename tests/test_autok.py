@@ -1,4 +1,4 @@
-"""Automatic K: the cost model of REFERENCE §8 and the per-cycle choice."""
+"""Automatic K: the cost model and the per-cycle choice."""
 
 from __future__ import annotations
 

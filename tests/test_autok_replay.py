@@ -47,7 +47,7 @@ def policy(sampler: str) -> KindPolicy:
 #: Seconds each verified position beyond the first adds to a trunk forward. "measured": the
 #: record's table as timed on this machine (verify cost grows slowly with T, so with the tuned
 #: head's acceptance K=4 is the best fixed K, greedy and sampled). "compute-bound": 1 ms more
-#: per position, a machine where compute per byte is scarce (REFERENCE §8: Apple GPUs, small
+#: per position, a machine where compute per byte is scarce (Apple GPUs, small
 #: CPUs); there a sampled K=2 is best and K=4 falls behind plain decoding.
 MACHINES = {"measured": 0.0, "compute-bound": 1e-3}
 

@@ -1,7 +1,7 @@
 """Speculation under history-dependent sampling: penalties and logit_bias.
 
 The i-th verified position must be scored with the history plain decoding would have had there —
-the committed tokens plus drafts d_1..d_{i-1} (REFERENCE §4) — and so must the i-th draft.
+the committed tokens plus drafts d_1..d_{i-1} — and so must the i-th draft.
 
 * greedy: K = 1..4 emit exactly what K = 0 emits, with presence / frequency / repetition
   penalties and logit_bias, on the demo model and the tiny test checkpoints (a verify pass that

@@ -2,7 +2,7 @@
 
 Checked in two folders: the tokenizer alone, and the tokenizer next to a config.json whose
 model_type is qwen3_5 (where transformers 5.x substitutes its own Qwen3_5Tokenizer class and
-rebuilds the pre-tokenizer from the class, shared/REFERENCE.md section 10).
+rebuilds the pre-tokenizer from the class).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``mtpserve convert`` and ``mtpserve extract-head``: quantized trunks that keep their MTP head.
 
-mlx-lm's own conversion drops every ``mtp.*`` tensor (REFERENCE §6), so mlx-community 4/8-bit
+mlx-lm's own conversion drops every ``mtp.*`` tensor, so mlx-community 4/8-bit
 folders have no head. Here the head travels as a *sidecar*: ``mtp.safetensors`` next to the
 trunk's weights, named in the folder's ``config.json`` under ``loader.SIDECAR_CONFIG_KEY``.
 

@@ -3,7 +3,7 @@
 Planning (``plan``), before any weight is read: the bytes of every tensor come from the
 safetensors headers; floating tensors are counted in the dtype chosen, packed quantized ones
 as stored. On CPUs fp32 is chosen only when it fits with ``HEADROOM`` (bf16 matmuls are ~8x
-slower than fp32 there, REFERENCE §10); else the stored dtype is kept and the server says so;
+slower than fp32 there); else the stored dtype is kept and the server says so;
 when not even that fits, loading is refused with the figures. GPUs keep the stored dtype.
 A mixture of experts with unquantized expert weights runs on a CPU only in fp32 (mlx's CPU
 ``gather_mm`` supports nothing else; quantized experts use ``gather_qmm``, which does): there

@@ -1,4 +1,4 @@
-"""The Qwen3.5/3.6 multi-token-prediction head (REFERENCE §2), attached to the loaded trunk.
+"""The Qwen3.5/3.6 multi-token-prediction head, attached to the loaded trunk.
 
 The head owns only its own tensors (fc, three norms, one full-attention decoder layer). Token
 embeddings and the output projection are the trunk's: every call takes the trunk ``TextModel``

@@ -3,7 +3,7 @@
 mlx-lm's Qwen3.5 modules hold the weights; this file walks their layers itself because the
 verify pass needs something mlx-lm does not expose: the Gated-DeltaNet state *after each* of the
 T verified positions, so that the state can be committed at the accepted position without
-re-running anything (REFERENCE §3):
+re-running anything:
 
 * conv state: the window ``[conv_state | qkv_1..qkv_T]`` is kept; keeping n positions takes rows
   ``n .. n+kernel-2`` of it (the last kernel-1 inputs up to position n);

@@ -1,6 +1,6 @@
 """Automatic K: choose each cycle the draft length that maximises expected tokens per second.
 
-REFERENCE §8: with per-position acceptance a_1..a_K (a_i = P(d_i accepted | d_1..d_{i-1}
+The cost model: with per-position acceptance a_1..a_K (a_i = P(d_i accepted | d_1..d_{i-1}
 accepted)) a cycle emits E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens and costs C(K). We
 *measure* C(K) on the machine in use — a whole cycle (K head steps, one verify over K+1
 positions, acceptance, the one sync) for K = 0..max — instead of modelling it, plus the one

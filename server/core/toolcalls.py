@@ -1,6 +1,6 @@
 """Split generated chat text into reasoning, content and tool calls — incrementally.
 
-Qwen3.5/3.6 output (REFERENCE §5): the generation prompt already opens ``<think>\\n``, so the
+Qwen3.5/3.6 output: the generation prompt already opens ``<think>\\n``, so the
 model's text starts inside the reasoning and closes it with ``</think>``; with
 ``enable_thinking: false`` the prompt holds an empty think block and output is content. Tool
 calls are XML blocks::
