@@ -15,6 +15,7 @@ prompts are a dozen tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -179,10 +181,17 @@ def cluster(make_checkpoint, tmp_path_factory):
     """``mtpserve serve`` as 2 ranks started directly (the env mlx.launch would set), so the
     test holds both processes."""
     tmp = tmp_path_factory.mktemp("cluster")
+    with two_ranks(str(make_checkpoint(VARIANTS["dense-tied"])), tmp) as (url, procs):
+        yield url, procs, tmp
+
+
+@contextlib.contextmanager
+def two_ranks(model: str, tmp: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """``mtpserve serve`` on 2 ranks of this machine (rank logs in ``tmp``), once healthy;
+    rank 0 is interrupted and both are reaped afterwards."""
     ring, http = free_ports(2), free_ports(1)[0]
     hosts = tmp / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
-    model = str(make_checkpoint(VARIANTS["dense-tied"]))
     cmd = [
         sys.executable, "-m", "mtpserve.cli", "serve", "--model", model, "--port", str(http),
         "--served-model-name", "tiny", "--draft-tokens", "2", "--log-level", "warning",
@@ -205,7 +214,7 @@ def cluster(make_checkpoint, tmp_path_factory):
 
     try:
         wait_healthy(url, exited, timeout=300)
-        yield url, procs, tmp
+        yield url, procs
     finally:
         if procs[0].poll() is None:
             procs[0].send_signal(signal.SIGINT)
@@ -314,38 +323,15 @@ def test_serve_starts_on_a_bfloat16_checkpoint_and_survives_a_request_error(
     make_checkpoint, tmp_path: Path
 ) -> None:
     """``mtpserve serve`` on 2 ranks without ``--dtype``, the checkpoint stored in bfloat16:
-    every rank loads the dtype rank 0 chooses (float32 on CPUs), so the group starts; a
-    request whose grammar dead-ends fails alone (a 400), and the group serves on."""
+    every rank loads the dtype rank 0 chooses (bf16 as stored where the native product kernel
+    runs, float32 on other CPUs), so the group starts; a request whose grammar dead-ends fails
+    alone (a 400), and the group serves on."""
     import dataclasses
 
     import httpx
 
     variant = dataclasses.replace(VARIANTS["dense-tied"], name="dense-tied-bf16", dtype="bfloat16")
-    model = str(make_checkpoint(variant))
-    ring, http = free_ports(2), free_ports(1)[0]
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
-    cmd = [
-        sys.executable, "-m", "mtpserve.cli", "serve", "--model", model, "--port", str(http),
-        "--served-model-name", "tiny", "--draft-tokens", "2", "--log-level", "warning",
-    ]  # fmt: skip
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
-        env["PYTHONPATH"] = str(ROOT)
-        env["MTPSERVE_DISTRIBUTED_TIMEOUT"] = str(WATCHDOG_S)
-        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
-    url = f"http://127.0.0.1:{http}"
-
-    def exited() -> str | None:
-        if not any(p.poll() is not None for p in procs):
-            return None
-        logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
-        return "a rank exited during start-up:\n" + "\n".join(logs)
-
-    try:
-        wait_healthy(url, exited, timeout=300)
+    with two_ranks(str(make_checkpoint(variant)), tmp_path) as (url, procs):
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
         dead_end = {
             "type": "object",
@@ -366,12 +352,3 @@ def test_serve_starts_on_a_bfloat16_checkpoint_and_survives_a_request_error(
             assert refused.status_code == 400, refused.text
             assert c.post("/v1/chat/completions", json=chat).status_code == 200
         assert all(p.poll() is None for p in procs)
-    finally:
-        if procs and procs[0].poll() is None:
-            procs[0].send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
