@@ -13,26 +13,23 @@ accumulation order depends only on the weight's width and kind, never on T or th
 count), so greedy output does not move with K or the batch size.
 
 Metal and CUDA keep mlx's own products, and so does a CPU without the built extension (one log
-line says which runs: ``description``). products of more than ``NATIVE_MAX_ROWS`` rows
+line says which runs: ``description``). Products of more than ``NATIVE_MAX_ROWS`` rows
 (long prefills) keep BLAS, which threads them itself (half-precision and quantized weights
 widened to float32 for it, one weight at a time: mlx has no fast CPU product for them).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
 
-log = logging.getLogger(__name__)
-
 #: Products of more rows than this (prefill chunks) run on BLAS, which threads a product of many
 #: rows itself and computes faster there; half-precision and quantized weights are widened to
 #: float32 for it, one weight at a time. Measured with ``scripts/bench_kernel.py --crossover``
-#: (docs/BENCHMARKS.md, "Product kernel").
+#: (docs/BENCHMARKS.md §17).
 NATIVE_MAX_ROWS = 64
 
 #: set to 0 to run mlx's own products on a CPU even where the kernel is built
