@@ -87,3 +87,11 @@ def http(server: object):
 
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
+
+
+@pytest.fixture
+def claude(server: object) -> object:
+    """The anthropic SDK pointed at the module's live server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)

@@ -54,11 +54,6 @@ def server(engine: FakeEngine):
         yield srv
 
 
-@pytest.fixture
-def claude(server: LiveServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-
-
 def prompt_of(engine: FakeEngine) -> str:
     return engine.tokenizer.decode(engine.requests[-1].prompt_ids)
 

@@ -48,11 +48,6 @@ def server(request: pytest.FixtureRequest, tiny_checkpoint: Path):
         yield srv
 
 
-@pytest.fixture
-def claude(server: LiveServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-
-
 def chat_turn(client: openai.OpenAI, model: str, messages: list) -> tuple:
     r = client.chat.completions.create(
         model=model,

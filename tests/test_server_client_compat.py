@@ -71,11 +71,6 @@ def server():
         yield srv
 
 
-@pytest.fixture
-def claude(server: LiveServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-
-
 def sse(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON data of every event of a stream, ``[DONE]`` left out."""
     with http.stream("POST", path, json=body) as r:
