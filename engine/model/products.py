@@ -124,14 +124,27 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
         else:
             out = _native.product(x, weight, scales, biases, bits=bits, group_size=group)
     elif weight.dtype in _FLOATS:
-        # the result takes x's type: mlx would promote a narrower x to the weight's type
-        if x.dtype != weight.dtype and x.dtype != mx.float32:
+        out = _dense(x, weight, many)
+        if out is None:
             return None
-        if many:
-            out = x @ weight.astype(x.dtype).T
-        else:
-            out = _native.product(x, weight)
     else:
         return None
     bias = module.get("bias")
     return out if bias is None else out + bias
+
+
+def _dense(x: mx.array, weight: mx.array, many: bool) -> mx.array | None:
+    """``x @ weight.T`` for a float weight on a CPU with the kernel: BLAS for ``many`` rows;
+    None where mlx would promote x to a wider weight type (the kernel returns x's type)."""
+    if x.dtype != weight.dtype and x.dtype != mx.float32:
+        return None
+    return x @ weight.astype(x.dtype).T if many else _native.product(x, weight)
+
+
+def multiply(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` for a float weight array that is no layer's own (the head's gathered
+    draft vocabulary): on the kernel where ``product`` would take it, else mlx's product."""
+    out = None
+    if on_native() and x.dtype in _FLOATS and weight.dtype in _FLOATS:
+        out = _dense(x, weight, x.size // x.shape[-1] > NATIVE_MAX_ROWS)
+    return x @ weight.T if out is None else out
