@@ -15,6 +15,9 @@ struct Avx2 {
   static constexpr int W = 8;
   static constexpr int R = 2;
   static constexpr int J = 5;
+  // affine tiles of more than one row: AR rows by AJ columns
+  static constexpr int AR = 2;
+  static constexpr int AJ = 2;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static reg load_partial(const float* p, int n) {
@@ -36,20 +39,16 @@ struct Avx2 {
   static reg load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // 8 codes from `i` (a multiple of 8) of a 4- or 8-bit row, as scale * code + bias
-  static reg dequantize(const uint8_t* codes, int bits, int64_t i, float scale, float bias) {
-    __m256i c;
-    if (bits == 8) {
-      c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    } else {
-      uint32_t packed;
-      std::memcpy(&packed, codes + i / 2, 4);
-      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-      c = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts),
-          _mm256_set1_epi32(0xf));
-    }
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scale), _mm256_set1_ps(bias));
+  static reg broadcast(float v) { return _mm256_set1_ps(v); }
+  // 8 8-bit codes as floats
+  static reg codes8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // of the 16 4-bit codes in 8 bytes, the low nibbles (half 0) or the high ones (half 1)
+  static reg codes4(const uint8_t* p, int half) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(bytes, 4)
+                                   : _mm256_and_si256(bytes, _mm256_set1_epi32(0xf)));
   }
 };
 

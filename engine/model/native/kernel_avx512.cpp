@@ -15,6 +15,9 @@ struct Avx512 {
   static constexpr int W = 16;
   static constexpr int R = 3;
   static constexpr int J = 8;
+  // affine tiles of more than one row: AR rows by AJ columns
+  static constexpr int AR = 3;
+  static constexpr int AJ = 4;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static reg load_partial(const float* p, int n) {
@@ -30,23 +33,17 @@ struct Avx512 {
   static reg load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // 16 codes from `i` (a multiple of 16) of a 4- or 8-bit row, as scale * code + bias
-  static reg dequantize(const uint8_t* codes, int bits, int64_t i, float scale, float bias) {
-    __m512i c;
-    if (bits == 8) {
-      c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-    } else {
-      uint64_t packed;
-      std::memcpy(&packed, codes + i / 2, 8);
-      // dword lanes 0-7 take the low word, 8-15 the high word; lane l keeps code l % 8
-      const __m512i words = _mm512_permutexvar_epi32(
-          _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-          _mm512_set1_epi64(static_cast<long long>(packed)));
-      const __m512i shifts =
-          _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-      c = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0xf));
-    }
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+  static reg broadcast(float v) { return _mm512_set1_ps(v); }
+  // 16 8-bit codes as floats
+  static reg codes8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // of the 32 4-bit codes in 16 bytes, the low nibbles (codes 0, 2, ..., 30: half 0) or the high
+  // ones (half 1), as floats
+  static reg codes4(const uint8_t* p, int half) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtepi32_ps(half ? _mm512_srli_epi32(bytes, 4)
+                                   : _mm512_and_si512(bytes, _mm512_set1_epi32(0xf)));
   }
 };
 

@@ -15,6 +15,8 @@ struct Scalar {
   static constexpr int W = 1;
   static constexpr int R = 1;
   static constexpr int J = 4;
+  static constexpr int AR = 1;
+  static constexpr int AJ = 4;
   static reg zero() { return 0.0f; }
   static reg load(const float* p) { return *p; }
   static reg load_partial(const float* p, int) { return *p; }
@@ -23,8 +25,10 @@ struct Scalar {
   static float sum(reg v) { return v; }
   static reg load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static reg load_f16(const uint16_t* p) { return half_to_float(*p); }
-  static reg dequantize(const uint8_t* codes, int bits, int64_t i, float scale, float bias) {
-    return std::fma(static_cast<float>(code_at(codes, bits, i)), scale, bias);
+  static reg broadcast(float v) { return v; }
+  static reg codes8(const uint8_t* p) { return static_cast<float>(*p); }
+  static reg codes4(const uint8_t* p, int half) {
+    return static_cast<float>(half ? *p >> 4 : *p & 0xf);
   }
 };
 
