@@ -74,7 +74,7 @@ class MTPHead(nn.Module):
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
             the last pair. Earlier pairs only fill the cache: of them the layer computes keys
             and values alone (one layer, so no later computation reads their outputs), which
-            keeps a catch-up after plain cycles to about a third of the whole layer's cost
+            keeps a catch-up after plain cycles to a quarter to a third of the whole layer's cost
             (``scripts/plain_stretch.py catch-up``).
         """
         embedded = products.activations(trunk.model.embed_tokens(token_ids))
