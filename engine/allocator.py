@@ -3,10 +3,10 @@
 Every mlx primitive allocates and frees small host objects (the array's descriptor and shared
 state, the task queued to mlx's stream thread, shape vectors): a few per primitive, hundreds of
 primitives per decode cycle, allocated on the calling thread and freed on either thread. glibc's
-malloc spends ~14% of the calling thread's samples there (docs/BENCHMARKS.md §12); under
-jemalloc a plain decode step of the demo model takes ~0.78x the CPU time and a K=4 cycle ~0.76x,
-with token-identical output (the allocator touches no float). glibc's tunables (arena count,
-tcache size, trim and mmap thresholds) did not close the gap.
+malloc spends ~14% of the calling thread's samples there; under jemalloc a plain decode step of
+the demo model takes ~0.78x the CPU time and a K=4 cycle ~0.76x, with token-identical output
+(the allocator touches no float), and glibc's tunables (arena count, tcache size, trim and mmap
+thresholds) did not close the gap (docs/BENCHMARKS.md, "CPU choices and what they measured").
 
 An allocator is chosen when the process starts: memory glibc handed out cannot be freed by
 another malloc, and ``LD_PRELOAD`` is read by the dynamic loader only. So the console command

@@ -7,10 +7,10 @@ lookup scope, so libmlx binds to them instead.
 Which one: BLIS (Debian ``libblis4-pthread``) first, OpenBLAS as the fallback. Decoding is a
 chain of small products — T = 1..K+1 rows against each weight matrix — and there OpenBLAS's
 sgemm pays for packing the whole weight matrix and for waking its threads on every call: a
-[2, 256] x [256, 768] product costs ~46 us with OpenBLAS (2 threads) and ~22 us with BLIS on one
+[2, 256] x [256, 768] product costs ~38 us with OpenBLAS (2 threads) and ~25 us with BLIS on one
 thread. Big products (prefill) want every core instead. BLIS takes its thread count at run time,
 so decoding runs on one thread and ``all_cores()`` widens it around long prefill chunks
-(docs/BENCHMARKS.md §1 has the measurements).
+(docs/BENCHMARKS.md, "CPU choices and what they measured").
 
 Nothing happens on macOS (Accelerate). ``MTPSERVE_BLAS`` may name a library explicitly, or be
 ``none`` to keep the bundled one (for before/after measurements).

@@ -33,7 +33,7 @@ Who decides what (why the ranks cannot diverge):
 
 Per verify pass: a message, the embedded input, the 2 per layer, then a message, the states and
 the gather of the logits. Per draft step: a message and the lookup, a message, the head's state
-and the gather (docs/BENCHMARKS.md §10 prices them).
+and the gather (docs/BENCHMARKS.md, "One model on two ranks", times one ``all_sum``).
 
 A rank that dies or cannot be reached: the ring backend raises at the next collective when a
 peer's socket closes ("connection to a peer was lost"); a peer that hangs or whose link is gone

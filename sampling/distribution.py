@@ -233,10 +233,10 @@ def softmax(logits: mx.array) -> mx.array:
     """Softmax over the last axis of float32 logits.
 
     On CPUs a row of ``WIDE_SOFTMAX`` or more (a vocabulary: most of a sampled row's
-    truncation without top_k) takes its exponential from ``power(e, x)``: mlx's CPU ``exp``
-    costs ~3x as much an element (docs/BENCHMARKS.md §12; 8,192 columns: 212 -> 120 us a row).
-    The four primitives that costs instead of one lose below ~2,000 columns (20 columns, a
-    top_k row: 27 -> 45 us), so narrower rows and other devices use ``mx.softmax``."""
+    truncation without top_k) takes its exponential from ``power(e, x)``, a third of mlx's CPU
+    ``exp``; the four primitives that costs instead of one lose below ~2,000 columns, so
+    narrower rows and other devices use ``mx.softmax`` (docs/BENCHMARKS.md, "CPU choices and
+    what they measured")."""
     if logits.shape[-1] < WIDE_SOFTMAX or mx.default_device().type != mx.DeviceType.cpu:
         return mx.softmax(logits, axis=-1, precise=True)
     weights = mx.power(math.e, logits - mx.max(logits, axis=-1, keepdims=True))

@@ -1,5 +1,6 @@
 """What a grammar costs a decode: milliseconds per generated token with and without a JSON
-schema's grammar, at several K, greedy, on one engine (docs/BENCHMARKS.md §14).
+schema's grammar, at several K, greedy, on one engine (docs/BENCHMARKS.md, "What a grammar
+costs a decode").
 
     python scripts/constraint_cost.py --model models/qwen3.5-demo --rounds 3
 

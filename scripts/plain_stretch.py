@@ -1,4 +1,5 @@
-"""What a stretch of plain cycles does to the drafting around it (docs/BENCHMARKS.md §3).
+"""What a stretch of plain cycles does to the drafting around it (auto K; docs/BENCHMARKS.md,
+"Speed-up and acceptance against mlx-lm").
 
 Auto K decodes plainly where drafting does not pay and probes now and then. Three measurements
 behind the engine's handling of that, on the bench prompts:

@@ -1,6 +1,6 @@
 """One prefill chunk's wall and process-CPU milliseconds with BLIS on one thread and on every
 core, for chunks of several sizes (the evidence behind ``engine.model.trunk.
-prefill_on_all_cores``; docs/BENCHMARKS.md §8).
+prefill_on_all_cores``; docs/BENCHMARKS.md, "Decode threads and the prefill chunk").
 
     python scripts/prefill_threads.py --model models/qwen3.5-demo --rows 3,16,64,128
     python scripts/prefill_threads.py --model runs/shapes/qwen3.5-0.8B --rows 3,16,64,96,128

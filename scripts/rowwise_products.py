@@ -8,7 +8,8 @@ the best of three chains of products (evaluated together) per way:
   (``engine.model.trunk._times``), whose rows equal the one-row product bit for bit.
 
 Prints microseconds per product and the ratio row by row / one product (below 1: row by row
-is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md §15);
+is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md, "CPU
+choices and what they measured");
 ``--blocks``: weights too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
 (``ROWWISE_BLOCK_BYTES``)::
 

@@ -18,9 +18,9 @@ Switching between plain and drafting cycles is priced as the engine runs it (a p
 after drafting is not launched ahead; a probe catches up on the plain positions), plus a
 penalty for cold caches in one test. The engine's auto K decides exactly as the replay does
 on the same table (the last test); what the replay cannot see is what those decisions cost in
-a real run beyond the table and how noisy the run's calibration is: with the 4-layer demo model
-of sessions 1-5, greedy auto came out 1-10% behind K=4 in bench runs where this replay put it
-level (docs/BENCHMARKS.md §3, "What a real run adds to the replay").
+a real run beyond the table and how noisy the run's calibration is: greedy auto has come out
+1-10% behind K=4 in bench runs where this replay put it level (docs/BENCHMARKS.md, "Speed-up and
+acceptance against mlx-lm").
 """
 
 from __future__ import annotations

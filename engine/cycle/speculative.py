@@ -75,7 +75,8 @@ from sampling.params import SamplingParams
 #: cold prefill runs, and the prefill checks for cancellation between chunks. At
 #: Qwen3.5-0.8B's shape on a CPU, chunks of 64 and 128 prefilled ~21 tokens per CPU second and
 #: chunks of 256 ~5 (the Gated-DeltaNet layers' per-chunk work grows faster than the chunk);
-#: on the demo model 128 to 512 are within 6% (docs/BENCHMARKS.md).
+#: on the demo model 128 to 512 are within 6% (docs/BENCHMARKS.md, "Decode threads and the
+#: prefill chunk").
 PREFILL_CHUNK = 128
 #: most pending positions a drafting cycle's first head step catches up on:
 #: engine.scheduling.autok's MAX_PROBE_INTERVAL (plain cycles between probes) plus one

@@ -1,12 +1,10 @@
 """The trunk's activations, with the exponential mlx computes fastest on the device in use.
 
 mlx's CPU backend evaluates ``exp`` (and with it ``sigmoid``, ``silu`` and the compiled blocks
-that fuse them) one element at a time through its own polynomial with out-of-line ``fmaf``
-calls: ~25 ns an element on this project's x86 machine, against ~9 ns for ``power(e, x)``
-(glibc's ``powf``; within 1 ulp, where mlx's ``exp`` is off by up to ~7). A decoder layer of
-the demo model takes ~1,500 of them per position (the SwiGLU gate, the GDN conv and output
-gates, the attention gate): with mlx's ``exp`` ~15% of a prefill's time on a CPU and ~10% of
-an 8-row batched cycle's (docs/BENCHMARKS.md §12). On GPUs ``exp`` is one instruction:
+that fuse them) one element at a time with out-of-line ``fmaf`` calls, about 3x the cost of
+``power(e, x)`` (glibc's ``powf``; within 1 ulp, where mlx's ``exp`` is off by up to ~7), and a
+decoder layer takes ~1,500 exponentials per position, so CPUs use ``power(e, x)``
+(docs/BENCHMARKS.md, "CPU choices and what they measured"). On GPUs ``exp`` is one instruction:
 ``mx.exp`` there.
 
 The choice is made when a block is built (compiled blocks trace it once), from the default

@@ -280,7 +280,8 @@ def release_thread() -> None:
 # in each until the heap is trimmed; jemalloc (what the ``mtpserve`` command runs under,
 # engine.allocator) returns a freed page only after a decay delay, and only when some thread
 # next allocates. Without releasing them, a server's resident memory follows the high-water mark
-# of its traffic rather than what it holds (docs/BENCHMARKS.md §13).
+# of its traffic rather than what it holds (`make soak`; docs/BENCHMARKS.md, "Many requests at
+# once").
 
 #: glibc's mallopt parameter for the number of arenas
 _M_ARENA_MAX = -8

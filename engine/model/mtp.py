@@ -73,9 +73,9 @@ class MTPHead(nn.Module):
         Returns:
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
             the last pair. Earlier pairs only fill the cache: of them the layer computes keys
-            and values alone (one layer, so no later computation reads their outputs). A
-            catch-up over 128 positions after plain cycles took 2.5-3.2 ms, 10.2 ms with the whole
-            layer (docs/BENCHMARKS.md §3).
+            and values alone (one layer, so no later computation reads their outputs), which
+            keeps a catch-up after plain cycles to a quarter to a third of the whole layer's cost
+            (``scripts/plain_stretch.py catch-up``).
         """
         embedded = products.activations(trunk.model.embed_tokens(token_ids))
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
@@ -113,9 +113,9 @@ class MTPHead(nn.Module):
         vocabulary. Returns the bytes of the gathered projection rows this costs.
 
         Why: with a small trunk the head's full-vocabulary projection is most of a draft step
-        (docs/BENCHMARKS.md). Exactness is untouched: q is still the distribution the draft
-        was drawn from, and the acceptance rule is exact for any q; only acceptance can drop,
-        by at most the target mass outside ``ids``.
+        (docs/BENCHMARKS.md, "The draft vocabulary"). Exactness is untouched: q is still the
+        distribution the draft was drawn from, and the acceptance rule is exact for any q; only
+        acceptance can drop, by at most the target mass outside ``ids``.
         """
         self.__dict__.pop("_mtpserve_compiled", None)  # the output block closes over it
         if ids is None:

@@ -29,7 +29,7 @@ import mlx.nn as nn
 #: Products of more rows than this (prefill chunks) run on BLAS, which threads a product of many
 #: rows itself and computes faster there; half-precision and quantized weights are widened to
 #: float32 for it, one weight at a time. Measured with ``scripts/bench_kernel.py --crossover``
-#: (docs/BENCHMARKS.md §17).
+#: (docs/BENCHMARKS.md, "The native product kernel").
 NATIVE_MAX_ROWS = 64
 
 #: set to 0 to run mlx's own products on a CPU even where the kernel is built

@@ -98,7 +98,8 @@ def delta_rule_chunk(
 #: Positions per closed-form block of a prefill's recurrence on CPUs. Blocks end at multiples of
 #: it counted from position 0 (as prefill chunks do, and it divides them), so a prefill resumed
 #: at a chunk boundary — a conversation-cache block end — computes the floats a cold prefill of
-#: the same tokens computes. 64: of 16..128, the fastest here (docs/BENCHMARKS.md §12).
+#: the same tokens computes. 64: of 16..128, the fastest here (docs/BENCHMARKS.md,
+#: "CPU choices and what they measured").
 PREFILL_GDN_BLOCK = 64
 
 
@@ -567,37 +568,30 @@ def compiled(
 _TRANSPOSED = "_mtpserve_transposed"
 
 #: A weight of at least this many parameters is multiplied as column parts, one per part of
-#: ``prepare_transposed``, each on its own mlx CPU stream. mlx runs one stream's kernels one
-#: after another on one thread, and BLIS does not thread a product with few rows, so a decode
-#: step streamed its weights through one core: at the 0.8B shape a one-token trunk forward reads
-#: 3.1 GB of fp32 weights, and split it takes 0.65x the time. Column parts give bit-identical
-#: results (every output column is the same dot product). The demo model's largest weight (2.1M
-#: parameters) stays whole: at its sizes the extra dispatches cost about what the second core
-#: gives (docs/BENCHMARKS.md §12).
+#: ``prepare_transposed``, each on its own mlx CPU stream, so that mlx's products (one stream's
+#: kernels run on one thread, and BLIS does not thread a product of few rows) read a large weight
+#: on every core; the columns are bit-identical, and smaller weights stay whole because their
+#: extra dispatches cost what the second core gives (docs/BENCHMARKS.md, "CPU choices and what
+#: they measured").
 SPLIT_WEIGHT_PARAMS = 3 << 20
 #: Products of more rows than this (prefill chunks) keep one BLAS call: BLIS threads those itself
 #: (``engine.blas.all_cores``).
 SPLIT_PRODUCT_MAX_ROWS = 64
 #: A prefill chunk runs its products on every core (BLIS threads, ``engine.blas.all_cores``)
-#: only when it has more rows than this and the model is at least this wide. BLIS's threads
-#: wait for each other at spinning barriers; with mlx's own threads on the same cores a waiting
-#: thread is descheduled mid-product. On 2 cores (docs/BENCHMARKS.md §8) two BLIS threads made
-#: a 3-token chunk 10-50x slower than one thread at the demo and 0.8B shapes and a 128-token
-#: chunk of the demo model ~9x slower (median), and paid only at the 0.8B shape past 64 rows
-#: (96 rows 1.2-1.3x faster, 128 rows 1.45x); up to 64 rows the column parts below already
-#: use both cores.
+#: only when it has more rows than this and the model is at least this wide: BLIS's threads wait
+#: for each other at spinning barriers, and beside mlx's own threads on the same cores they made
+#: shorter chunks and narrower models up to 50x slower (docs/BENCHMARKS.md, "Decode threads and
+#: the prefill chunk"); up to 64 rows the column parts below already use both cores.
 THREADED_PREFILL_MIN_ROWS = SPLIT_PRODUCT_MAX_ROWS + 1
 THREADED_PREFILL_MIN_HIDDEN = 1024
 #: Most column parts: one per core, measured on 2 cores only.
 MAX_PRODUCT_PARTS = 4
 #: On a CPU a float32 product of 2 to this many rows may run row by row (``_times``), by the
 #: size of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by
-#: row reads the weight once per row: it can pay only while the weight stays in cache. Whether
-#: it pays is the CPU's and its BLAS's business, so it is measured (``rowwise_rows``): with BLIS
-#: on a 2-core CPU with 32 MiB of L3 row by row took 0.3-0.7x of one product for 2-9 rows and
-#: 0.9-1.0x at 16; on a 2-core AVX-512 CPU with 105 MiB of L3 it took 1.25-4x for 2-16 rows
-#: (``scripts/rowwise_products.py``, docs/BENCHMARKS.md §15). Half-precision products were
-#: slower row by row on both (1.3-2x): they keep one product unmeasured.
+#: row reads the weight once per row, so it can pay only while the weight stays in cache, and
+#: whether it pays depends on the CPU and its BLAS, so ``rowwise_rows`` measures it at load
+#: (docs/BENCHMARKS.md, "CPU choices and what they measured"). Half-precision products were
+#: slower row by row on every CPU measured: they keep one product unmeasured.
 ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
 #: A larger weight streams from memory, and whole it would be read once per row: it may run row
 #: by row in row blocks of at most this many bytes, each read from memory once and from cache
@@ -714,9 +708,8 @@ def rowwise_rows(operand: _Operand) -> int:
     """The most rows ``operand`` multiplies row by row on this machine: the largest of
     ``ROWWISE_TRIAL_ROWS`` (up to ``operand.most_rows``) at and below which row by row took at
     most ``ROWWISE_PAYS`` of one product's time; 1 (never) when it does not pay at 2 rows.
-    Measured once per weight shape and process (on a CPU where row by row loses at 2 rows:
-    40-110 ms more to load the demo model, within the noise of the 0.8B shape's ~3 s load;
-    docs/BENCHMARKS.md §15)."""
+    Measured once per weight shape and process, a small part of a load (docs/BENCHMARKS.md,
+    "CPU choices and what they measured")."""
     view = operand.view
     key = (tuple(view.shape), view.dtype, bool(operand.blocks))
     if key not in _rowwise_rows:

@@ -78,8 +78,9 @@ RETIME_EVERY = 64
 SETTLING_CYCLES = 2
 #: prompt tokens prefilled in a step while no row is decoding (nobody waits on it), across all
 #: newcomers, each getting at most one chunk: a burst of eight chat-sized prompts joins in one
-#: or two steps instead of eight (docs/BENCHMARKS.md §13), and the first newcomer's first token
-#: waits for at most this much of the others' prefill. While rows decode: one chunk's worth.
+#: or two steps instead of eight (docs/BENCHMARKS.md, "Many requests at once"), and the first
+#: newcomer's first token waits for at most this much of the others' prefill. While rows
+#: decode: one chunk's worth.
 PREFILL_TOKENS_IDLE = 4 * PREFILL_CHUNK
 
 
@@ -93,17 +94,17 @@ class BatchK:
     time; per exact size, every size a batch passes through would be explored anew).
 
     What is compared is each K's price relative to the machine's speed when it was measured.
-    This machine's speed drifts by more than neighbouring K differ (an 8-row K=2 cycle took
-    25 ms in one group and 41 ms a few seconds later, docs/BENCHMARKS.md §13), and only the K
-    in use can be timed all the time: a K last timed in a fast spell looked cheaper than the
-    running one timed in a slow spell, and the batch switched to it. So a K is priced in
-    bursts: ``EXPLORE_CYCLES`` cycles (real ones, their tokens kept) when its size class is new
-    — every K interleaved — and again every ``RETIME_EVERY`` cycles for the least recently
-    timed K; each burst cycle's seconds are divided by the machine's current speed, and the
-    K's price is their median (the first cycle at a new shape also compiles its blocks: up to
-    twice a warm cycle). Every other cycle measures that speed: its seconds over its K's price,
-    the median of the last ``SPEED_WINDOW``. The speed scales every price alike, so the choice
-    depends on the prices alone.
+    This machine's speed drifts by more than neighbouring K differ (an 8-row K=2 cycle took 25
+    ms in one group and 41 ms a few seconds later; docs/BENCHMARKS.md, "Machine and method"),
+    and only the K in use can be timed all the time: a K last timed in a fast spell looked
+    cheaper than the running one timed in a slow spell, and the batch switched to it. So a K is
+    priced in bursts: ``EXPLORE_CYCLES`` cycles (real ones, their tokens kept) when its size
+    class is new — every K interleaved — and again every ``RETIME_EVERY`` cycles for the least
+    recently timed K; each burst cycle's seconds are divided by the machine's current speed, and
+    the K's price is their median (the first cycle at a new shape also compiles its blocks: up
+    to twice a warm cycle). Every other cycle measures that speed: its seconds over its K's
+    price, the median of the last ``SPEED_WINDOW``. The speed scales every price alike, so the
+    choice depends on the prices alone.
     """
 
     #: (size class, K) -> the per-row seconds of its last burst, each over the speed then
