@@ -66,7 +66,7 @@ def use_fast_blas() -> str | None:
 @contextmanager
 def all_cores(enabled: bool = True) -> Iterator[None]:
     """Run the block's matmuls on every core (long prefill chunks of wide models:
-    ``engine.model.trunk.prefill_on_all_cores``); back to one thread afterwards.
+    ``engine.model.mlx_products.prefill_on_all_cores``); back to one thread afterwards.
 
     The block must evaluate what it builds: mlx is lazy, and the setting applies when the
     products run. No effect unless the BLAS is BLIS (or when not ``enabled``).

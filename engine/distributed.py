@@ -67,8 +67,9 @@ from mlx.utils import tree_flatten
 from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest, RequestError
 from engine.blas import all_cores
 from engine.model import loader, products
+from engine.model.mlx_products import prefill_on_all_cores
 from engine.model.mtp import table_rows
-from engine.model.trunk import TrunkCache, prefill_on_all_cores, trunk_hidden
+from engine.model.trunk import TrunkCache, trunk_hidden
 from engine.runtime import Engine
 
 log = logging.getLogger("mtpserve.distributed")

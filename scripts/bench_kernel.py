@@ -11,10 +11,10 @@ all evaluated together as one step evaluates them. For each dtype and row count 
 ms per token, the bytes of weights read per second (T=1) against ``read`` — every byte of the
 same weight arrays read once on the kernel's threads (the same memory: a fresh array's pages
 read slower than ones the kernel has been reading for a while), best of the runs before and
-after the dtype's products — and the T-row time as a multiple of one row's. mlx's own product of the same weights is timed at T=1 and T=5
-(BLIS for fp32, mlx's CPU kernels for bf16 and quantized weights). ``--crossover`` times fp32
-products of many rows (prefill) on the kernel and on BLIS with every core, to place
-``engine.model.products.NATIVE_MAX_ROWS``.
+after the dtype's products — and the T-row time as a multiple of one row's. mlx's own product
+of the same weights is timed at T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and
+quantized weights). ``--crossover`` times fp32 products of many rows (prefill) on the kernel and
+on BLIS with every core, to place ``engine.model.products.NATIVE_MAX_ROWS``.
 
 Results: bench-results/bench_kernel.json and .md.
 """

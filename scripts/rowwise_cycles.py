@@ -5,7 +5,7 @@ it run (as if it paid at every trial), once with one product everywhere (as if i
 and times the same cycles on both, interleaved cycle by cycle so that the machine's drift
 falls on both alike: ``rows`` greedy sequences (1, 2, 4, 8) at K = 0, 2, 3, each a
 ``launch_cycles`` + ``read_cycles`` + commit, median of 60 over three fresh groups.
-``engine.model.trunk.rowwise_rows`` makes this choice per weight shape at load; this script
+``engine.model.mlx_products.rowwise_rows`` makes this choice per weight shape at load; this script
 shows what the choice is worth on the whole cycle (docs/BENCHMARKS.md, "CPU choices and what
 they measured")::
 
@@ -24,19 +24,19 @@ from cycle_cost import GREEDY, ROWS
 
 from engine.api import DEMO_MODEL
 from engine.cycle.speculative import Sequence, commit, launch_cycles, read_cycles, start_sequence
-from engine.model import trunk
+from engine.model import mlx_products
 from engine.runtime import Engine
 
 
 def load(model: str, rowwise: bool) -> Engine:
     """The model with row by row taken to pay at every trial row count, or at none."""
-    saved = trunk.last_paying_rows, trunk._rowwise_rows
-    trunk._rowwise_rows = {}
-    trunk.last_paying_rows = lambda trials, seconds: trials[-1] if rowwise else 1
+    saved = mlx_products.last_paying_rows, mlx_products._rowwise_rows
+    mlx_products._rowwise_rows = {}
+    mlx_products.last_paying_rows = lambda trials, seconds: trials[-1] if rowwise else 1
     try:
         return Engine.load(model, draft_tokens=0, dtype="float32")
     finally:
-        trunk.last_paying_rows, trunk._rowwise_rows = saved
+        mlx_products.last_paying_rows, mlx_products._rowwise_rows = saved
 
 
 def group(engine: Engine, rows: int, k: int) -> list[Sequence]:

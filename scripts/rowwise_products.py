@@ -5,10 +5,10 @@ the best of three chains of products (evaluated together) per way:
 
 * ``x @ weight.T`` — one BLAS matrix-matrix product (what mlx does for any ``x``);
 * ``weight[None] @ x[:, :, None]`` — one batched op of one matrix-vector product per row
-  (``engine.model.trunk._times``), whose rows equal the one-row product bit for bit.
+  (``engine.model.mlx_products._times``), whose rows equal the one-row product bit for bit.
 
 Prints microseconds per product and the ratio row by row / one product (below 1: row by row
-is faster), the table behind ``engine.model.trunk.ROWWISE_LIMITS`` (docs/BENCHMARKS.md, "CPU
+is faster), the table behind ``engine.model.mlx_products.ROWWISE_LIMITS`` (docs/BENCHMARKS.md, "CPU
 choices and what they measured");
 ``--blocks``: weights too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
 (``ROWWISE_BLOCK_BYTES``)::
@@ -23,9 +23,9 @@ import argparse
 import time
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
-from engine.model import trunk
+from engine.model import mlx_products
 
-mx = trunk.mx
+mx = mlx_products.mx
 
 SHAPES = [(768, 256), (8192, 256), (3584, 1024), (8192, 1024), (16384, 1024), (65536, 1024)]
 HALF_SHAPES = [(768, 256), (3584, 1024)]

@@ -1,4 +1,4 @@
-"""Large products whole against split across CPU streams (``engine.model.trunk.product``).
+"""Large products whole against split across CPU streams (``engine.model.mlx_products.product``).
 
 Loads the checkpoint twice in one process, once with every weight whole and once as the engine
 loads it (weights of ``SPLIT_WEIGHT_PARAMS`` or more in one column part per core), and times a

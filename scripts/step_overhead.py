@@ -83,7 +83,7 @@ def weights_ms(ours: Engine) -> float:
     import mlx.nn as nn
 
     from engine.model.mtp import project_to_vocab
-    from engine.model.trunk import linear
+    from engine.model.products import linear
 
     trunk = ours.trunk
     dtype = trunk.model.embed_tokens.weight.dtype

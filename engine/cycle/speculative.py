@@ -46,12 +46,12 @@ from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
 from engine.model.attention import RowKVCache
+from engine.model.mlx_products import prefill_on_all_cores
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import (
     TrunkCache,
     leads_a_group,
     new_trunk_cache,
-    prefill_on_all_cores,
     trunk_hidden,
     trunk_hidden_rows,
 )

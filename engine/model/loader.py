@@ -35,8 +35,8 @@ from mlx_lm.utils import load_model
 
 from engine.model import memory, products
 from engine.model.location import resolve_model_dir
+from engine.model.mlx_products import product_parts
 from engine.model.mtp import MTPHead
-from engine.model.trunk import prepare_transposed, product_parts
 
 log = logging.getLogger("mtpserve.loader")
 
@@ -283,7 +283,7 @@ def load(
         head_source, reason = _load_head(net, model_dir, config, mtp_weights, target)
     _materialise(net, chosen.needed)
     # one rank per machine's cores: ranks sharing a machine would each split across all of them
-    prepare_transposed(net, product_parts() if ranks == 1 else 1)
+    products.prepare(net, product_parts() if ranks == 1 else 1)
     log.info("weights loaded in %.1fs; %s", time.perf_counter() - t0, products.description())
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)

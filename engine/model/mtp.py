@@ -26,13 +26,12 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from engine.model import products
+from engine.model.products import linear, product
 from engine.model.trunk import (
     attention_block,
     attention_block_rows,
     block,
     leads_a_group,
-    linear,
-    product,
 )
 
 

@@ -26,6 +26,8 @@ from types import ModuleType
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.model import mlx_products
+
 #: Products of more rows than this (prefill chunks) run on BLAS, which threads a product of many
 #: rows itself and computes faster there; half-precision and quantized weights are widened to
 #: float32 for it, one weight at a time. Measured with ``scripts/bench_kernel.py --crossover``
@@ -100,7 +102,28 @@ def _quantized(module: nn.Module) -> tuple[int, int] | None:
     return module.bits, module.group_size
 
 
+def prepare(model: nn.Module, parts: int = 1) -> None:
+    """Ready every float projection under ``model`` for decoding once its weights are final:
+    the transposed views mlx's own products use (``mlx_products.prepare_transposed``), with
+    column parts and row-by-row products only where the kernel does not take few rows."""
+    mlx_products.prepare_transposed(model, parts, few_rows=not on_native())
+
+
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ module.weight.T``: by the kernel where it takes the product, else by the module's
+    prepared views (None when it has none)."""
+    out = _on_kernel(module, x)
+    return mlx_products.product(module, x) if out is None else out
+
+
+def linear(module: nn.Module, x: mx.array) -> mx.array:
+    """``module(x)`` for a linear layer: by the kernel on a CPU, else by mlx's own product of its
+    prepared views (``mlx_products.linear``)."""
+    out = _on_kernel(module, x)
+    return mlx_products.linear(module, x) if out is None else out
+
+
+def _on_kernel(module: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ module.weight.T`` (plus the bias) by the kernel, for an ``nn.Linear``,
     ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection;
     None where the kernel does not take it (not on a CPU, not built, a type mlx would promote
