@@ -139,8 +139,9 @@ class Engine:
         ``draft_vocab.json`` default if it has one, else the full vocabulary).
 
         The subset is the most frequent tokens listed in ``draft_vocab.json`` (written by
-        ``scripts/draft_vocab.py`` from a corpus) or, without that file, the first ``size`` ids
-        (BPE merge order approximates frequency); every added/special token is always in it.
+        ``scripts/experiments/draft_vocab.py`` from a corpus) or, without that file, the first
+        ``size`` ids (BPE merge order approximates frequency); every added/special token is always
+        in it.
         """
         path = self.loaded.model_dir / DRAFT_VOCAB_FILE
         listed = json.loads(path.read_text()) if path.exists() else None

@@ -1,9 +1,9 @@
 """Auto K replayed on recorded acceptance: within 3% of the best fixed K, without timing noise
 in the verdict.
 
-``tests/data/acceptance_demo.json`` (``scripts/record_acceptance.py``) holds, for the 24 bench
-prompts x 256 tokens of the demo model, greedy and with the Qwen preset, how many of 4 drafts
-the model accepts at every position, and the start-up cost tables of a bench run on this
+``tests/data/acceptance_demo.json`` (``scripts/experiments/record_acceptance.py``) holds, for the
+24 bench prompts x 256 tokens of the demo model, greedy and with the Qwen preset, how many of 4
+drafts the model accepts at every position, and the start-up cost tables of a bench run on this
 machine. The replay drives the real ``AutoK``/``RequestAutoK``: a K-cycle at position t accepts
 ``min(K, accepted[t])`` drafts and costs the table's seconds (with the head's catch-up over what
 the previous cycle committed). Auto K decides with a *misstated* table — plain or drafting

@@ -53,7 +53,7 @@ ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
 #: by row in row blocks of at most this many bytes, each read from memory once and from cache
 #: for the other rows, for 2 to ``BLOCKED_MAX_ROWS`` rows (in 4 MiB blocks against one product,
 #: at 95 and 485 MiB on the 32 MiB-L3 CPU: 0.6x for 2 and 5 rows, 0.75-0.8x for 9;
-#: ``rowwise_products.py --blocks``).
+#: ``scripts/experiments/rowwise_products.py --blocks``).
 ROWWISE_BLOCK_BYTES = 4 << 20
 BLOCKED_MAX_ROWS = 8
 #: Row counts at which ``rowwise_rows`` times row by row against one product, smallest first.

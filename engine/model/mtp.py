@@ -74,7 +74,7 @@ class MTPHead(nn.Module):
             the last pair. Earlier pairs only fill the cache: of them the layer computes keys
             and values alone (one layer, so no later computation reads their outputs), which
             keeps a catch-up after plain cycles to a quarter to a third of the whole layer's cost
-            (``scripts/plain_stretch.py catch-up``).
+            (``scripts/experiments/plain_stretch.py catch-up``).
         """
         embedded = products.activations(trunk.model.embed_tokens(token_ids))
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)

@@ -5,7 +5,7 @@ for the bundled reference BLAS, else the named library (engine/blas.py). Measure
 (prefill-like), the small products decoding is made of (M = 1, 2, 5 rows against a 256 x 768
 weight, in a compiled chain) and the demo model's decode (K=0 and K=4, greedy) and prefill.
 
-    .venv/bin/python scripts/bench_blas.py [--model models/qwen3.5-demo] [--tokens 64]
+    .venv/bin/python scripts/experiments/bench_blas.py [--model models/qwen3.5-demo] [--tokens 64]
 """
 
 from __future__ import annotations

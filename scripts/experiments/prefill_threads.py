@@ -2,8 +2,8 @@
 core, for chunks of several sizes (the evidence behind ``engine.model.trunk.
 prefill_on_all_cores``; docs/BENCHMARKS.md, "Decode threads and the prefill chunk").
 
-    python scripts/prefill_threads.py --model models/qwen3.5-demo --rows 3,16,64,128
-    python scripts/prefill_threads.py --model runs/shapes/qwen3.5-0.8B --rows 3,16,64,96,128
+    python scripts/experiments/prefill_threads.py --model models/qwen3.5-demo --rows 3,16,64,128
+    python scripts/experiments/prefill_threads.py --model runs/shapes/qwen3.5-0.8B --rows 3,16,64,96,128
 
 Each size runs ``--repeats`` rounds, one thread then every core in each, on a fresh cache
 (``trunk_hidden`` over the chunk, evaluated with the cache); the three figures are sorted.

@@ -18,8 +18,8 @@ same load) and repeating; e.g.::
 
     git archive OLD | tar -x -C /tmp/old
     for i in 1 2 3; do
-      PYTHONPATH=/tmp/old python scripts/step_overhead.py --json > old.$i &
-      PYTHONPATH=$PWD python scripts/step_overhead.py --json > new.$i; wait
+      PYTHONPATH=/tmp/old python scripts/experiments/step_overhead.py --json > old.$i &
+      PYTHONPATH=$PWD python scripts/experiments/step_overhead.py --json > new.$i; wait
     done
 """
 

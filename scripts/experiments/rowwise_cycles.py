@@ -9,7 +9,7 @@ falls on both alike: ``rows`` greedy sequences (1, 2, 4, 8) at K = 0, 2, 3, each
 shows what the choice is worth on the whole cycle (docs/BENCHMARKS.md, "CPU choices and what
 they measured")::
 
-    python scripts/rowwise_cycles.py
+    python scripts/experiments/rowwise_cycles.py
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-# the same eight prompts and sampler as the 8-row cycle of scripts/cycle_cost.py, which
+# the same eight prompts and sampler as the 8-row cycle of scripts/experiments/cycle_cost.py, which
 # imports engine first (its __init__ preloads the fast BLAS before anything imports mlx)
 from cycle_cost import GREEDY, ROWS
 

@@ -4,7 +4,7 @@ The MTP head can draft over only the most frequent tokens (``--draft-vocab N``),
 vocabulary projection — most of a draft step for small models — N/V as expensive. Drafting stays
 exact (see engine/model/mtp.py); acceptance can drop by at most the target mass outside the subset.
 
-    .venv/bin/python scripts/draft_vocab.py --model models/qwen3.5-demo --default-size 2048 \
+    .venv/bin/python scripts/experiments/draft_vocab.py --model models/qwen3.5-demo --default-size 2048 \
         --corpus /usr/lib/python3.11 [--corpus more/text ...]
 
 ``--corpus`` takes files or folders (``*.py``, ``*.txt``, ``*.md`` inside, tests excluded);

@@ -6,7 +6,7 @@ over a 512-token chunk: milliseconds (best of ``--repeats``) and the largest err
 outputs and the final state against the rule in float64, for random keys and for one key
 repeated with little decay (where the squaring series of a verify pass overflows float32)::
 
-    python scripts/prefill_gdn_cost.py
+    python scripts/experiments/prefill_gdn_cost.py
 """
 
 from __future__ import annotations

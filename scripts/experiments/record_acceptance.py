@@ -8,7 +8,7 @@ text is what plain decoding writes, and the head's cache is fed exactly as in st
 A replay then plays any policy against the record: a K'-cycle at position t accepts
 ``min(K', accepted[t])`` and moves on by that plus one (tests/test_autok_replay.py).
 
-    .venv/bin/python scripts/record_acceptance.py --model models/qwen3.5-demo \
+    .venv/bin/python scripts/experiments/record_acceptance.py --model models/qwen3.5-demo \
         --out tests/data/acceptance_demo.json
 
 Sampled rows draw with the same seeds as the bench. With a cost table (``--costs``, a bench

@@ -13,8 +13,8 @@ choices and what they measured");
 ``--blocks``: weights too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
 (``ROWWISE_BLOCK_BYTES``)::
 
-    python scripts/rowwise_products.py
-    python scripts/rowwise_products.py --blocks --rows 1,2,5,9
+    python scripts/experiments/rowwise_products.py
+    python scripts/experiments/rowwise_products.py --blocks --rows 1,2,5,9
 """
 
 from __future__ import annotations

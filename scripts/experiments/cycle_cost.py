@@ -10,8 +10,8 @@ Best of three for each. On a noisy machine alternate two checkouts, e.g.::
 
     git archive OLD | tar -x -C /tmp/old
     for i in 1 2 3; do
-      (cd /tmp/old && PYTHONPATH=/tmp/old python $OLDPWD/scripts/cycle_cost.py --label old)
-      python scripts/cycle_cost.py --label new
+      (cd /tmp/old && PYTHONPATH=/tmp/old python $OLDPWD/scripts/experiments/cycle_cost.py --label old)
+      python scripts/experiments/cycle_cost.py --label new
     done
 """
 

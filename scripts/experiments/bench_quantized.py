@@ -1,6 +1,6 @@
 """Quantized trunks x quantized heads: speed-up, greedy acceptance and memory in one table.
 
-    .venv/bin/python scripts/bench_quantized.py --model models/qwen3.5-demo --out docs/QUANTIZED.md
+    .venv/bin/python scripts/experiments/bench_quantized.py --model models/qwen3.5-demo --out docs/QUANTIZED.md
 
 For every trunk in (bf16, 8-bit, 4-bit) and head in (16, 8, 4 bits) the model is converted with
 ``mtpserve convert`` (engine.model.convert) into a scratch folder, loaded in a fresh process (so
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.blas import blas_in_use, use_fast_blas  # noqa: E402
@@ -234,7 +234,7 @@ def main() -> int:
     import mlx.core as mx
 
     command = (
-        f".venv/bin/python scripts/bench_quantized.py --model {args.model} --limit {args.limit} "
+        f".venv/bin/python scripts/experiments/bench_quantized.py --model {args.model} --limit {args.limit} "
         f"--max-tokens {args.max_tokens} --draft-tokens {args.draft_tokens}"
         + (f" --draft-vocab {args.draft_vocab}" if args.draft_vocab != "default" else "")
     )

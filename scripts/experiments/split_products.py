@@ -7,7 +7,7 @@ projection, the two engines alternating round by round (lowest of 2 per round; m
 per-round ratios)::
 
     python scripts/make_shapes.py 0.8B
-    python scripts/split_products.py runs/shapes/qwen3.5-0.8B
+    python scripts/experiments/split_products.py runs/shapes/qwen3.5-0.8B
 """
 
 from __future__ import annotations

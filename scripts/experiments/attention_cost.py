@@ -7,7 +7,7 @@ again), best of five rounds of ``--calls`` calls each with the two ways alternat
 microseconds, for the demo model's heads
 and the 0.8B shape's::
 
-    python scripts/attention_cost.py
+    python scripts/experiments/attention_cost.py
 """
 
 from __future__ import annotations

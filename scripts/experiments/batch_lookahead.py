@@ -8,7 +8,7 @@ The ways alternate in a rotating order, ``--repeats`` times; aggregate tokens/s 
 per-round ratios with their median (this machine's speed drifts between rounds, so only ratios
 of neighbouring runs mean anything)::
 
-    python scripts/batch_lookahead.py --rows 1,4,8 --repeats 8
+    python scripts/experiments/batch_lookahead.py --rows 1,4,8 --repeats 8
 """
 
 from __future__ import annotations

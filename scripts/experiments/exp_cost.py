@@ -5,7 +5,7 @@ float32 input (the demo model's MLP width), each evaluated alone, best of ``--re
 the compiled SwiGLU (``silu(gate) * up``) both ways at 1, 3 and 24 rows (a plain cycle, a K=2
 verify, an 8-row K=2 verify), and each formula's largest relative error against float64::
 
-    python scripts/exp_cost.py
+    python scripts/experiments/exp_cost.py
 """
 
 from __future__ import annotations

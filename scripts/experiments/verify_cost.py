@@ -8,7 +8,7 @@ in rounds that cycle through T. For old-against-new comparisons of the products'
 full-size shape::
 
     python scripts/make_shapes.py 0.8B
-    python scripts/verify_cost.py --model runs/shapes/qwen3.5-0.8B
+    python scripts/experiments/verify_cost.py --model runs/shapes/qwen3.5-0.8B
 """
 
 from __future__ import annotations

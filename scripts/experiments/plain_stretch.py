@@ -4,9 +4,9 @@
 Auto K decodes plainly where drafting does not pay and probes now and then. Three measurements
 behind the engine's handling of that, on the bench prompts:
 
-    .venv/bin/python scripts/plain_stretch.py acceptance   # drafts accepted after a plain stretch
-    .venv/bin/python scripts/plain_stretch.py catch-up     # the head's catch-up cost by length
-    .venv/bin/python scripts/plain_stretch.py timing       # cycle times around a plain stretch
+    .venv/bin/python scripts/experiments/plain_stretch.py acceptance   # drafts accepted after a plain stretch
+    .venv/bin/python scripts/experiments/plain_stretch.py catch-up     # the head's catch-up cost by length
+    .venv/bin/python scripts/experiments/plain_stretch.py timing       # cycle times around a plain stretch
 
 ``acceptance``: greedy text is the same for every K, so a K=4 cycle run after ``gap`` plain
 cycles (keeping one token) can be compared with the recorded steady-drafting acceptance at the
@@ -31,7 +31,7 @@ from engine.bench.speed import parse_samplers
 from engine.runtime import DraftPolicy, Engine
 from engine.scheduling.autok import PatternChooser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def acceptance(engine: Engine, prompts: list[dict], gaps: list[int], caps: list[int]) -> None:

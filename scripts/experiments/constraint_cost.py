@@ -2,7 +2,7 @@
 schema's grammar, at several K, greedy, on one engine (docs/BENCHMARKS.md, "What a grammar
 costs a decode").
 
-    python scripts/constraint_cost.py --model models/qwen3.5-demo --rounds 3
+    python scripts/experiments/constraint_cost.py --model models/qwen3.5-demo --rounds 3
 
 Each round runs every configuration once, in turn (free and constrained alternate, so the
 machine's drift touches both alike); the figure is the median over rounds of generation

@@ -5,7 +5,7 @@ chromium + chromium-driver, through selenium), sends one prompt greedily with th
 for the reply and saves a screenshot (after one warm-up request, which pays the one-time start-up
 costs).
 
-    python scripts/chat_page_screenshot.py --out docs/chat-page.png
+    python scripts/experiments/chat_page_screenshot.py --out docs/chat-page.png
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

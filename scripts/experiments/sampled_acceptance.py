@@ -12,7 +12,7 @@ coupling's P(argmax q/E = argmax p/E) with one Exponential(1) noise E_y per toke
 draft and target (the rule that makes a draw independent of K; estimated with 256 noise
 draws per state).
 
-    PYTHONPATH=. .venv/bin/python scripts/sampled_acceptance.py --model models/qwen3.5-demo
+    PYTHONPATH=. .venv/bin/python scripts/experiments/sampled_acceptance.py --model models/qwen3.5-demo
 """
 
 from __future__ import annotations
