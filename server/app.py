@@ -21,15 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import GenerationEvent, RequestError
 from engine.scheduling.scheduler import RequestHandle, Scheduler
-from server.api import (
-    anthropic_messages,
-    openai_chat,
-    openai_common,
-    openai_completions,
-    openai_responses,
-)
+from server import api
 from server.core.http import openapi_schema
-from server.errors import install_error_handlers
 from server.guard import RequestGuard, startup_warning
 from server.metrics import ServerMetrics
 from server.page import router as page_router
@@ -38,16 +31,8 @@ from server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-_ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/models": "models",
-    "/health": "health",
-    "/metrics": "metrics",
-}
+#: the server's own endpoints' metric labels (the adapters name theirs: ``server.api``)
+_OWN_ENDPOINTS = {"/health": "health", "/metrics": "metrics"}
 
 
 class MetricsMiddleware:
@@ -63,7 +48,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = _ENDPOINTS.get(path, "models" if path.startswith("/v1/models") else "other")
+        endpoint = _OWN_ENDPOINTS.get(path) or api.endpoint_label(path)
         status = 500
         start = time.monotonic()
 
@@ -142,15 +127,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     )
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.state.mtp = state
-    install_error_handlers(app)
-    for api in (
-        openai_common,
-        openai_chat,
-        openai_completions,
-        openai_responses,
-        anthropic_messages,
-    ):
-        app.include_router(api.router)
+    api.install(app)
     app.include_router(page_router)
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts refusals too

@@ -1,25 +1,19 @@
-"""Errors in each API's own shape, raised as one exception type.
+"""Errors as one exception type, ``APIError``, whatever the API.
 
-OpenAI (chat, completions, responses, models): ``{"error": {"message", "type", "param",
-"code"}}``. Anthropic (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``
-with Anthropic's type names. Every failure a handler can detect (bad JSON, a field out of range,
-an unknown model, a full queue) is raised as ``APIError``; one handler picks the shape from the
-request's path, so clients (both SDKs map status codes to exception classes) see consistent
-errors, and nothing a request sends can surface as an unhandled 500.
+Every failure a handler can detect (bad JSON, a field out of range, an unknown model, a full
+queue) is raised as ``APIError``; the adapter registry (``server.api``) answers it in the shape
+of the API the request's path belongs to — OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` (``APIError.body``) unless the adapter has its own — so clients (both SDKs map status
+codes to exception classes) see consistent errors, and nothing a request sends can surface as
+an unhandled 500.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -34,26 +28,9 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
-
-
-def uses_anthropic_errors(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
 
 class APIError(Exception):
-    """An error to return to the client with ``status`` in the OpenAI error schema."""
+    """An error to return to the client with ``status`` (in the shape of the request's API)."""
 
     def __init__(
         self,
@@ -82,19 +59,6 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-
-    def anthropic_body(self) -> dict[str, Any]:
-        kind = _ANTHROPIC_TYPES.get(self.status)
-        if kind is None:
-            kind = "api_error" if self.status >= 500 else "invalid_request_error"
-        message = self.message
-        if self.param and not message.startswith(f"{self.param}:"):
-            message = f"{self.param}: {message}"  # Anthropic's shape has no separate param
-        return {"type": "error", "error": {"type": kind, "message": message}}
-
-    def response(self, path: str = "") -> JSONResponse:
-        body = self.anthropic_body() if uses_anthropic_errors(path) else self.body()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -135,26 +99,3 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     if param:
         message = f"{param}: {message}"
     return bad_request(message, param=param, code="invalid_value")
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response(request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response(request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
-        err = APIError(exc.status_code, str(exc.detail), code=code)
-        err.headers = dict(exc.headers) if exc.headers else None
-        return err.response(request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        err = APIError(500, "internal server error", code="internal_error")
-        return err.response(request.url.path)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.api import error_response
 from server.errors import APIError
 from server.settings import ServerSettings
 
@@ -84,7 +85,7 @@ class RequestGuard:
             return
         error = self.refusal(scope)
         if error is not None:
-            await error.response(scope.get("path", ""))(scope, receive, send)
+            await error_response(error, scope.get("path", ""))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.api.extensions import DraftTokens
-from server.api.tagged import by_type
+from server.core.extensions import DraftTokens
+from server.core.tagged import by_type
 
 
 class _Base(BaseModel):

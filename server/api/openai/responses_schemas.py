@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.api.extensions import DraftTokens
-from server.api.tagged import by_type
+from server.core.extensions import DraftTokens
 from server.core.requests import ReasoningEffort, join_text, parse_arguments
+from server.core.tagged import by_type
 from server.errors import bad_request
 
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.responses_schemas import ResponsesRequest, template_messages
+from server.api.openai.responses_schemas import ResponsesRequest, template_messages
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, Usage, new_id, start_job
 from server.core.output import Block, BlockEvent, OutputDelta

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.api.extensions import DraftTokens
+from server.core.extensions import DraftTokens
 from server.core.requests import ReasoningEffort
 
 

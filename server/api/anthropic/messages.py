@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
-from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from server.api.anthropic.errors import error_body
+from server.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, Usage, new_id, start_job
 from server.core.output import Block, BlockEvent, OutputDelta
@@ -301,4 +302,4 @@ class MessageStream:
         ]
 
     def error(self, error: APIError) -> Iterable[dict[str, Any]]:
-        return [sse_json(error.anthropic_body(), "error")]
+        return [sse_json(error_body(error), "error")]
