@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# where a --model argument lies (a folder, or a Hugging Face repo in the local cache)
+from engine.model.location import ModelNotFound as ModelNotFound
+from engine.model.location import resolve_model_dir as resolve_model_dir
 from sampling.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -175,3 +178,11 @@ class ContextLengthExceeded(RequestError):
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot serve any more (a rank of a distributed group was lost): HTTP 503."""
+
+
+def release_worker_thread() -> None:
+    """Free what mlx keeps for the thread that ran the model, from that thread, before it ends
+    (``engine.model.memory.release_thread`` says why); imports mlx only when called."""
+    from engine.model.memory import release_thread
+
+    release_thread()

@@ -83,10 +83,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from engine.api import GenerationRequest, GenerationStats
-    from engine.detokenizer import IncrementalDetokenizer
     from engine.distributed import engine_class
     from engine.runtime import chat_prompt_ids
     from sampling.params import SamplingParamError, preset, resolve
+    from server.core.detokenizer import IncrementalDetokenizer
 
     if args.n < 1:
         print("error: --n must be >= 1", file=sys.stderr)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     followed = follow_if_follower(args)
     if followed is not None:
         return followed
-    from engine.model.location import ModelNotFound
+    from engine.api import ModelNotFound
 
     try:
         status = int(args.func(args) or 0)

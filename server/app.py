@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import GenerationEvent, RequestError
-from engine.scheduling.scheduler import RequestHandle, Scheduler
 from server import api
 from server.core.http import openapi_schema
+from server.core.scheduler import RequestHandle, Scheduler
 from server.guard import RequestGuard, startup_warning
 from server.metrics import ServerMetrics
 from server.page import router as page_router

@@ -205,7 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # `mtpserve` configured logging before this (WARNING without -v), which basicConfig leaves
     # alone: the level is set here, so start-up says what it loads and measures
     logging.getLogger().setLevel(settings.log_level.upper())
-    from engine.model.location import ModelNotFound, resolve_model_dir
+    from engine.api import ModelNotFound, resolve_model_dir
 
     try:  # a missing folder or an unreachable repo: one clear line, before the server starts
         resolve_model_dir(settings.model)

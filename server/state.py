@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import TokenText
-from engine.scheduling.scheduler import Scheduler
 from sampling.params import SamplingOverrides
+from server.core.detokenizer import TokenText
+from server.core.scheduler import Scheduler
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings

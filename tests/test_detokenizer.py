@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (engine/detokenizer.py).
+"""Incremental detokenization and stop strings (server/core/detokenizer.py).
 
 The property that matters: streaming deltas concatenate to exactly the full decode, and no delta
 ever contains U+FFFD when the full text does not (a multi-byte character split over tokens is
@@ -12,7 +12,7 @@ import random
 import pytest
 from fake_engine import load_tokenizer
 
-from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenText
+from server.core.detokenizer import IncrementalDetokenizer, StopMatcher, TokenText
 
 
 @pytest.fixture(scope="module")

@@ -367,7 +367,7 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
     """Order of events, no timing: the long prompt is cancelled while its first chunk runs;
     the next queued request's first forward comes right after that chunk."""
     import engine.cycle.speculative as speculative
-    from engine.scheduling.scheduler import Scheduler
+    from server.core.scheduler import Scheduler
 
     calls: list[tuple[str, int]] = []
     handles: list[Any] = []

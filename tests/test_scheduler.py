@@ -1,4 +1,4 @@
-"""The single-worker scheduler (engine/scheduling/scheduler.py): order, backpressure,
+"""The single-worker scheduler (server/core/scheduler.py): order, backpressure,
 cancellation, and that one failing request never takes the worker down."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from engine.api import GenerationEvent, GenerationRequest, GenerationStats, RequestError
-from engine.scheduling.scheduler import (
+from sampling.params import SamplingParams
+from server.core.scheduler import (
     GenerationFailedError,
     QueueFullError,
     Scheduler,
     SchedulerClosedError,
 )
-from sampling.params import SamplingParams
 
 #: a prompt the counting engine refuses as the real one refuses a bad request
 REFUSED = -2
@@ -283,13 +283,13 @@ def test_shutdown_ends_pending_handles() -> None:
 
 
 def test_scheduler_does_not_import_mlx() -> None:
-    import engine.scheduling.scheduler  # noqa: F401
+    import server.core.scheduler  # noqa: F401
 
-    assert "engine.scheduling.scheduler" in sys.modules
+    assert "server.core.scheduler" in sys.modules
     # importing the scheduler (and the server) alone must not pull mlx in
     import subprocess
 
-    code = "import engine.scheduling.scheduler, server.app, sys; print('mlx' in sys.modules)"
+    code = "import server.core.scheduler, server.app, sys; print('mlx' in sys.modules)"
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
@@ -327,7 +327,7 @@ STOPPED_AT_EXIT = """
 import asyncio, sys, time
 import mlx.core as mx
 from engine.api import GenerationEvent, GenerationRequest
-from engine.scheduling.scheduler import Scheduler
+from server.core.scheduler import Scheduler
 from sampling.params import SamplingParams
 
 block = mx.compile(lambda x: (mx.exp(x) + 1, {"half": x / 2}))  # kept, as the engine's are

@@ -20,15 +20,15 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 
 from engine.api import EngineUnavailable, GenerationRequest
-from engine.scheduling.scheduler import (
+from sampling.params import SamplingParamError
+from server.core.output import ChoiceOutput, OutputDelta
+from server.core.requests import GenerationParams, Prompt
+from server.core.scheduler import (
     GenerationFailedError,
     QueueFullError,
     RequestHandle,
     SchedulerClosedError,
 )
-from sampling.params import SamplingParamError
-from server.core.output import ChoiceOutput, OutputDelta
-from server.core.requests import GenerationParams, Prompt
 from server.core.toolcalls import ChatOutputParser
 from server.errors import APIError, bad_request
 from server.state import ServerState

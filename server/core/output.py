@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.api import GenerationEvent, GenerationStats, TokenLogprob
-from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from server.core.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.core.toolcalls import ChatOutputParser, ParsedDelta, ToolCall, ToolCallDelta
 
 BlockKind = Literal["reasoning", "text", "tool_call"]

@@ -31,8 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.api import GenerationEvent, GenerationRequest, RequestError
-from engine.model.memory import release_thread
+from engine.api import GenerationEvent, GenerationRequest, RequestError, release_worker_thread
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +314,7 @@ class Scheduler:
             logger.exception("the engine's worker thread failed")
             self.abort(exc)
         finally:
-            release_thread()
+            release_worker_thread()
 
     def _serve(self) -> None:
         try:
