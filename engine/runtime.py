@@ -27,7 +27,7 @@ from engine.api import (
     RequestError,
     TokenLogprob,
 )
-from engine.cycle.prefix_cache import (
+from engine.cache.prefix_cache import (
     DEFAULT_DISK_BUDGET_BYTES,
     PrefixCache,
     model_fingerprint,

@@ -1,4 +1,4 @@
-"""The conversation cache (engine/cycle/prefix_cache.py) against cold runs.
+"""The conversation cache (engine/cache/prefix_cache.py) against cold runs.
 
 * Through real uvicorn servers and the openai SDK: a 10-turn chat on a server with the cache
   returns on every turn exactly what a server without it returns — greedy and seeded sampling,

@@ -1,5 +1,5 @@
 """``mtpserve bench-chat``: time to first token per turn of a long chat, with and without the
-conversation cache (engine/cycle/prefix_cache.py), in the same run, then after a restart that
+conversation cache (engine/cache/prefix_cache.py), in the same run, then after a restart that
 resumes from the cache's disk tier.
 
 The chat: the first user message pastes a long source file, later turns ask short follow-ups

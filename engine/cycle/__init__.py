@@ -1,1 +1,1 @@
-"""One sequence's state, the speculative cycle over it, and the conversation cache of states."""
+"""One sequence's state and the speculative cycle over it."""

@@ -1,0 +1,1 @@
+"""What the engine keeps across requests: the conversation (prefix) cache."""
