@@ -481,7 +481,7 @@ def test_a_full_disk_fails_no_request(
     second from the memory tier), the worker lives on, and the faults are counted."""
     import errno
 
-    from engine.cycle import prefix_cache
+    from engine.cache import prefix_cache
 
     def full_disk(path: Path, *args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

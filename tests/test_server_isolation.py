@@ -375,7 +375,7 @@ def test_grammars_compile_and_cache_files_are_written_off_the_engine_thread(
 ) -> None:
     import threading
 
-    from engine.cycle import prefix_cache
+    from engine.cache import prefix_cache
     from engine.runtime import Engine
     from sampling import constraint
 
