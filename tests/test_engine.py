@@ -604,10 +604,10 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     by row pays is measured per machine: here it is taken to pay at every trial."""
     import mlx.nn as nn
 
-    from engine.model import trunk
+    from engine.model import mlx_products
 
-    monkeypatch.setattr(trunk, "_rowwise_rows", {})
-    monkeypatch.setattr(trunk, "last_paying_rows", lambda trials, seconds: trials[-1])
+    monkeypatch.setattr(mlx_products, "_rowwise_rows", {})
+    monkeypatch.setattr(mlx_products, "last_paying_rows", lambda trials, seconds: trials[-1])
     mx.random.seed(1)
     layer, table = nn.Linear(96, 160, bias=False), nn.Embedding(300, 96)
     large, half = nn.Linear(1024, 4200, bias=False), nn.Linear(96, 160, bias=False)
@@ -615,39 +615,39 @@ def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     mx.eval(layer.parameters(), table.parameters(), large.parameters(), half.parameters())
     holder = nn.Module()
     holder.layer, holder.table, holder.large, holder.half = layer, table, large, half
-    trunk.prepare_transposed(holder)
-    limit = trunk._prepared(layer).rowwise_max_rows
-    assert limit == 16 and trunk._prepared(table).rowwise_max_rows == 16
-    blocked = trunk._prepared(large)  # 16.4 MiB: row by row in row blocks of 4 MiB
-    assert blocked.rowwise_max_rows == trunk.BLOCKED_MAX_ROWS
+    mlx_products.prepare_transposed(holder)
+    limit = mlx_products._prepared(layer).rowwise_max_rows
+    assert limit == 16 and mlx_products._prepared(table).rowwise_max_rows == 16
+    blocked = mlx_products._prepared(large)  # 16.4 MiB: row by row in row blocks of 4 MiB
+    assert blocked.rowwise_max_rows == mlx_products.BLOCKED_MAX_ROWS
     assert len(blocked.whole.blocks) == 5
-    assert trunk._prepared(half).rowwise_max_rows == 1
+    assert mlx_products._prepared(half).rowwise_max_rows == 1
     for rows in (2, 3, 5, limit):
         x = mx.random.normal((rows, 96))
-        whole = trunk.linear(layer, x)
+        whole = mlx_products.linear(layer, x)
         for i in range(rows):
-            assert mx.array_equal(whole[i : i + 1], trunk.linear(layer, x[i : i + 1])).item()
+            assert mx.array_equal(whole[i : i + 1], mlx_products.linear(layer, x[i : i + 1])).item()
         h = x.reshape(1, rows, 96)
-        vocab = trunk.product(table, h)
+        vocab = mlx_products.product(table, h)
         assert vocab.shape == (1, rows, 300)
         for i in range(rows):
-            alone = trunk.product(table, h[:, i : i + 1])
+            alone = mlx_products.product(table, h[:, i : i + 1])
             assert mx.array_equal(vocab[:, i : i + 1], alone).item()
-    for rows in (2, trunk.BLOCKED_MAX_ROWS):
+    for rows in (2, mlx_products.BLOCKED_MAX_ROWS):
         x = mx.random.normal((rows, 1024))
-        whole = trunk.linear(large, x)
+        whole = mlx_products.linear(large, x)
         assert whole.shape == (rows, 4200)
         for i in range(rows):
-            assert mx.array_equal(whole[i : i + 1], trunk.linear(large, x[i : i + 1])).item()
+            assert mx.array_equal(whole[i : i + 1], mlx_products.linear(large, x[i : i + 1])).item()
     many = mx.random.normal((limit + 1, 96))
-    assert mx.array_equal(trunk.linear(layer, many), many @ layer.weight.T).item()
+    assert mx.array_equal(mlx_products.linear(layer, many), many @ layer.weight.T).item()
 
 
 def test_row_by_row_is_kept_up_to_the_last_row_count_that_pays() -> None:
     """``last_paying_rows`` keeps row by row up to the last trial row count at and below which
     it took at most ``ROWWISE_PAYS`` of one product's time, never past one that did not pay, 1
     when 2 rows do not pay, and times no trial past the first that does not pay."""
-    from engine.model import trunk
+    from engine.model import mlx_products
 
     def timings(by_row_share: dict[int, float]):
         timed: list[int] = []
@@ -660,13 +660,13 @@ def test_row_by_row_is_kept_up_to_the_last_row_count_that_pays() -> None:
 
     trials = [2, 4, 8, 16]
     seconds, timed = timings({2: 0.4, 4: 0.5, 8: 0.8, 16: 0.95})
-    assert trunk.last_paying_rows(trials, seconds) == 8 and timed == [2, 4, 8, 16]
+    assert mlx_products.last_paying_rows(trials, seconds) == 8 and timed == [2, 4, 8, 16]
     seconds, timed = timings({2: 0.4, 4: 1.2, 8: 0.5, 16: 0.5})
-    assert trunk.last_paying_rows(trials, seconds) == 2 and timed == [2, 4]
+    assert mlx_products.last_paying_rows(trials, seconds) == 2 and timed == [2, 4]
     seconds, timed = timings({2: 1.5, 4: 0.5, 8: 0.5, 16: 0.5})
-    assert trunk.last_paying_rows(trials, seconds) == 1 and timed == [2]
-    seconds, _ = timings({2: trunk.ROWWISE_PAYS, 4: 0.1, 8: 0.1, 16: 0.1})
-    assert trunk.last_paying_rows(trials, seconds) == 16
+    assert mlx_products.last_paying_rows(trials, seconds) == 1 and timed == [2]
+    seconds, _ = timings({2: mlx_products.ROWWISE_PAYS, 4: 0.1, 8: 0.1, 16: 0.1})
+    assert mlx_products.last_paying_rows(trials, seconds) == 16
 
 
 @mlx_products_only
@@ -674,12 +674,12 @@ def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engi
     """Every prepared float32 weight of a loaded engine multiplies row by row up to exactly the
     row count measured for its shape on this machine (``rowwise_rows``), within its size's
     limit."""
-    from engine.model import trunk
+    from engine.model import mlx_products
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     seen = 0
     for module in engine.loaded.model.modules():
-        prepared = trunk._prepared(module)
+        prepared = mlx_products._prepared(module)
         if prepared is None:
             continue
         operand = prepared.parts[0] if prepared.parts else prepared.whole
@@ -687,9 +687,9 @@ def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engi
             assert operand.most_rows == 1
             continue
         key = (tuple(operand.view.shape), operand.view.dtype, bool(operand.blocks))
-        fits = [n for most, n in trunk.ROWWISE_LIMITS if operand.view.nbytes <= most]
-        cap = fits[0] if fits else trunk.BLOCKED_MAX_ROWS
-        assert operand.most_rows == min(trunk._rowwise_rows[key], cap)
+        fits = [n for most, n in mlx_products.ROWWISE_LIMITS if operand.view.nbytes <= most]
+        cap = fits[0] if fits else mlx_products.BLOCKED_MAX_ROWS
+        assert operand.most_rows == min(mlx_products._rowwise_rows[key], cap)
         assert len(operand.by_rows) == max(0, operand.most_rows - 1)
         seen += 1
     assert seen > 0
@@ -697,12 +697,12 @@ def test_an_engine_multiplies_row_by_row_only_where_it_measured_a_gain(load_engi
 
 @mlx_products_only
 def test_a_product_split_across_streams_is_bit_identical() -> None:
-    """``trunk.product`` over column parts on two CPU streams equals the whole product bit for
-    bit, for a linear layer and a tied embedding's vocabulary projection, 2-D and 3-D inputs,
+    """``mlx_products.product`` over column parts on two CPU streams equals the whole product bit
+    for bit, for a linear layer and a tied embedding's vocabulary projection, 2-D and 3-D inputs,
     1 to 64 rows; more rows keep one product; the parts are views (no second copy)."""
     import mlx.nn as nn
 
-    from engine.model import trunk
+    from engine.model import mlx_products
 
     mx.random.seed(0)
     layer, table = nn.Linear(192, 3 << 10, bias=False), nn.Embedding(3 << 10, 192)
@@ -710,22 +710,24 @@ def test_a_product_split_across_streams_is_bit_identical() -> None:
     holder = nn.Module()
     holder.layer, holder.table = layer, table
     before = mx.get_active_memory()
-    old = trunk.SPLIT_WEIGHT_PARAMS
-    trunk.SPLIT_WEIGHT_PARAMS = 1
+    old = mlx_products.SPLIT_WEIGHT_PARAMS
+    mlx_products.SPLIT_WEIGHT_PARAMS = 1
     try:
-        trunk.prepare_transposed(holder, parts=2)
+        mlx_products.prepare_transposed(holder, parts=2)
     finally:
-        trunk.SPLIT_WEIGHT_PARAMS = old
+        mlx_products.SPLIT_WEIGHT_PARAMS = old
     assert mx.get_active_memory() - before < layer.weight.nbytes // 4
     for rows in (1, 5, 24, 64, 65):
         x = mx.random.normal((rows, 192))
-        limit = trunk._prepared(layer).rowwise_max_rows
-        assert mx.array_equal(trunk.linear(layer, x), _unsplit(x, layer.weight, limit)).item()
+        limit = mlx_products._prepared(layer).rowwise_max_rows
+        assert mx.array_equal(
+            mlx_products.linear(layer, x), _unsplit(x, layer.weight, limit)
+        ).item()
         h = x.reshape(1, rows, 192)
         whole = _unsplit(x, table.weight, limit).reshape(1, rows, -1)
-        assert mx.array_equal(trunk.product(table, h), whole).item(), rows
+        assert mx.array_equal(mlx_products.product(table, h), whole).item(), rows
     x = mx.random.normal((3, 192))
-    split = mx.concatenate([x @ p.view for p in trunk._prepared(layer).parts], axis=-1)
+    split = mx.concatenate([x @ p.view for p in mlx_products._prepared(layer).parts], axis=-1)
     assert mx.array_equal(split, x @ layer.weight.T).item()
 
 
@@ -735,16 +737,18 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
     threshold lowered so the tiny checkpoint's weights split) emits exactly the tokens of one
     that multiplies them whole: greedy plain and K=3, and a seeded sampled request."""
     import engine.model.loader as loader
-    from engine.model import trunk
+    from engine.model import mlx_products
 
     whole = load_engine("dense-untied-sharded", draft_tokens=0)
-    old = trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts
-    trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = 1, lambda: 2
+    old = mlx_products.SPLIT_WEIGHT_PARAMS, loader.product_parts
+    mlx_products.SPLIT_WEIGHT_PARAMS, loader.product_parts = 1, lambda: 2
     try:
         split = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
     finally:
-        trunk.SPLIT_WEIGHT_PARAMS, loader.product_parts = old
-    assert trunk._prepared(split.trunk.lm_head).parts, "the vocabulary projection was not split"
+        mlx_products.SPLIT_WEIGHT_PARAMS, loader.product_parts = old
+    assert mlx_products._prepared(split.trunk.lm_head).parts, (
+        "the vocabulary projection was not split"
+    )
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
     for prompt in PROMPTS[:2]:
         ids = whole.tokenizer.encode(prompt)

@@ -159,12 +159,10 @@ def test_the_environment_forces_an_instruction_set(name: str) -> None:
 
 
 def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
-    """``trunk.linear`` and ``trunk.product`` (every projection of decoding, the vocabulary's
+    """``products.linear`` and ``products.product`` (every projection of decoding, the vocabulary's
     too) take the kernel for float and quantized layers: the same numbers as the kernel itself,
     and a verify's or batch's row bit for bit that row alone."""
     import mlx.nn as nn
-
-    from engine.model import trunk
 
     mx.random.seed(3)
     layers = {
@@ -178,7 +176,7 @@ def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
         mx.eval(layer.parameters())
         inner = 128 if name == "quantized" else 96
         x = mx.random.normal((5, inner))
-        run = trunk.product if name == "table" else trunk.linear
+        run = products.product if name == "table" else products.linear
         together = np.array(run(layer, x).astype(mx.float32))
         alone = np.concatenate(
             [np.array(run(layer, x[i : i + 1]).astype(mx.float32)) for i in range(5)]

@@ -191,8 +191,12 @@ inline void row_tiles(const Rows& w, int jn, int tn, int64_t kn, const float* x,
                       typename V::reg (*acc)[V::J]) {
   const int64_t steps = kn / V::W;
   const int tail = static_cast<int>(kn % V::W);
-  for (int t0 = 0; t0 < tn; t0 += V::R)
-    tile_rn<V>(std::min(V::R, tn - t0), jn, w, steps, tail, x + t0 * xs, xs, acc + t0);
+  tile_rn<V>(std::min(V::R, tn), jn, w, steps, tail, x, xs, acc);
+  if (tn <= V::R) return;
+  Rows cached = w;  // the first row tile brought these rows in: no more prefetching
+  cached.ahead = 0;
+  for (int t0 = V::R; t0 < tn; t0 += V::R)
+    tile_rn<V>(std::min(V::R, tn - t0), jn, cached, steps, tail, x + t0 * xs, xs, acc + t0);
 }
 
 // n reals of `type` from element `first` of `src` as fp32 at dst[0], dst[stride], ...
