@@ -360,7 +360,7 @@ class Leader:
 
     def flush(self, extra: tuple[int, int, int, int] | None = None) -> None:
         """Send every queued operation (and ``extra``) now, waiting for the collective."""
-        self._check()
+        self.check_alive()
         while len(self._ops) > MAX_OPS - 1:
             self.flush_some()
         ops = self._take(MAX_OPS - 1) + ([extra] if extra is not None else [])
@@ -374,7 +374,7 @@ class Leader:
         """Send the queued operations and ``op`` (a forward, or a step on the vocabulary
         tables) with its ``token_ids [1, n]`` (``n`` = ``op[2]``); return the tokens as the
         broadcast carries them, which is what rank 0 must compute with."""
-        self._check()
+        self.check_alive()
         while len(self._ops) > MAX_OPS - 1:
             self.flush_some()
         ops = self._take(MAX_OPS - 1) + [op]
@@ -426,7 +426,7 @@ class Leader:
             log.warning("could not tell the followers to stop: %s", exc)
 
     # failure -----------------------------------------------------------------------------------
-    def _check(self) -> None:
+    def check_alive(self) -> None:
         if _lost is not None:
             raise EngineUnavailable(_lost)
 
@@ -708,7 +708,7 @@ class DistributedEngine(Engine):
         trace: Callable[[dict[str, Any]], None] | None = None,
     ) -> Iterator[GenerationEvent]:
         leader = self.leader
-        leader._check()
+        leader.check_alive()
         sent = leader.messages
         leader.active += 1
         leader.progress()

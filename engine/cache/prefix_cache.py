@@ -51,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engine.cycle.speculative import PREFILL_CHUNK, _absorb_pending
+from engine.cycle.speculative import PREFILL_CHUNK, absorb_pending
 from engine.model.attention import RowKVCache
 from engine.model.trunk import GDNLayerState
 
@@ -680,7 +680,7 @@ def _pending_one(seq: Any, trunk: Any, head: Any) -> mx.array | None:
     last pending trunk state h_{P-1} (None without one)."""
     if not seq.head_pending or head is None:
         return None
-    _absorb_pending(trunk, head, seq, keep_last=True)
+    absorb_pending(trunk, head, seq, keep_last=True)
     return mx.concatenate(seq.head_pending, axis=1)[:, -1:]
 
 

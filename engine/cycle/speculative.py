@@ -248,7 +248,7 @@ def prefill_steps(
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
             if seq.head_cache is not None:
                 seq.head_pending.append(hidden)
-                _absorb_pending(trunk, head, seq, keep_last=True)
+                absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
         start = end
         if after_chunk is not None and not after_chunk(seq):
@@ -267,7 +267,7 @@ def drive(steps: Generator[Any, None, T]) -> T:
             return done.value
 
 
-def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
+def absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:
     """Run the head over pending committed pairs, appending them to its cache.
 
     Returns the head output ``(out, logits)`` of the last pair run, or None when nothing ran.
@@ -284,7 +284,7 @@ def _absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -
 def _absorb_pending_rows(
     trunk: Any, head: MTPHead, seqs: list[Sequence]
 ) -> tuple[mx.array, mx.array]:
-    """``_absorb_pending`` (a drafting cycle's first head step) for B rows in one head call.
+    """``absorb_pending`` (a drafting cycle's first head step) for B rows in one head call.
 
     Rows have different numbers of pending pairs (what their last cycles committed): each row's
     pairs are right-aligned in a ``[B, N]`` input, so every row's last pair sits in the last
@@ -382,7 +382,7 @@ def launch_cycles(
     draft_columns: list[mx.array] = []  # greedy rows: draft i of every row, ``[B]``
     if k > 0:
         if rows == 1:
-            state, logits = _absorb_pending(trunk, head, seqs[0], keep_last=False)
+            state, logits = absorb_pending(trunk, head, seqs[0], keep_last=False)
         else:
             state, logits = _absorb_pending_rows(trunk, head, seqs)
         caches = [seq.head_cache for seq in seqs]

@@ -306,7 +306,7 @@ def measure_costs(
     ~150 tokens, the context lengths of a typical request (on one ever-growing sequence, K=4
     cycles at 1,600 tokens measured 15% dearer than in a bench run)."""
     from engine.api import GenerationRequest
-    from engine.cycle.speculative import _absorb_pending
+    from engine.cycle.speculative import absorb_pending
     from engine.model.mtp import project_to_vocab
     from engine.model.trunk import trunk_hidden
     from sampling.params import SamplingParams
@@ -323,7 +323,7 @@ def measure_costs(
         """Run the head (untimed) over all but the last pending position, so every timed
         K-cycle catches up on exactly one, as ``CostTable.cycle`` defines."""
         if sum(h.shape[1] for h in seq.head_pending) > 1:
-            _absorb_pending(trunk, head, seq, keep_last=True)
+            absorb_pending(trunk, head, seq, keep_last=True)
             mx.eval(seq.head_cache.state, *seq.head_pending)
 
     def time_cycles(k: int, n: int) -> list[tuple[float, int]]:
