@@ -63,7 +63,7 @@ bench-batch: install
 # the native product kernel alone at Qwen3.5-0.8B shapes: fp32/bf16/q8/q4 against this machine's
 # read bandwidth and mlx's own products (bench-results/bench_kernel.*)
 bench-kernel: install
-	$(PY) scripts/bench_kernel.py --crossover --out bench-results
+	$(PY) scripts/bench_kernel.py --crossover --bound --out bench-results
 
 # 500 requests side by side with disconnects mixed in; the server's resident memory over time
 soak: install

@@ -14,7 +14,9 @@ read slower than ones the kernel has been reading for a while), best of the runs
 after the dtype's products — and the T-row time as a multiple of one row's. mlx's own product
 of the same weights is timed at T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and
 quantized weights). ``--crossover`` times fp32 products of many rows (prefill) on the kernel and
-on BLIS with every core, to place ``engine.model.products.NATIVE_MAX_ROWS``.
+on BLIS with every core, to place ``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds
+the floors: the weights' bytes at the read bandwidth, and each row count's arithmetic alone (a
+weight that stays in cache), so that a ratio the kernel misses shows what bounds it.
 
 Results: bench-results/bench_kernel.json and .md.
 """
@@ -154,6 +156,42 @@ def crossover(repeats: int) -> list[dict]:
     return rows_out
 
 
+#: The in-cache weight of ``compute_bound``: [out, in] small enough to stay in L2/L3.
+BOUND_SHAPE = (2048, 1024)
+
+
+def compute_bound(dtype: str, rows: list[int], repeats: int) -> dict[int, float]:
+    """ms per token if reading the weights cost nothing: one weight that stays in cache,
+    multiplied 16 times per evaluation, its time per weight element scaled to the token's
+    elements. What the kernel's arithmetic alone allows at each row count (the lower bound of
+    the measured ms, and of their ratio to T=1 when T=1 is bound by memory)."""
+    native = products.native()
+    out, inner = BOUND_SHAPE
+    w = mx.random.uniform(-0.05, 0.05, (out, inner), key=mx.random.key(7))
+    if dtype in QUANTIZED:
+        parts = mx.quantize(w.astype(mx.bfloat16), group_size=GROUP, bits=QUANTIZED[dtype])
+    else:
+        parts = (w.astype({"f32": mx.float32, "bf16": mx.bfloat16}[dtype]),)
+    mx.eval(*parts)
+    token_elements = sum(o * i for o, i in shapes())
+    bound = {}
+    for t in rows:
+        x = inputs(t, dtype)[inner]
+        if dtype in QUANTIZED:
+            bits = QUANTIZED[dtype]
+
+            def run(x=x, bits=bits) -> list:
+                return [native.product(x, *parts, bits=bits, group_size=GROUP) for _ in range(16)]
+        else:
+
+            def run(x=x) -> list:
+                return [native.product(x, parts[0]) for _ in range(16)]
+
+        per_element = seconds(run, repeats) / 16 / (out * inner)
+        bound[t] = per_element * token_elements * 1e3
+    return bound
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dtypes", default="f32,bf16,q8,q4")
@@ -161,6 +199,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mlx-rows", default="1,5", help="row counts at which mlx's products run too")
     p.add_argument("--crossover", action="store_true")
+    p.add_argument(
+        "--bound", action="store_true", help="also the in-cache (compute-bound) ms per token"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench-results")
     args = p.parse_args()
     native = products.native()
@@ -205,6 +246,9 @@ def main() -> int:
         entry["of_read"] = entry["gbps_t1"] / entry["read_gbps"]
         print(f"{dtype}: read {entry['read_gbps']:.1f} GB/s", flush=True)
         entry["ratio"] = {t: ms / one for t, ms in entry["native_ms"].items()}
+        if args.bound:
+            entry["bound_ms"] = compute_bound(dtype, rows, args.repeats)
+            print(f"{dtype}: compute bound {entry['bound_ms']}", flush=True)
         result["dtypes"][dtype] = entry
         del weights
     if args.crossover:
@@ -234,6 +278,27 @@ def table(result: dict, rows: list[int]) -> str:
         cells += [f"{e['ratio'][t]:.2f}" for t in rows[1:]]
         cells += [f"{e['mlx_ms'].get(t, float('nan')):.1f}" for t in (1, 5)]
         lines.append("| " + " | ".join(cells) + " |")
+    bounded = {d: e for d, e in result["dtypes"].items() if "bound_ms" in e}
+    if bounded:
+        head = "| dtype | read ms (bytes / read GB/s) | " + " | ".join(
+            f"T={t} compute ms" for t in rows
+        )
+        head += " | " + " | ".join(f"best T={t}/T=1" for t in rows[1:]) + " |"
+        lines += [
+            "",
+            "Bounds: reading the weights once (T=1's floor) and the kernel's arithmetic with the "
+            "weights in cache (each T's floor); best T/T=1 = max(read, compute T) / max(read, "
+            "compute T=1)",
+            "",
+            head,
+            "|" + "---|" * (head.count("|") - 1),
+        ]
+        for dtype, e in bounded.items():
+            read_ms = e["bytes"] / e["read_gbps"] / 1e6
+            floor = {t: max(read_ms, e["bound_ms"][t]) for t in rows}
+            cells = [dtype, f"{read_ms:.1f}"] + [f"{e['bound_ms'][t]:.1f}" for t in rows]
+            cells += [f"{floor[t] / floor[rows[0]]:.2f}" for t in rows[1:]]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
