@@ -38,7 +38,8 @@ test: install
 	$(PY) -m pytest -n 2 --dist loadfile
 	MTPSERVE_NATIVE_PRODUCTS=0 $(PY) -m pytest -n 2 --dist loadfile $(FALLBACK_TESTS)
 
-FALLBACK_TESTS := tests/test_engine.py tests/test_acceptance_exact.py tests/test_batching.py
+FALLBACK_TESTS := tests/engine/test_engine.py tests/engine/test_acceptance_exact.py \
+                  tests/engine/test_batching.py
 
 # Known bugs applied one at a time to a copy of the tree: each must fail a fast test (not in `test`).
 mutants: install
@@ -51,7 +52,7 @@ lint: install
 # the `clients` extra) against a server on the demo model; `test` runs them too.
 .PHONY: test-clients
 test-clients: install
-	$(PY) -m pytest tests/test_clients.py tests/test_server_client_compat.py
+	$(PY) -m pytest tests/e2e/test_clients.py tests/server/test_server_client_compat.py
 
 bench: install
 	$(VENV)/bin/mtpserve bench --model $(MODEL) --out bench-results

@@ -115,7 +115,7 @@ def test_files_and_config(tok_dirs):
     assert cfg["tokenizer_class"] in ("Qwen2Tokenizer", "Qwen2TokenizerFast")
     assert cfg["eos_token"] == "<|im_end|>"
     assert cfg["pad_token"] == "<|endoftext|>"
-    template = (Path(__file__).parent.parent / "configs" / "chat_template.jinja").read_text()
+    template = (Path(__file__).resolve().parents[2] / "configs" / "chat_template.jinja").read_text()
     assert cfg["chat_template"] == template
     assert (d / "chat_template.jinja").read_text() == template
     vocab = json.loads((d / "vocab.json").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
@@ -126,7 +126,7 @@ def test_draft_tokens_outside_the_range_is_an_error_at_start(capsys) -> None:
 
 def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
     """`mtpserve generate` and `bench` with a --model that is not there: one line naming it and
-    exit status 2, not a traceback (`serve`: tests/test_server_cli.py)."""
+    exit status 2, not a traceback (`serve`: tests/e2e/test_server_cli.py)."""
     from mtpserve.cli import main
 
     missing = str(tmp_path / "missing")

@@ -23,7 +23,7 @@ from engine.scheduling import batching as batching_module
 from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
 from sampling.params import SamplingParams
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox",
@@ -558,7 +558,7 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
 def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
     widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 rows,
+    """The chi-square homogeneity test of tests/engine/test_sampling.py, through batches: 400 rows,
     8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3, 4 and
     automatic K in turn; seeded and unseeded batches alternate), against 400 requests decoded
     alone without drafts; the first three tokens, position by position."""

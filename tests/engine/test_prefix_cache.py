@@ -29,7 +29,7 @@ from sampling.params import SamplingParams
 from server.app import create_app
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 TINY_BLOCK = 32
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -23,7 +23,7 @@ from engine.allocator import jemalloc_path
 from server.cli import add_serve_arguments, settings_from_args
 from server.settings import ServerSettings, load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "SERVER.md"
 
 

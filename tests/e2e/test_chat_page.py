@@ -26,7 +26,7 @@ from server.app import create_app
 from server.page import PAGE_DIR
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 PROMPT = "Write the function read_lines: Return a list of the lines in the file at path."
 
 

@@ -43,7 +43,7 @@ from sampling.params import (
 )
 
 ALPHA = 0.001
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams, counts=None, seen=None) -> np.ndarray:
@@ -372,7 +372,7 @@ def demo_engine():
 
     With the conversation cache on: the tests here run the same short prompt thousands of
     times, and after the first its prefill is restored (exact against a cold run:
-    tests/test_prefix_cache.py), so each generation costs its cycles, not a prefill."""
+    tests/engine/test_prefix_cache.py), so each generation costs its cycles, not a prefill."""
     from engine.runtime import Engine
 
     engine = Engine.load(str(DEMO_MODEL), draft_tokens=0)
