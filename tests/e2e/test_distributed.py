@@ -294,6 +294,7 @@ def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> N
     assert "this server is shutting down" in (tmp / "rank0.log").read_text()
 
 
+@pytest.mark.fast
 def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
     """A peer that hangs (no socket reset) never makes a collective return: the watchdog."""
     from engine import distributed

@@ -255,6 +255,7 @@ def test_rows_that_left_hold_no_memory(engine: Engine) -> None:
     assert after == before
 
 
+@pytest.mark.fast
 def test_batch_k_explores_then_picks_the_best_rate() -> None:
     choice = BatchK()
     seen = []
@@ -274,6 +275,7 @@ def test_batch_k_explores_then_picks_the_best_rate() -> None:
     assert choice.choose(8, [[0.1] * 4] * 8) == 0
 
 
+@pytest.mark.fast
 def test_batch_k_prices_a_cell_by_its_warm_cycles() -> None:
     """A cycle that first meets a shape also compiles its blocks: its K is priced by the
     cycles after it, not held at the slow first one (nor at any one slow moment)."""
@@ -384,6 +386,7 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
     assert plain_then_drafting and ks.index(0) < plain_then_drafting[0]  # re-timed
 
 
+@pytest.mark.fast
 def test_a_row_that_ends_with_a_cycle_launched_ahead_leaves_exact_caches() -> None:
     """A plain row that stops, is cancelled or is dropped with its next cycle already
     launched leaves caches holding exactly what it emitted: the conversation cache keeps its
@@ -487,6 +490,7 @@ def test_newcomers_share_a_prefill_budget_first_come_first_served(
         batch.drop(key)
 
 
+@pytest.mark.fast
 def test_rows_restore_from_and_save_to_the_conversation_cache() -> None:
     """Batch rows go through the conversation cache as single requests do: a second turn run
     as a row restores what the first turn's row saved, and emits what a cold run emits."""

@@ -220,6 +220,7 @@ def test_a_forced_calls_arguments_are_valid_under_its_schema(engine: Engine) -> 
     assert isinstance(arguments["hour"], int) and isinstance(arguments["loud"], bool)
 
 
+@pytest.mark.fast
 def test_a_property_schema_llguidance_cannot_enforce_is_free_text() -> None:
     """``uniqueItems`` is beyond llguidance: that value alone falls back to free text (as
     without a forced call); the request is not refused and the other values stay typed."""
@@ -329,6 +330,7 @@ def test_rollback_restores_the_mask(demo: Engine) -> None:
     assert np.array_equal(constraint.allowed(), start)
 
 
+@pytest.mark.fast
 def test_objects_that_list_properties_take_no_other_key() -> None:
     """Closed where the schema says nothing of other keys (pydantic's schemas), at any depth
     and in ``$defs``; left as written where it does say (``additionalProperties``,

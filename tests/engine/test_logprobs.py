@@ -53,6 +53,7 @@ def demo_engine():
     ],
     ids=["greedy-K2", "sampled-K3", "sampled-plain"],
 )
+@pytest.mark.fast
 def test_engine_logprobs_equal_an_independent_forward(
     demo_engine, params: SamplingParams, k: int
 ) -> None:

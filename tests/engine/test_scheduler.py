@@ -23,6 +23,8 @@ from engine.scheduling.scheduler import (
 )
 from sampling.params import SamplingParams
 
+pytestmark = pytest.mark.fast  # no model: the whole file is quick
+
 #: a prompt the counting engine refuses as the real one refuses a bad request
 REFUSED = -2
 

@@ -95,7 +95,9 @@ def test_greedy_with_penalties_equals_plain_on_the_demo_model(
     assert 0 < accepted < proposed  # multi-row verifies ran, drafts accepted and rejected
 
 
-@pytest.mark.parametrize("variant", ["dense-tied", "moe-untied-sharded"])
+@pytest.mark.parametrize(
+    "variant", [pytest.param("dense-tied", marks=pytest.mark.fast), "moe-untied-sharded"]
+)
 def test_greedy_with_penalties_equals_plain_on_test_checkpoints(load_engine, variant) -> None:
     """The random checkpoints rarely repeat a token greedily, so penalties alone seldom change
     their text: each prompt also bans plain greedy's first token, which changes it for sure."""

@@ -22,6 +22,8 @@ from fake_engine import FakeEngine, LiveServer
 from server.app import create_app
 from server.settings import ServerSettings
 
+pytestmark = pytest.mark.fast  # the scripted fake engine answers at once: the whole file is quick
+
 MODEL = "fake-model"
 #: Anthropic's API thinks only when asked (the scripted engine writes reasoning either way)
 CLAUDE_THINKING = {"type": "enabled", "budget_tokens": 1024}

@@ -22,6 +22,8 @@ from fake_engine import SCRIPTS, FakeEngine, LiveServer
 from server.app import create_app
 from server.settings import ServerSettings
 
+pytestmark = pytest.mark.fast  # the scripted fake engine answers at once: the whole file is quick
+
 TOOLS = [
     {
         "type": "function",

@@ -99,6 +99,7 @@ def ask(content: str = "Which file?") -> list[dict[str, str]]:
 
 
 # ---- the scripted engine ----------------------------------------------------------------------
+@pytest.mark.fast
 def test_reasoning_content_and_tool_call(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="m", messages=ask(), tools=TOOLS, temperature=0)
     choice = r.choices[0]
@@ -213,6 +214,7 @@ def tiny_tokenizer(tiny_checkpoint: Path):
     return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
 
 
+@pytest.mark.fast
 def test_logprobs_on_both_endpoints_equal_an_independent_forward(
     tiny_server: LiveServer, tiny_checkpoint: Path, load_engine
 ) -> None:
