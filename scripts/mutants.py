@@ -44,8 +44,8 @@ MUTATIONS = [
     Mutation(
         "verify-history",
         "engine/cycle/speculative.py",
-        "history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None",
-        "history = seq.history.rows(None, len(draft_ids) + 1) if seq.history else None",
+        "history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None",
+        "history = seq.history.rows(None, len(self.ids) + 1) if seq.history else None",
         (
             "tests/engine/test_speculative_penalties.py::"
             "test_greedy_with_penalties_equals_plain_on_the_demo_model[frequency+bias-code]",
