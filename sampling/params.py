@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+import configs
 
 
 class SamplingParamError(ValueError):
@@ -137,9 +137,9 @@ def generation_config_defaults(model_dir: str | Path) -> SamplingOverrides:
 
 
 def load_presets(path: Path | None = None) -> dict[str, SamplingOverrides]:
-    """Named presets (model-card recommendations) from ``configs/presets.toml``."""
-    path = path or CONFIGS_DIR / "presets.toml"
-    data = tomllib.loads(path.read_text())
+    """Named presets (model-card recommendations) from ``path``, else the shipped
+    ``configs/presets.toml``."""
+    data = tomllib.loads(path.read_text() if path else configs.text(configs.PRESETS))
     return {name: SamplingOverrides.from_mapping(values) for name, values in data.items()}
 
 

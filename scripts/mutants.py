@@ -44,16 +44,17 @@ MUTATIONS = [
     Mutation(
         "verify-history",
         "engine/cycle/speculative.py",
-        "history = seq.history.rows(drafts, len(draft_ids) + 1) if seq.history else None",
-        "history = seq.history.rows(None, len(draft_ids) + 1) if seq.history else None",
+        "history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None",
+        "history = seq.history.rows(None, len(self.ids) + 1) if seq.history else None",
         (
-            "tests/test_speculative_penalties.py::"
+            "tests/engine/test_speculative_penalties.py::"
             "test_greedy_with_penalties_equals_plain_on_the_demo_model[frequency+bias-code]",
-            "tests/test_speculative_penalties.py::"
+            "tests/engine/test_speculative_penalties.py::"
             "test_greedy_with_penalties_equals_plain_on_the_demo_model[presence+repetition-prose]",
-            "tests/test_speculative_penalties.py::"
+            "tests/engine/test_speculative_penalties.py::"
             "test_greedy_with_penalties_equals_plain_on_test_checkpoints",
-            "tests/test_speculative_penalties.py::test_sampled_with_strong_penalties_matches_plain",
+            "tests/engine/test_speculative_penalties.py::"
+            "test_sampled_with_strong_penalties_matches_plain",
         ),
         "the verify pass scores every position with the committed history only",
     ),
@@ -62,7 +63,7 @@ MUTATIONS = [
         "engine/runtime.py",
         "logp = result.verify_logits[:n].astype(mx.float32)",
         "logp = result.verify_logits[:n][::-1].astype(mx.float32)",
-        ("tests/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
+        ("tests/engine/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
         "an emitted token's logprob is read from another position's row",
     ),
     Mutation(
@@ -70,7 +71,7 @@ MUTATIONS = [
         "engine/runtime.py",
         "logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)",
         "logp = logp",
-        ("tests/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
+        ("tests/engine/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
         "raw logits reported as logprobs",
     ),
     Mutation(
@@ -78,7 +79,10 @@ MUTATIONS = [
         "sampling/acceptance.py",
         "candidates = mx.concatenate([residual, p[k:]], axis=0)",
         "candidates = mx.concatenate([residual, p[k - 1 : k]], axis=0)",
-        ("tests/test_acceptance_exact.py::test_emitted_tuple_is_distributed_as_plain_sampling",),
+        (
+            "tests/engine/test_acceptance_exact.py::"
+            "test_emitted_tuple_is_distributed_as_plain_sampling",
+        ),
         "the bonus token is drawn from the last draft's row instead of p_{K+1}",
     ),
     Mutation(
@@ -91,7 +95,8 @@ MUTATIONS = [
         "        ).astype(mx.int32)\n"
         "        return n_acc, mx.where(n_acc == len(self.ids), untruncated, next_token)\n",
         (
-            "tests/test_acceptance_exact.py::test_bonus_and_every_draw_respect_top_k_on_a_flat_model",
+            "tests/engine/test_acceptance_exact.py::"
+            "test_bonus_and_every_draw_respect_top_k_on_a_flat_model",
         ),
         "the bonus token is drawn from softmax(logits / T), skipping top-k/top-p/min-p",
     ),
@@ -100,7 +105,7 @@ MUTATIONS = [
         "engine/scheduling/autok.py",
         "return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)",
         "return self.cycle[k]",
-        ("tests/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),
+        ("tests/unit/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),
         "CostTable.expected_seconds forgets the head's catch-up over what the last cycle kept",
     ),
 ]

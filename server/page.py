@@ -46,7 +46,7 @@ async def presets() -> JSONResponse:
     """The sampler presets of configs/presets.toml, for the page's preset menu."""
     try:
         table: dict[str, Any] = {n: p.set_fields() for n, p in load_presets().items()}
-    except (OSError, SamplingParamError, ValueError):  # no configs/ beside an installed package
+    except (OSError, SamplingParamError, ValueError):  # an unreadable or invalid presets file
         table = {}
     return JSONResponse(table, headers=_HEADERS)
 

@@ -2,9 +2,10 @@
 
 Why pydantic-settings: one typed object validated once at startup, so a typo in the TOML file or
 an environment variable fails loudly before the model loads rather than at the first request.
-The TOML file is ``--config FILE``, else ``$MTPSERVE_CONFIG``, else ``configs/server.toml`` when
-that exists (a source checkout). Sampler overrides live in its ``[sampling]`` table and sit
-between the checkpoint's generation_config and the request (see ``sampling.params.resolve``).
+The TOML file is ``--config FILE``, else ``$MTPSERVE_CONFIG``, else the shipped
+``configs/server.toml`` (package data, so an installed wheel has it too). Sampler overrides live
+in its ``[sampling]`` table and sit between the checkpoint's generation_config and the request
+(see ``sampling.params.resolve``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+import configs
 from engine.api import parse_draft_tokens
 from sampling.params import SamplingOverrides, preset
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "server.toml"
+DEFAULT_CONFIG = configs.path(configs.SERVER)
 
 
 class ServerSettings(BaseSettings):

@@ -1,4 +1,13 @@
-"""Shared fixtures: tiny random Qwen3.5 checkpoints in HF layout, and engines over them."""
+"""Shared fixtures: tiny random Qwen3.5 checkpoints in HF layout, and engines over them; the tier
+markers.
+
+The suite is in four folders, one per tier, each test marked with its folder's name (``-m unit``):
+unit (pure functions, the sampler, the kernels), engine (model, cycle, batching, caches),
+server (HTTP against the scripted fake engine or the real one, in process) and e2e (subprocess
+servers and commands, client libraries, the browser, distributed). Every unit test and the tests
+marked ``fast`` in the other tiers make ``make test-fast``. The helper modules (checkpoints.py,
+fake_engine.py, ...) sit here, importable by name from every tier.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +25,21 @@ use_fast_blas()  # before mlx is imported anywhere in the test session
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import VARIANTS, Variant, write_checkpoint  # noqa: E402
+
+TIERS = ("unit", "engine", "server", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (its folder under tests/); the unit tier is fast as a whole."""
+    here = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(here).parts
+        tier = parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(tier)
+        if tier == "unit":
+            item.add_marker("fast")
 
 
 @pytest.fixture(scope="session", autouse=True)

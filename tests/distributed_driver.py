@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under ``mlx.launch``: rank 0 generates every case of a spec
+"""Run by tests/e2e/test_distributed.py under ``mlx.launch``: rank 0 generates every case of a spec
 for each model with the sharded engine and writes the token ids; the other ranks follow.
 
 ``python tests/distributed_driver.py SPEC.json OUT.json [--auto]`` with SPEC

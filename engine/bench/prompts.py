@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import configs
 from engine.runtime import chat_prompt_ids
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "bench_prompts.jsonl"
+DEFAULT_PROMPTS = configs.path(configs.BENCH_PROMPTS)
 
 
 def load_prompts(path: Path, tokenizer: Any, limit: int | None) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ the positions past the row's length masked out. Padding then changes nothing, bi
 
 (A product over all P keys at once would not do: a BLAS blocks and vectorises its inner
 dimension by its length, so a longer padded product rounds differently.)
-``tests/test_attention.py`` checks a row alone against the same row in batches of other
+``tests/unit/test_attention.py`` checks a row alone against the same row in batches of other
 lengths, bit for bit.
 """
 

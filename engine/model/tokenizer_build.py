@@ -27,6 +27,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import configs
+
 #: The Qwen3.5 pre-tokenizer split regex (identical to transformers' ``Qwen3_5Tokenizer``).
 QWEN35_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
@@ -50,8 +52,6 @@ EOS_TOKEN = "<|im_end|>"
 TOKENIZER_CLASS = "Qwen2Tokenizer"
 PAD_TOKEN = "<|endoftext|>"
 
-#: The repository's chat template (Qwen3.5-style ChatML).
-CHAT_TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "configs" / "chat_template.jinja"
 
 #: 256 byte symbols + the added tokens: the smallest vocabulary that can be built.
 MIN_VOCAB_SIZE = 256 + len(ALL_ADDED_TOKENS)
@@ -177,7 +177,7 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
     lines = ["#version: 0.2"] + [m if isinstance(m, str) else " ".join(m) for m in merges]
     (out / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    chat_template = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    chat_template = configs.text(configs.CHAT_TEMPLATE)  # the shipped Qwen3.5-style ChatML
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
 
     added_tokens_decoder = {

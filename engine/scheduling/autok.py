@@ -50,14 +50,14 @@ PRIOR_WEIGHT = 2.0
 #: request follows its own last few cycles; a sampled cycle's outcome is mostly the luck of the
 #: draw, and ten cycles of it are noise. With the 8-layer demo model sampled K=0..2 lie within
 #: 8% of each other, and at weight 2 that noise kept auto K switching: replayed on recorded
-#: acceptance (tests/test_autok_replay.py) sampled auto came to 0.945-0.99x of the best fixed K,
-#: at 32 (with a 3% start margin) to 0.996-0.999x. Greedy keeps 2: at 32 it fell to 0.957x on
-#: the 4-layer model's record, whose prompts switch between loops and new text
+#: acceptance (tests/unit/test_autok_replay.py) sampled auto came to 0.945-0.99x of the best
+#: fixed K, at 32 (with a 3% start margin) to 0.996-0.999x. Greedy keeps 2: at 32 it fell to
+#: 0.957x on the 4-layer model's record, whose prompts switch between loops and new text
 SAMPLED_PRIOR_WEIGHT = 32.0
 #: per-cycle decay of a request's counts (~10-cycle memory): acceptance changes within a prompt
 #: on that scale — one bench prompt accepted 1-3 of 4 drafts in its first 12 cycles and 4 of 4
 #: from then on, and at 0.98 (~50 cycles) those first cycles kept it plain for 150 cycles where
-#: K=4 was 1.4x faster. Replayed on recorded acceptance (tests/test_autok_replay.py), greedy
+#: K=4 was 1.4x faster. Replayed on recorded acceptance (tests/unit/test_autok_replay.py), greedy
 #: auto comes to 1.00x of the best fixed K at 0.98 and 1.03x at 0.9
 REQUEST_FORGET = 0.9
 #: the same for a plain cycle, which reveals nothing: at 0.9 a two-cycle probe's hits faded
@@ -69,7 +69,7 @@ REQUEST_FORGET = 0.9
 #: misses of a request's bad start outweighed its probes' hits for a hundred cycles (traced in
 #: a bench run: code-01 accepts 0-2 of 4 in its first 22 positions and 4 of 4 after, and auto's
 #: estimates stayed at a_1 0.64-0.80 through the plain cycles that followed). Replayed on
-#: recorded acceptance (tests/test_autok_replay.py's cases with three bench runs' tables),
+#: recorded acceptance (tests/unit/test_autok_replay.py's cases with three bench runs' tables),
 #: greedy auto went from 0.98-1.02x of the best fixed K to 1.00-1.03x; sampled unchanged
 PLAIN_FORGET = 0.99
 #: the same for the counts of a decoding kind (the prior of its requests), per drafting cycle
@@ -77,7 +77,7 @@ SHARED_FORGET = 0.99
 PROBE_EVERY = 16
 #: drafting cycles in a row per probe from plain decoding: the second one is timed for the
 #: drafting cost calibration (the first pays for the switch). With one-cycle probes drafting
-#: is never timed while plain: replayed on recorded acceptance (tests/test_autok_replay.py), a
+#: is never timed while plain: replayed on recorded acceptance (tests/unit/test_autok_replay.py), a
 #: slow spell of the machine over mostly-plain prompts then leaves greedy auto at 0.97x of the
 #: best fixed K (1.03x with two)
 PROBE_CYCLES = 2
@@ -663,7 +663,7 @@ class AutoK:
         every probe's second cycle — and a new timing counts the more the staler the old factor
         is: with every timing counted at 1/32, a slow spell of the machine over mostly-plain
         prompts left greedy auto at 0.97x of the best fixed K (replayed on recorded acceptance,
-        tests/test_autok_replay.py; 1.03x as is), and without calibration a table 15% off
+        tests/unit/test_autok_replay.py; 1.03x as is), and without calibration a table 15% off
         leaves it at 0.85x. Letting the idle class follow the running one's changes instead
         cannot tell a slow spell of the machine from a mispriced table. What stays possible:
         plain decoding timed in a slow spell, then greedy drafting running on, keeps plain

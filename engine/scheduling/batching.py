@@ -19,7 +19,7 @@ of the batch advances every row once:
 Rows are independent: a row's draws are keyed by its own seed and sequence position
 (``sampling.distribution.keyed_uniform``), it has its own penalty history and caches, and its
 commit keeps its own accepted length, so what a row emits does not depend on the other rows
-(tests/test_batching.py checks it against the same request alone). A seeded sampled row never
+(tests/engine/test_batching.py checks it against the same request alone). A seeded sampled row never
 shares the batch's automatic K: it drafts ``EngineAutoK.seeded_k``, a function of the build and
 machine, so its text repeats beside any neighbours.
 

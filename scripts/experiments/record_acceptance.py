@@ -6,7 +6,7 @@ replay on recorded acceptance is exact. This records, per prompt and sampler, th
 count of a K-draft cycle run at *every* emitted position (each cycle keeps one token, so the
 text is what plain decoding writes, and the head's cache is fed exactly as in steady drafting).
 A replay then plays any policy against the record: a K'-cycle at position t accepts
-``min(K', accepted[t])`` and moves on by that plus one (tests/test_autok_replay.py).
+``min(K', accepted[t])`` and moves on by that plus one (tests/unit/test_autok_replay.py).
 
     .venv/bin/python scripts/experiments/record_acceptance.py --model models/qwen3.5-demo \
         --out tests/data/acceptance_demo.json

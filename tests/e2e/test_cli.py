@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
@@ -20,6 +22,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.fast
 def test_json_and_trace_contract(tiny_checkpoint: Path, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     out = generate(
@@ -100,6 +103,7 @@ def test_chat_prompt_uses_the_template(tiny_checkpoint: Path) -> None:
     assert prompt.endswith("<think>\n\n</think>\n\n")
 
 
+@pytest.mark.fast
 def test_draft_tokens_outside_the_range_is_an_error_at_start(capsys) -> None:
     """`--draft-tokens 12` fails when the command starts (naming the range), for every command
     that takes it, instead of starting and then failing every request."""
@@ -124,9 +128,10 @@ def test_draft_tokens_outside_the_range_is_an_error_at_start(capsys) -> None:
     assert build_parser().parse_args(["generate", "--prompt", "x", "--draft-tokens", "auto"])
 
 
+@pytest.mark.fast
 def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
     """`mtpserve generate` and `bench` with a --model that is not there: one line naming it and
-    exit status 2, not a traceback (`serve`: tests/test_server_cli.py)."""
+    exit status 2, not a traceback (`serve`: tests/e2e/test_server_cli.py)."""
     from mtpserve.cli import main
 
     missing = str(tmp_path / "missing")
@@ -136,6 +141,7 @@ def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
         assert err.count("\n") == 1 and missing in err and "Traceback" not in err
 
 
+@pytest.mark.fast
 def test_jemalloc_is_preloaded_once_and_can_be_declined(monkeypatch) -> None:
     """engine.allocator: the re-executed environment puts jemalloc first in LD_PRELOAD and keeps
     what was there, and the re-executed process puts it back for its children; a process that

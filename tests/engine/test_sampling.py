@@ -43,7 +43,7 @@ from sampling.params import (
 )
 
 ALPHA = 0.001
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams, counts=None, seen=None) -> np.ndarray:
@@ -88,6 +88,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", list(SETTINGS) + ["greedy", "bias"])
+@pytest.mark.fast
 def test_truncated_probs_matches_reference(name: str) -> None:
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, 300)).astype(np.float32) * 3
@@ -119,12 +120,14 @@ def test_truncated_probs_matches_reference(name: str) -> None:
         ("seed", -5),
     ],
 )
+@pytest.mark.fast
 def test_invalid_values_are_rejected_with_the_param_named(field: str, value: float) -> None:
     with pytest.raises(SamplingParamError) as err:
         resolve(SamplingOverrides(**{field: value})).validate(vocab_size=100)
     assert err.value.param == field
 
 
+@pytest.mark.fast
 def test_top_k_at_or_above_vocab_means_off() -> None:
     logits = mx.array(np.random.default_rng(1).standard_normal((1, 50)).astype(np.float32))
     off = truncated_probs(logits, SamplingParams(top_k=0))
@@ -132,6 +135,7 @@ def test_top_k_at_or_above_vocab_means_off() -> None:
     assert np.allclose(np.array(truncated_probs(logits, SamplingParams(top_k=500))), np.array(off))
 
 
+@pytest.mark.fast
 def test_defaults_resolve_checkpoint_then_preset_then_request(tiny_checkpoint: Path) -> None:
     checkpoint = generation_config_defaults(tiny_checkpoint)
     assert (checkpoint.temperature, checkpoint.top_k, checkpoint.top_p) == (1.0, 20, 0.95)
@@ -174,6 +178,7 @@ def test_sample_draws_each_row_from_its_probabilities(with_ids: bool) -> None:
         assert chi2 < 20.5  # at most 4 degrees of freedom, alpha 0.001
 
 
+@pytest.mark.fast
 def test_keyed_uniforms_are_uniform_independent_and_fixed_by_seed_position_purpose() -> None:
     """Every random number of a sequence is ``keyed_uniform(seed, position, purpose)``: over
     positions the values are uniform (chi-square over 20 bins) and uncorrelated between
@@ -199,6 +204,7 @@ def test_keyed_uniforms_are_uniform_independent_and_fixed_by_seed_position_purpo
     assert (other_seed != draws[EMIT]).mean() > 0.99
 
 
+@pytest.mark.fast
 def test_top_k_candidates_are_in_token_order() -> None:
     """A draw walks a row's candidates in column order, so the order must not move with the
     last bits of the logits (a batch row's can differ from the same row's alone): each row's
@@ -219,6 +225,7 @@ def test_top_k_candidates_are_in_token_order() -> None:
     assert drawn.tolist() == draw_tokens_with(nudged.probs, nudged.ids, uniforms).tolist()
 
 
+@pytest.mark.fast
 def test_top_k_ids_are_the_k_largest() -> None:
     """The two-stage (blocked) top-k selects the k largest logits of every row: on random rows,
     on rows with half the vocabulary at -inf (a draft vocabulary), with many ties (the kept
@@ -240,6 +247,7 @@ def test_top_k_ids_are_the_k_largest() -> None:
                 np.testing.assert_array_equal(np.sort(row[ids]), np.sort(row)[-k:])
 
 
+@pytest.mark.fast
 def test_candidate_rows_match_the_whole_vocabulary() -> None:
     """With top_k, ``truncate`` keeps the k candidates (ids and probabilities); spread over the
     vocabulary they are the rows of the reference truncation, and without top_k the rows are
@@ -255,6 +263,7 @@ def test_candidate_rows_match_the_whole_vocabulary() -> None:
     assert truncate(mx.array(logits), SamplingParams(temperature=0.9, top_p=0.8)).ids is None
 
 
+@pytest.mark.fast
 def test_greedy_acceptance_over_rows_is_each_rows_own() -> None:
     """``accept_greedy_rows`` gives each row what ``accept_greedy`` gives it alone, and both
     follow the rule: accept while draft i equals target i, then emit the target there."""
@@ -372,7 +381,7 @@ def demo_engine():
 
     With the conversation cache on: the tests here run the same short prompt thousands of
     times, and after the first its prefill is restored (exact against a cold run:
-    tests/test_prefix_cache.py), so each generation costs its cycles, not a prefill."""
+    tests/engine/test_prefix_cache.py), so each generation costs its cycles, not a prefill."""
     from engine.runtime import Engine
 
     engine = Engine.load(str(DEMO_MODEL), draft_tokens=0)
@@ -436,6 +445,7 @@ def test_unseeded_speculative_sampling_matches_plain_sampling(
             assert p > ALPHA, f"K={k} position {position + 1}: p={p:.2g}"
 
 
+@pytest.mark.fast
 def test_top_k_one_equals_greedy_exactly(load_engine) -> None:
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode("The quick brown fox")

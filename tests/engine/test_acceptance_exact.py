@@ -25,6 +25,8 @@ from sampling.acceptance import accept_drafts
 from sampling.distribution import Truncated
 from sampling.params import SamplingParams
 
+pytestmark = pytest.mark.fast  # quick, and what `make mutants` relies on
+
 ALPHA = 0.001
 VOCAB = 4
 SAMPLES = 40_000

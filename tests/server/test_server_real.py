@@ -66,6 +66,7 @@ def test_models(client: openai.OpenAI, server: LiveServer, tiny_checkpoint: Path
     assert server.engine.model_dir.resolve() == tiny_checkpoint.resolve()
 
 
+@pytest.mark.fast
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     kw = dict(
         model="demo",
@@ -247,6 +248,7 @@ def test_mid_stream_disconnect_cancels(server: LiveServer, http: httpx.Client) -
     assert r.status_code == 200 and time.monotonic() - t0 < 10
 
 
+@pytest.mark.fast
 def test_sse_framing_and_usage_chunk(http: httpx.Client) -> None:
     body = {
         "model": "demo",

@@ -39,7 +39,7 @@ from server.settings import ServerSettings
 # litellm reads its model price list from the network at import unless told to use its copy
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 QUESTION = "Is the sky blue?"
 #: room for the demo model's short reasoning and a small JSON object or tool call
 MAX_TOKENS = 200

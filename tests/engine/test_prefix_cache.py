@@ -29,7 +29,7 @@ from sampling.params import SamplingParams
 from server.app import create_app
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 TINY_BLOCK = 32
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -224,6 +224,7 @@ def _prompt(seed: int, n: int, vocab: int = 300) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+@pytest.mark.fast
 def test_every_stop_leaves_exactly_the_committed_tokens(tiny: Any) -> None:
     prompt = _prompt(1, 45)
     cycles: list[dict] = []
@@ -308,6 +309,7 @@ def _held(cache: Any) -> int:
     return total
 
 
+@pytest.mark.fast
 def test_budget_is_never_exceeded(make_checkpoint: Any) -> None:
     engine = load(make_checkpoint(VARIANTS["dense-tied"]), 1 << 20, TINY_BLOCK, draft=2)
     cache = engine.prefix_cache
@@ -334,6 +336,7 @@ def test_system_prompt_shared_by_20_chats_is_stored_once(tiny: Any) -> None:
     assert cache.bytes_held < 20 * shared
 
 
+@pytest.mark.fast
 def test_disk_tier_resumes_after_restart_and_skips_bad_files(
     make_checkpoint: Any, tmp_path: Path
 ) -> None:
@@ -413,6 +416,7 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
     assert calls[0] == ("prefill", 256) and calls[1] == ("prefill", len(short) - 1)
 
 
+@pytest.mark.fast
 def test_cli_flags_reach_the_settings(tmp_path: Path) -> None:
     import argparse
 

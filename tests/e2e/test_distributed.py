@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 from engine.api import EngineUnavailable, GenerationRequest
 from sampling.params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 PROMPT = [289, 283, 67, 67, 295, 11, 266, 8, 25, 40, 41]
 MAX_TOKENS = 24
@@ -93,7 +93,7 @@ def seed_auto_costs(model_dir: Path, vocab: int) -> None:
         "head_step": 0.0005,
         "absorb": [0.0005],
         "absorb_far": 0.002,
-        "machine": "seeded by tests/test_distributed.py",
+        "machine": "seeded by tests/e2e/test_distributed.py",
     }
     path = autok.CACHE_DIR / f"costs-{key}-v{vocab}-greedy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +294,7 @@ def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> N
     assert "this server is shutting down" in (tmp / "rank0.log").read_text()
 
 
+@pytest.mark.fast
 def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
     """A peer that hangs (no socket reset) never makes a collective return: the watchdog."""
     from engine import distributed

@@ -4,6 +4,7 @@ fresh process so peaks do not mix."""
 
 from __future__ import annotations
 
+import pytest
 from checkpoints import Variant
 
 from engine.bench.memory import measure
@@ -37,6 +38,7 @@ BF16 = Variant(
 )
 
 
+@pytest.mark.fast
 def test_loading_a_bf16_checkpoint_as_fp32_holds_one_copy(make_checkpoint) -> None:
     """bf16 on disk, fp32 in memory (``--dtype float32``): each tensor is read and cast once,
     so the peak while loading stays within 1.1x of the resident weights."""
@@ -48,6 +50,7 @@ def test_loading_a_bf16_checkpoint_as_fp32_holds_one_copy(make_checkpoint) -> No
     assert with_head["load_peak"] <= 1.05 * resident, (with_head["load_peak"], resident)
 
 
+@pytest.mark.fast
 def test_memory_limit_chooses_fp32_then_the_stored_dtype_then_refuses(
     make_checkpoint, caplog
 ) -> None:
@@ -122,6 +125,7 @@ def test_an_unquantized_moe_runs_on_a_cpu_only_in_fp32(make_checkpoint) -> None:
     assert sum(len(e.token_ids) for e in engine.generate(request)) == 4
 
 
+@pytest.mark.fast
 def test_the_heap_release_hands_jemallocs_free_pages_back() -> None:
     """Under jemalloc (what the mtpserve command runs under) a freed page stays resident until
     its decay delay passes and some thread allocates again; ``trim_host_heap`` — what the

@@ -23,7 +23,7 @@ from engine.scheduling import batching as batching_module
 from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
 from sampling.params import SamplingParams
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox",
@@ -255,6 +255,7 @@ def test_rows_that_left_hold_no_memory(engine: Engine) -> None:
     assert after == before
 
 
+@pytest.mark.fast
 def test_batch_k_explores_then_picks_the_best_rate() -> None:
     choice = BatchK()
     seen = []
@@ -274,6 +275,7 @@ def test_batch_k_explores_then_picks_the_best_rate() -> None:
     assert choice.choose(8, [[0.1] * 4] * 8) == 0
 
 
+@pytest.mark.fast
 def test_batch_k_prices_a_cell_by_its_warm_cycles() -> None:
     """A cycle that first meets a shape also compiles its blocks: its K is priced by the
     cycles after it, not held at the slow first one (nor at any one slow moment)."""
@@ -384,6 +386,7 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
     assert plain_then_drafting and ks.index(0) < plain_then_drafting[0]  # re-timed
 
 
+@pytest.mark.fast
 def test_a_row_that_ends_with_a_cycle_launched_ahead_leaves_exact_caches() -> None:
     """A plain row that stops, is cancelled or is dropped with its next cycle already
     launched leaves caches holding exactly what it emitted: the conversation cache keeps its
@@ -487,6 +490,7 @@ def test_newcomers_share_a_prefill_budget_first_come_first_served(
         batch.drop(key)
 
 
+@pytest.mark.fast
 def test_rows_restore_from_and_save_to_the_conversation_cache() -> None:
     """Batch rows go through the conversation cache as single requests do: a second turn run
     as a row restores what the first turn's row saved, and emits what a cold run emits."""
@@ -558,7 +562,7 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
 def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
     widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The chi-square homogeneity test of tests/test_sampling.py, through batches: 400 rows,
+    """The chi-square homogeneity test of tests/engine/test_sampling.py, through batches: 400 rows,
     8 per batch (one K per batch, so that all 8 share every cycle: K = 1, 2, 3, 4 and
     automatic K in turn; seeded and unseeded batches alternate), against 400 requests decoded
     alone without drafts; the first three tokens, position by position."""

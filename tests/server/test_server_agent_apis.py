@@ -4,7 +4,7 @@ SDKs unchanged (plus httpx for raw SSE and error bodies).
 
 The scripted engine writes reasoning, text and Qwen XML tool calls on cue, so the mapping of the
 core's output blocks onto each API's content blocks, output items and stream events is checked
-exactly; tests/test_server_agent_real.py runs the same APIs against real checkpoints.
+exactly; tests/server/test_server_agent_real.py runs the same APIs against real checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from fake_engine import FakeEngine, LiveServer
 
 from server.app import create_app
 from server.settings import ServerSettings
+
+pytestmark = pytest.mark.fast  # the scripted fake engine answers at once: the whole file is quick
 
 MODEL = "fake-model"
 #: Anthropic's API thinks only when asked (the scripted engine writes reasoning either way)

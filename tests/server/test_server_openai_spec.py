@@ -24,6 +24,8 @@ from openai_spec import schema
 from server.app import create_app
 from server.settings import ServerSettings
 
+pytestmark = pytest.mark.fast  # the scripted fake engine answers at once: the whole file is quick
+
 MODEL = "fake-model"
 TOOLS = [
     {

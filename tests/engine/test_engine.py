@@ -60,7 +60,10 @@ def assert_invariant(seq) -> None:
         assert seq.head_cache.offset + seq.head_skipped + pending == n
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param(v, marks=pytest.mark.fast if v == "dense-tied" else ()) for v in VARIANTS],
+)
 def test_greedy_speculative_equals_plain(load_engine, variant: str) -> None:
     engine = load_engine(variant, draft_tokens=0)
     proposed = accepted = 0
@@ -105,6 +108,7 @@ def test_drafts_match_independent_reference_head(
     assert checked >= 10
 
 
+@pytest.mark.fast
 def test_trace_indices_follow_the_contract(tiny_engine) -> None:
     """draft[j] proposes the token at index c+j; accepted drafts are what was emitted."""
     prompt = tiny_engine.tokenizer.encode(PROMPTS[1])
@@ -119,7 +123,7 @@ def test_trace_indices_follow_the_contract(tiny_engine) -> None:
             assert line["draft"][n] != everything[c + n]
 
 
-@pytest.mark.parametrize("k", [0, 1, 3, None])
+@pytest.mark.parametrize("k", [0, 1, 3, pytest.param(None, marks=pytest.mark.fast)])
 def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None) -> None:
     """max_tokens and EOS at every position (inside draft blocks too), and a consumer that stops
     early: the caches hold exactly prompt+emitted (minus the last), and continuing gives what a
@@ -343,6 +347,7 @@ def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine)
     assert all(timed[i][1] is not None for i in inner_plain)
 
 
+@pytest.mark.fast
 def test_cancelled_request_ends_within_one_cycle(tiny_engine) -> None:
     prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
     cycles = 0
@@ -358,6 +363,7 @@ def test_cancelled_request_ends_within_one_cycle(tiny_engine) -> None:
     assert len(events) == 3
 
 
+@pytest.mark.fast
 def test_checkpoint_without_head_serves_plain_decoding(make_checkpoint, caplog) -> None:
     variant = Variant("no-mtp", with_mtp=False, agreement=0.1, seed=5)
     with caplog.at_level(logging.WARNING, logger="mtpserve.loader"):
@@ -545,6 +551,7 @@ def test_flat_text_config_with_plain_model_prefix(tmp_path: Path, load_engine) -
     assert flat.has_head and outputs[0] == outputs[1]
 
 
+@pytest.mark.fast
 def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
     """Drafting over a token subset changes acceptance, never the output; drafts stay inside it."""
     engine = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
@@ -594,6 +601,7 @@ def _unsplit(x: mx.array, weight: mx.array, rowwise_max_rows: int) -> mx.array:
 
 
 @mlx_products_only
+@pytest.mark.fast
 def test_a_product_of_a_few_rows_is_each_rows_own_product(monkeypatch) -> None:
     """On a CPU a float32 product of 2 to ``rowwise_max_rows`` rows (a verify pass's K+1
     positions, a batch's rows), where row by row pays, gives every row bit for bit what that
@@ -758,6 +766,7 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 8])
+@pytest.mark.fast
 def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
     """The verify pass's closed-form GDN step (outputs, and the state after every position,
     which is what rollback commits) equals mlx-lm's step-by-step gated delta rule."""
@@ -797,6 +806,7 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
 
 
 @pytest.mark.parametrize("keys", ["random", "repeated"])
+@pytest.mark.fast
 def test_prefill_delta_rule_matches_the_recurrence(keys: str) -> None:
     """A prefill's closed-form GDN blocks (``delta_rule_prefill``) equal the step-by-step rule,
     computed in float64, over 150 positions starting mid-block (blocks [37, 64), [64, 128),
@@ -835,6 +845,7 @@ def test_prefill_delta_rule_matches_the_recurrence(keys: str) -> None:
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
+@pytest.mark.fast
 def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) -> None:
     """A plain cycle's GDN step (``delta_rule_step``: output and new state) equals mlx-lm's
     gated delta rule, with as many key heads as value heads and with fewer (repeated)."""

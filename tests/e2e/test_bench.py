@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -75,6 +75,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "MTPSERVE_CACHE"}
 
 
+@pytest.mark.fast
 def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None:
     from engine.api import GenerationStats
     from engine.bench.speed import Row, _gap_note
@@ -96,6 +97,7 @@ def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None
     assert note.endswith("mostly verify, +2.0 ms")
 
 
+@pytest.mark.fast
 def test_prediction_uses_conditional_per_position_acceptance() -> None:
     """Stats count P(draft i accepted) unconditionally (8 of 10 cycles accepted draft 1, 4 of
     10 draft 2); the cost model multiplies conditional rates: 0.8, then 4 of those 8."""
@@ -109,6 +111,7 @@ def test_prediction_uses_conditional_per_position_acceptance() -> None:
     assert expected_tokens(rates, 2) == 1 + 0.8 + 0.4  # = 1 + (8 + 4) / 10 tokens per cycle
 
 
+@pytest.mark.fast
 def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
     """Auto ran 10 cycles at K=3 and 2 at K=4; priced at the fixed rows' average cycles (10 ms
     for 3 tokens, 12 ms for 3.4) that is 36.8 tokens in 124 ms, against the best fixed K's
@@ -141,6 +144,7 @@ def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
     assert price_auto_choices(rows, "s") is None
 
 
+@pytest.mark.fast
 def test_bench_batch_writes_its_table_and_checks_every_row(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -23,7 +23,7 @@ from engine.allocator import jemalloc_path
 from server.cli import add_serve_arguments, settings_from_args
 from server.settings import ServerSettings, load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "SERVER.md"
 
 
@@ -100,6 +100,7 @@ def doc_blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
+@pytest.mark.fast
 def test_docs_curl_examples_work_as_written(served: tuple[str, int]) -> None:
     url, port = served
     blocks = [b for b in doc_blocks("bash") if "curl" in b]
@@ -150,6 +151,7 @@ def parse(argv: list[str]):
     return p.parse_args(argv)
 
 
+@pytest.mark.fast
 def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "server.toml"
     cfg.write_text('port = 9100\nmax_queue = 3\npreset = "greedy"\n[sampling]\ntop_k = 5\n')
@@ -171,6 +173,7 @@ def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     )
 
 
+@pytest.mark.fast
 def test_config_typos_fail_loudly(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("prot = 80\n")
@@ -180,11 +183,13 @@ def test_config_typos_fail_loudly(tmp_path: Path) -> None:
         load_settings(tmp_path / "missing.toml")
 
 
+@pytest.mark.fast
 def test_repository_config_loads() -> None:
     s = load_settings(ROOT / "configs" / "server.toml")
     assert s.host == "127.0.0.1" and s.api_key is None
 
 
+@pytest.mark.fast
 def test_model_names() -> None:
     s = ServerSettings(model="/x/models/demo", served_model_names=["a"])
     assert s.model_names("demo") == ["demo", "a", "/x/models/demo"]

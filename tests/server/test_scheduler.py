@@ -23,6 +23,8 @@ from server.core.scheduler import (
     SchedulerClosedError,
 )
 
+pytestmark = pytest.mark.fast  # no model: the whole file is quick
+
 #: a prompt the counting engine refuses as the real one refuses a bad request
 REFUSED = -2
 
@@ -290,7 +292,7 @@ def test_scheduler_does_not_import_mlx() -> None:
     import subprocess
 
     code = "import server.core.scheduler, server.app, sys; print('mlx' in sys.modules)"
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
@@ -369,7 +371,7 @@ def test_a_server_stopped_as_its_process_exits_exits_cleanly(tmp_path: Path) -> 
     worker frees them itself before it ends (``engine.model.memory.release_thread``)."""
     script = tmp_path / "stopped_at_exit.py"
     script.write_text(STOPPED_AT_EXIT)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for _ in range(3):
         done = subprocess.run(
             [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=60

@@ -2,46 +2,26 @@
 log_softmax of a plain mlx-lm forward over prompt + generated tokens (no engine code), for
 greedy and sampled decoding with drafts accepted and rejected, through the engine and through
 ``mtpserve generate --json --logprobs N``. The server's two endpoints are checked the same way in
-tests/test_server_engine_paths.py (``independent_logprobs`` is shared)."""
+tests/server/test_server_engine_paths.py (``independent_logprobs``: tests/reference_logprobs.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
+from reference_logprobs import independent_logprobs
 
 from engine.api import GenerationRequest
 from sampling.params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "qwen3.5-demo"
 #: float32 forward of the same weights along different paths (compiled blocks, verify rows)
 TOLERANCE = 2e-3
-
-
-@lru_cache(maxsize=4)
-def plain_model(model_dir: str):
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(model_dir))
-    model.set_dtype(mx.float32)  # what the engine runs on CPUs
-    return model
-
-
-def independent_logprobs(model_dir: str | Path, prompt: list[int], generated: list[int]):
-    """log_softmax rows predicting each generated token, float64 ``[len(generated), V]``."""
-    model = plain_model(str(model_dir))
-    ids = mx.array(prompt + generated)[None]
-    logits = np.array(model.language_model(ids)[0].astype(mx.float32)).astype(np.float64)
-    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
-    top = rows.max(axis=1, keepdims=True)
-    return rows - top - np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
 
 
 def check_logprobs(
@@ -73,6 +53,7 @@ def demo_engine():
     ],
     ids=["greedy-K2", "sampled-K3", "sampled-plain"],
 )
+@pytest.mark.fast
 def test_engine_logprobs_equal_an_independent_forward(
     demo_engine, params: SamplingParams, k: int
 ) -> None:

@@ -2,8 +2,8 @@
 
 Driven with the ``openai`` SDK (what users run) and with httpx for what the SDK hides: raw SSE
 framing, error bodies, status codes, disconnects. The scripted engine is what makes reasoning,
-tool calls, stop strings and multi-byte text checkable exactly; tests/test_server_real.py runs
-the same flows against the real engine and a tiny checkpoint.
+tool calls, stop strings and multi-byte text checkable exactly;
+tests/server/test_server_real.py runs the same flows against the real engine and a tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from fake_engine import SCRIPTS, FakeEngine, LiveServer
 
 from server.app import create_app
 from server.settings import ServerSettings
+
+pytestmark = pytest.mark.fast  # the scripted fake engine answers at once: the whole file is quick
 
 TOOLS = [
     {

@@ -9,7 +9,7 @@ its ~300-token system block only slows these CPU runs down) — greedy output th
 token counts agree (``count_tokens`` included), and the SDKs parse every streamed event in order
 with usage at the end. Neither model writes tool calls on purpose; that a tool call the model
 writes comes back as ``tool_use`` / ``function_call`` is covered with the scripted engine in
-tests/test_server_agent_apis.py.
+tests/server/test_server_agent_apis.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fake_engine import LiveServer
 from server.app import create_app
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 MAX_TOKENS = 20
 SYSTEM = "You are a terse coding assistant."
 QUESTION = "def fibonacci(n):"

@@ -36,7 +36,7 @@ import pytest
 from engine.cycle.speculative import MAX_CATCH_UP
 from engine.scheduling.autok import POLICIES, AutoK, CostTable, KindPolicy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
 
 

@@ -29,7 +29,7 @@ from openai_spec import schema
 from server.app import create_app
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 ANSWER_SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},

@@ -92,6 +92,7 @@ def test_round_trip_greedy_speculative_equals_plain(converted, bits: int, head_b
     assert 0 < accepted < proposed  # the quantized head drafts, and both paths run
 
 
+@pytest.mark.fast
 def test_sharded_moe_reads_only_mtp_shards(make_checkpoint, tmp_path, monkeypatch) -> None:
     src = make_checkpoint(VARIANTS["moe-untied-sharded"])
     index = json.loads((src / conv.INDEX_NAME).read_text())
@@ -150,6 +151,7 @@ def test_unquantized_head_has_no_quantization_metadata(converted) -> None:
     assert conv.SIDECAR_QUANTIZATION not in meta
 
 
+@pytest.mark.fast
 def test_convert_refuses_nonempty_out_and_quantized_source(
     converted, make_checkpoint, tmp_path
 ) -> None:
@@ -332,6 +334,7 @@ def test_download_selects_only_mtp_shards(converted, make_checkpoint, headless, 
     assert requested == ["config.json", conv.SIDECAR_NAME]
 
 
+@pytest.mark.fast
 def test_cli(make_checkpoint, tmp_path, capsys) -> None:
     from mtpserve.cli import main
 

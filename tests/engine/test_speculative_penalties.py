@@ -25,14 +25,14 @@ from test_sampling import ALPHA, _homogeneity_pvalue
 from engine.api import GenerationRequest
 from sampling.params import SamplingParams
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 PROMPTS = ["def read_lines(path):\n", "The quick brown fox", "class Point:\n    def"]
 
 
 @pytest.fixture(scope="module")
 def demo_engine():
     """The demo model with the conversation cache on: each prompt runs hundreds of times and
-    is prefilled once (the cache is exact against a cold run: tests/test_prefix_cache.py)."""
+    is prefilled once (the cache is exact against a cold run: tests/engine/test_prefix_cache.py)."""
     from engine.runtime import Engine
 
     engine = Engine.load(str(DEMO_MODEL), draft_tokens=0)
@@ -95,7 +95,9 @@ def test_greedy_with_penalties_equals_plain_on_the_demo_model(
     assert 0 < accepted < proposed  # multi-row verifies ran, drafts accepted and rejected
 
 
-@pytest.mark.parametrize("variant", ["dense-tied", "moe-untied-sharded"])
+@pytest.mark.parametrize(
+    "variant", [pytest.param("dense-tied", marks=pytest.mark.fast), "moe-untied-sharded"]
+)
 def test_greedy_with_penalties_equals_plain_on_test_checkpoints(load_engine, variant) -> None:
     """The random checkpoints rarely repeat a token greedily, so penalties alone seldom change
     their text: each prompt also bans plain greedy's first token, which changes it for sure."""

@@ -3,9 +3,9 @@ constrained decoding emits.
 
 Greedy: the same tokens for K = 0, 1, 3 and automatic K (dense and MoE test checkpoints and the
 demo model), and every output is a sentence of the grammar. Sampled: the chi-square homogeneity
-test of tests/test_sampling.py between K=3 (rejection sampling under masks) and K=0. Drafts the
-grammar forbids (the head drafting over a small vocabulary) are rejected without changing the
-output; constrained rows of a batch equal the same requests alone.
+test of tests/engine/test_sampling.py between K=3 (rejection sampling under masks) and K=0.
+Drafts the grammar forbids (the head drafting over a small vocabulary) are rejected without
+changing the output; constrained rows of a batch equal the same requests alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sampling.constraint import (
 )
 from sampling.params import SamplingParams
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 YES_NO_TOOL = {
     "type": "object",
     "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
@@ -87,7 +87,7 @@ def engine(request, load_engine) -> Engine:
 @pytest.fixture(scope="module")
 def demo() -> Engine:
     """The demo model with the conversation cache on: the sampled test runs one prompt 600
-    times, prefilled once (restores are exact: tests/test_prefix_cache.py)."""
+    times, prefilled once (restores are exact: tests/engine/test_prefix_cache.py)."""
     engine = Engine.load(str(DEMO), draft_tokens=0)
     engine.enable_prefix_cache(64 << 20)
     return engine
@@ -220,6 +220,7 @@ def test_a_forced_calls_arguments_are_valid_under_its_schema(engine: Engine) -> 
     assert isinstance(arguments["hour"], int) and isinstance(arguments["loud"], bool)
 
 
+@pytest.mark.fast
 def test_a_property_schema_llguidance_cannot_enforce_is_free_text() -> None:
     """``uniqueItems`` is beyond llguidance: that value alone falls back to free text (as
     without a forced call); the request is not refused and the other values stay typed."""
@@ -329,6 +330,7 @@ def test_rollback_restores_the_mask(demo: Engine) -> None:
     assert np.array_equal(constraint.allowed(), start)
 
 
+@pytest.mark.fast
 def test_objects_that_list_properties_take_no_other_key() -> None:
     """Closed where the schema says nothing of other keys (pydantic's schemas), at any depth
     and in ``$defs``; left as written where it does say (``additionalProperties``,

@@ -1,6 +1,6 @@
 """Server behaviours against the real engine, black box over HTTP (real uvicorn on loopback).
 
-tests/test_server_api.py proves these paths exactly against a scripted fake engine; here they
+tests/server/test_server_api.py proves these paths exactly against a scripted fake engine; here they
 run once each through the real engine, with assertions on content:
 
 * a **scripted** bigram checkpoint (tests/bigram_checkpoint.py: the real engine on weights that
@@ -30,7 +30,7 @@ import openai
 import pytest
 from bigram_checkpoint import DEMO_MODEL, script_transitions, write_bigram_checkpoint
 from fake_engine import LiveServer, metric
-from test_logprobs import independent_logprobs
+from reference_logprobs import independent_logprobs
 
 from engine.api import GenerationEvent
 from server.app import create_app
@@ -99,6 +99,7 @@ def ask(content: str = "Which file?") -> list[dict[str, str]]:
 
 
 # ---- the scripted engine ----------------------------------------------------------------------
+@pytest.mark.fast
 def test_reasoning_content_and_tool_call(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="m", messages=ask(), tools=TOOLS, temperature=0)
     choice = r.choices[0]
@@ -213,6 +214,7 @@ def tiny_tokenizer(tiny_checkpoint: Path):
     return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
 
 
+@pytest.mark.fast
 def test_logprobs_on_both_endpoints_equal_an_independent_forward(
     tiny_server: LiveServer, tiny_checkpoint: Path, load_engine
 ) -> None:

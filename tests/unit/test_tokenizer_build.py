@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import configs
 from engine.model.tokenizer_build import (
     ALL_ADDED_TOKENS,
     MARKUP_TOKENS,
@@ -115,7 +116,7 @@ def test_files_and_config(tok_dirs):
     assert cfg["tokenizer_class"] in ("Qwen2Tokenizer", "Qwen2TokenizerFast")
     assert cfg["eos_token"] == "<|im_end|>"
     assert cfg["pad_token"] == "<|endoftext|>"
-    template = (Path(__file__).parent.parent / "configs" / "chat_template.jinja").read_text()
+    template = configs.text(configs.CHAT_TEMPLATE)
     assert cfg["chat_template"] == template
     assert (d / "chat_template.jinja").read_text() == template
     vocab = json.loads((d / "vocab.json").read_text())

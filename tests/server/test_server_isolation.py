@@ -227,6 +227,7 @@ def fake_server():
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.fast
 def test_non_finite_numbers_in_a_request_are_refused(fake_server: LiveServer, number: str) -> None:
     tool = {
         "type": "function",
@@ -248,6 +249,7 @@ def test_non_finite_numbers_in_a_request_are_refused(fake_server: LiveServer, nu
         assert r.status_code == 400, r.text
 
 
+@pytest.mark.fast
 def test_a_huge_number_the_model_writes_stays_json(fake_server: LiveServer) -> None:
     body = {
         "model": "fake-model",

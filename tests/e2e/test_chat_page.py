@@ -26,7 +26,7 @@ from server.app import create_app
 from server.page import PAGE_DIR
 from server.settings import ServerSettings
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qwen3.5-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 PROMPT = "Write the function read_lines: Return a list of the lines in the file at path."
 
 
@@ -71,6 +71,7 @@ def stream_chat(http: httpx.Client, model: str, **body: Any) -> list[dict[str, A
 # -- the page's files and the extension over plain HTTP ------------------------------------------
 
 
+@pytest.mark.fast
 def test_page_is_served_and_fetches_nothing_from_elsewhere(http: httpx.Client) -> None:
     page = http.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -86,6 +87,7 @@ def test_page_is_served_and_fetches_nothing_from_elsewhere(http: httpx.Client) -
         assert urls <= {"http://www.w3.org/2000/svg"}, (path.name, urls)
 
 
+@pytest.mark.fast
 def test_trace_is_opt_in(server: LiveServer, http: httpx.Client) -> None:
     chunks = stream_chat(http, server.model)
     assert chunks and all("mtp_trace" not in c for ch in chunks for c in ch["choices"])
@@ -95,6 +97,7 @@ def test_trace_is_opt_in(server: LiveServer, http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.fast
 def test_trace_marks_exactly_the_accepted_drafts(server: LiveServer, http: httpx.Client, n: int):
     chunks = stream_chat(http, server.model, mtp_trace=True, n=n, seed=3, temperature=0.8)
     usage = chunks[-1]["usage"]
