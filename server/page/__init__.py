@@ -1,4 +1,4 @@
-"""The chat page at ``/``: static HTML, CSS and JavaScript shipped in ``server/page/``.
+"""The chat page at ``/``: the static HTML, CSS and JavaScript beside this file.
 
 No build step and nothing from another host: the page talks only to this server (its
 Content-Security-Policy says so), so it works offline. It streams /v1/chat/completions with the
@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from sampling.params import SamplingParamError, load_presets
 
-PAGE_DIR = Path(__file__).resolve().parent / "page"
+PAGE_DIR = Path(__file__).resolve().parent
 
 #: Same-origin only: scripts, styles, fetches and images never leave this server.
 _HEADERS = {
