@@ -51,8 +51,9 @@ from engine.cycle.speculative import (
 )
 from engine.model import loader
 from engine.model.memory import limit_host_arenas, release_between_requests
-from engine.scheduling.autok import DraftPolicy, EngineAutoK
+from engine.scheduling.autok import EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
+from engine.scheduling.policy import DraftPolicy
 from sampling.constraint import GrammarDeadEnd, GrammarError, TokenConstraint, build_tokenizer
 from sampling.params import (
     SamplingOverrides,

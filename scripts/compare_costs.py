@@ -107,7 +107,7 @@ def mtpserve_row(model: str, reps: int) -> dict[str, Any]:
 
     blas.use_fast_blas()
     from engine.runtime import Engine
-    from engine.scheduling.autok import estimate_costs
+    from engine.scheduling.costs import estimate_costs
 
     engine = Engine.load(model, draft_tokens=0, dtype="float32")
     costs = estimate_costs(engine, reps=reps, thorough=True, clock=time.perf_counter)

@@ -2,7 +2,7 @@
 
     python scripts/cost_table.py runs/shapes/qwen3.5-0.8B [--dtype bfloat16]
 
-Times (lowest of a few runs after a warm-up, ``engine.scheduling.autok.estimate_costs``): the
+Times (lowest of a few runs after a warm-up, ``engine.scheduling.costs.estimate_costs``): the
 plain decode step (a one-token trunk forward with the vocabulary projection), the head's draft
 step over the full vocabulary and over a draft vocabulary of ``--draft-vocab`` tokens, the
 trunk's verify forward over K+1 tokens against one, and prefill throughput of a ``--prefill-
@@ -62,7 +62,7 @@ def main() -> int:
     from engine.model.mtp import project_to_vocab
     from engine.model.trunk import trunk_hidden
     from engine.runtime import DraftPolicy, Engine
-    from engine.scheduling.autok import MAX_AUTO_K, estimate_costs, expected_tokens
+    from engine.scheduling.costs import MAX_AUTO_K, estimate_costs, expected_tokens
     from sampling.params import SamplingParams
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter

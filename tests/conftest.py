@@ -45,11 +45,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep measured-cost caches of throwaway checkpoints out of the user's home."""
-    import engine.scheduling.autok
+    import engine.scheduling.costs
 
     path = tmp_path_factory.mktemp("cost-cache")
     os.environ["MTPSERVE_CACHE"] = str(path)
-    engine.scheduling.autok.CACHE_DIR = path
+    engine.scheduling.costs.CACHE_DIR = path
 
 
 @pytest.fixture(scope="session")

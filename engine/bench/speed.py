@@ -32,7 +32,8 @@ from engine.allocator import malloc_in_use
 from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP, GenerationStats, parse_draft_tokens
 from engine.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from engine.blas import blas_in_use
-from engine.scheduling.autok import decoding_kind, measure_costs, representative_sampler
+from engine.scheduling.autok import representative_sampler
+from engine.scheduling.costs import decoding_kind, measure_costs
 
 
 @dataclass
@@ -374,7 +375,7 @@ def _gap_note(
     K-cycle to a plain step (times the run's acceptance), so compare each side with the run,
     then the profiled split with the table's parts: draft = the head's expected catch-up plus
     K-1 draft steps, verify = a (K+1)-token trunk forward."""
-    from engine.scheduling.autok import committed_distribution
+    from engine.scheduling.costs import committed_distribution
 
     def versus(name: str, run: float, table: float) -> str:
         return f"{name} {run * 1e3:.1f} ms in run vs {table * 1e3:.1f} ms measured"

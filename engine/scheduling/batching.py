@@ -62,7 +62,7 @@ from engine.cycle.speculative import (
     read_cycles,
 )
 from engine.model.memory import release_between_requests, release_while_running
-from engine.scheduling.autok import MAX_AUTO_K, expected_tokens
+from engine.scheduling.costs import MAX_AUTO_K, expected_tokens
 
 log = logging.getLogger("mtpserve.batching")
 

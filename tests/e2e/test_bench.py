@@ -79,7 +79,7 @@ def _env() -> dict[str, str]:
 def test_gap_note_names_the_stage_that_differs_from_the_start_up_table() -> None:
     from engine.api import GenerationStats
     from engine.bench.speed import Row, _gap_note
-    from engine.scheduling.autok import CostTable
+    from engine.scheduling.costs import CostTable
 
     costs = CostTable(
         cycle=[0.003, 0.006, 0.008],
@@ -103,7 +103,7 @@ def test_prediction_uses_conditional_per_position_acceptance() -> None:
     10 draft 2); the cost model multiplies conditional rates: 0.8, then 4 of those 8."""
     from engine.api import GenerationStats
     from engine.bench.speed import conditional_acceptance
-    from engine.scheduling.autok import expected_tokens
+    from engine.scheduling.costs import expected_tokens
 
     stats = GenerationStats(accepted_per_position=[8, 4], proposed_per_position=[10, 10])
     rates = conditional_acceptance(stats)

@@ -79,14 +79,14 @@ def seed_auto_costs(model_dir: Path, vocab: int) -> None:
     (minutes through loopback collectives on this machine). The table only decides which K
     runs; greedy output must equal plain decoding whichever it picks. Costs that grow slowly
     with K make auto draft."""
-    import engine.scheduling.autok as autok
+    import engine.scheduling.costs as costs
 
-    stamp = autok._group_stamp
-    autok._group_stamp = lambda: "ranks=2"
+    stamp = costs._group_stamp
+    costs._group_stamp = lambda: "ranks=2"
     try:
-        key = autok.machine_key(model_dir)
+        key = costs.machine_key(model_dir)
     finally:
-        autok._group_stamp = stamp
+        costs._group_stamp = stamp
     table = {
         "cycle": [0.010, 0.011, 0.012, 0.013, 0.014],
         "trunk": [0.009, 0.0095, 0.010, 0.0105, 0.011],
@@ -95,7 +95,7 @@ def seed_auto_costs(model_dir: Path, vocab: int) -> None:
         "absorb_far": 0.002,
         "machine": "seeded by tests/e2e/test_distributed.py",
     }
-    path = autok.CACHE_DIR / f"costs-{key}-v{vocab}-greedy.json"
+    path = costs.CACHE_DIR / f"costs-{key}-v{vocab}-greedy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table))
 

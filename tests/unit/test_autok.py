@@ -7,15 +7,12 @@ import pytest
 from engine.scheduling.autok import (
     DEEPER_PROBE_EVERY,
     EXPLORE_CYCLES,
-    MAX_AUTO_K,
     PROBE_EVERY,
     UNSEEN_DECAY,
     AcceptanceCounts,
     AutoK,
-    CostTable,
-    best_k,
-    expected_tokens,
 )
+from engine.scheduling.costs import MAX_AUTO_K, CostTable, best_k, expected_tokens
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -67,7 +64,7 @@ def test_unobserved_positions_borrow_from_the_previous_one() -> None:
 def test_cycle_cost_adds_the_expected_catch_up_of_the_head() -> None:
     """A K-cycle's head first catches up on what the previous cycle committed (1..K+1
     positions); the expected cost weighs each catch-up by how often that many are committed."""
-    from engine.scheduling.autok import committed_distribution
+    from engine.scheduling.costs import committed_distribution
 
     costs = CostTable(
         cycle=[1.0, 2.0, 3.0], trunk=[1.0] * 3, head_step=0.1, absorb=[0.5, 0.75, 1.0]
@@ -305,13 +302,14 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
     from checkpoints import VARIANTS
 
     import engine.scheduling.autok as autok
+    import engine.scheduling.costs as costs
     from engine.api import GenerationRequest
     from engine.runtime import Engine
     from sampling.params import SamplingParams
 
-    monkeypatch.setattr(autok, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(autok, "SAVE_EVERY_TIMED", 1)
-    monkeypatch.setattr(autok, "measure_costs", lambda *a, **k: pytest.fail("long measurement"))
+    monkeypatch.setattr(costs, "measure_costs", lambda *a, **k: pytest.fail("long measurement"))
     estimates: list[int] = []
     real_estimate = autok.estimate_costs
 
@@ -343,12 +341,12 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
 def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch) -> None:
     """Where one forward takes seconds (bf16 on a CPU, a large model) start-up times only it:
     a verify is priced as one forward, a head step by the bytes it reads."""
-    import engine.scheduling.autok as autok
+    from engine.scheduling import costs as cost_table
 
     engine = load_engine("dense-tied", draft_tokens=0)
-    monkeypatch.setattr(autok, "SLOW_FORWARD", 0.0)
-    costs = autok.estimate_costs(engine)
-    ratio = autok.head_bytes_ratio(engine)
+    monkeypatch.setattr(cost_table, "SLOW_FORWARD", 0.0)
+    costs = cost_table.estimate_costs(engine)
+    ratio = cost_table.head_bytes_ratio(engine)
     assert 0 < ratio < 1
     assert costs.trunk == [costs.cycle[0]] * (MAX_AUTO_K + 1)
     assert costs.head_step == pytest.approx(costs.cycle[0] * ratio)

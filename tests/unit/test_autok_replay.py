@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 
 from engine.cycle.speculative import MAX_CATCH_UP
-from engine.scheduling.autok import POLICIES, AutoK, CostTable, KindPolicy
+from engine.scheduling.autok import POLICIES, AutoK, KindPolicy
+from engine.scheduling.costs import CostTable
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())

@@ -1,0 +1,19 @@
+"""Which K a request runs each cycle: fixed, or chosen by auto K."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class DraftPolicy:
+    """Which K to run each cycle: fixed, or automatic (``chooser``: a ``RequestAutoK``)."""
+
+    fixed: int | None
+    chooser: Any = None
+
+    def choose(self, seq: Any, remaining: int) -> int:
+        k = self.fixed if self.fixed is not None else self.chooser.choose(seq)
+        # Never draft past max_tokens: at most `remaining` tokens can be emitted.
+        return max(0, min(k, remaining - 1))
