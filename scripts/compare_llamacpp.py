@@ -30,12 +30,13 @@ means nothing there, costs do); it is made by ``python scripts/make_shapes.py 0.
 git-ignored runs/shapes/qwen3.5-0.8B). Fetch and build as above, then per weight format:
 
 - F32 and BF16 GGUFs by the converter (its f32 file also feeds the quantizer), Q8_0 and Q4_0 by
-  ``llama-quantize`` (its default recipe for the type); against them mtpserve loads the
-  checkpoint in float32 and in bfloat16, and its 8-bit and 4-bit (group 64) folders written by
-  ``mtpserve convert`` (mlx-lm's affine quantization; ``--work``/<name>-mlx-<bits>bit).
+  ``llama-quantize`` (its default recipe: Q4_0 keeps the tied output matrix at Q6_K); against
+  them mtpserve loads the checkpoint in float32 and in bfloat16, and its 8-bit and 4-bit
+  (group 64) folders written by ``mtpserve convert`` (mlx-lm's affine quantization, the
+  embedding too; ``--work``/<name>-mlx-<bits>bit).
 - llama.cpp's decode tokens/s from ``llama-bench -p 0 -n 64 -t T -o json``, mtpserve's from its
   plain steps (K=0, greedy, EOS ignored, 64 tokens after a short prompt) with the product
-  kernel on T threads; for every T of ``--plain-threads`` (2,1), ``--rounds`` rounds, each
+  kernel on T threads; for every T of ``--plain-threads`` (2,1), ``--rounds`` (5) rounds, each
   format's two tools one after the other (which goes first alternates), so drift hits both.
 - The bytes of weights a token reads on each side: every weight but the MTP head's (and, where
   the embedding is not the output matrix, the embedding's), as stored.
@@ -461,13 +462,16 @@ def mtpserve_read_bytes(engine: Any) -> int:
     )
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, tokens: int, reps: int) -> list[float]:
-    """Decode tokens/s of each of ``reps`` runs of ``llama-bench -p 0 -n tokens``."""
+def llama_bench(
+    binary: Path, gguf: Path, threads: int, tokens: int, reps: int
+) -> tuple[list[float], str]:
+    """Decode tokens/s of each of ``reps`` runs of ``llama-bench -p 0 -n tokens``, and the
+    llama.cpp commit it was built from."""
     cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads)]
     cmd += ["-r", str(reps), "-o", "json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     (test,) = json.loads(out)
-    return [float(ts) for ts in test["samples_ts"]]
+    return [float(ts) for ts in test["samples_ts"]], str(test.get("build_commit", "?"))
 
 
 def mtpserve_plain_tps(engine: Any, tokens: int) -> float:
@@ -517,7 +521,10 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     sides: dict[str, dict[str, Any]] = {}
     for name in formats:
         kind, dtype, bits = PLAIN_FORMATS[name]
-        gguf = ggufs[name] if bits is None else quantize_gguf(args.work, ggufs["f32"], kind, 1)
+        if bits is None:
+            gguf = ggufs[name]
+        else:
+            gguf = quantize_gguf(args.work, ggufs["f32"], kind, args.jobs)
         folder = model if bits is None else mlx_quantized(args.work, model, bits)
         ours = Engine.load(str(folder), draft_tokens=0, dtype=dtype)
         mtpserve_plain_tps(ours, 4)  # warm-up: the first steps compile
@@ -531,7 +538,10 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
             },
         }
     native = products.native()
+    # "products: native kernel, <isa>" without the pool's size, which each row sets
+    kernel = products.description().rsplit(",", 1)[0] if native else products.description()
     samples: dict[tuple[str, int, str], list[float]] = {}
+    llama_commit = "?"
     for r in range(args.rounds):
         for t in threads:
             if native is not None:
@@ -541,7 +551,9 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
                 tools = ["llama.cpp", "mtpserve"][:: -1 if r % 2 else 1]
                 for tool in tools:
                     if tool == "llama.cpp":
-                        tps = llama_bench(bench, side["gguf"], t, args.plain_tokens, args.reps)
+                        tps, llama_commit = llama_bench(
+                            bench, side["gguf"], t, args.plain_tokens, args.reps
+                        )
                     else:
                         tps = [
                             mtpserve_plain_tps(side["engine"], args.plain_tokens)
@@ -570,8 +582,8 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         "tokens": args.plain_tokens,
         "rounds": args.rounds,
         "reps": args.reps,
-        "products": products.description(),
-        "llama_cpp": f"llama-cpp-python {VERSION}'s vendored llama.cpp",
+        "products": kernel,
+        "llama_cpp": f"llama.cpp {llama_commit} (llama-cpp-python {VERSION}'s vendored sources)",
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()}",
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
@@ -587,8 +599,8 @@ def plain_table(result: dict[str, Any]) -> str:
         f"{result['tokens']} tokens after an {len(PLAIN_PROMPT)}-token prompt), the mean of "
         f"{n} runs each, interleaved over {result['rounds']} rounds. Commit `{result['commit']}`; "
         f"{result['machine']}; {result['llama_cpp']}; mtpserve's {result['products']} "
-        "(set to the row's threads). MB/token: the weights one token reads (not the MTP "
-        "head's); GB/s: that times tokens/s.",
+        "on the row's threads. Tokens/s: mean (lowest-highest run). MB/token: the weights one "
+        "token reads as stored (not the MTP head's); GB/s: that times tokens/s.",
         "",
         "| llama.cpp / mtpserve weights | threads | llama.cpp tok/s | mtpserve tok/s | "
         "mtpserve / llama.cpp | llama.cpp MB/token | mtpserve MB/token | llama.cpp GB/s | "
@@ -634,7 +646,7 @@ def main() -> int:
     )
     p.add_argument("--plain-threads", default="2,1")
     p.add_argument("--plain-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="plain: rounds over every setting")
+    p.add_argument("--rounds", type=int, default=5, help="plain: rounds over every setting")
     p.add_argument("--reps", type=int, default=1, help="plain: runs of each setting per round")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
