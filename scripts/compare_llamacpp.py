@@ -512,6 +512,9 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     from engine.model import products
     from engine.runtime import Engine
 
+    commit = subprocess.run(  # the code measured, should HEAD move during the run
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     model = Path(args.shape_model)
     formats = [f for f in args.plain_formats.split(",") if f]
     threads = [int(t) for t in args.plain_threads.split(",")]
@@ -577,9 +580,7 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         "products": kernel,
         "llama_cpp": f"llama.cpp {llama_commit} (llama-cpp-python {VERSION}'s vendored sources)",
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()}",
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "commit": commit,
     }
 
 
