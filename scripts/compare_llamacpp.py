@@ -22,6 +22,27 @@ folder, nothing of llama.cpp is committed):
 Writes ``--out``/compare_llamacpp.json and .md (a table: tokens/s, acceptance, the speed-up over
 each tool's own plain decoding, greedy equality). Not part of ``make test``; run with
 ``make compare-llamacpp``.
+
+With ``--shape-model CHECKPOINT`` (``make compare-llamacpp SHAPE=runs/shapes/qwen3.5-0.8B``)
+it compares plain decoding at a full-size shape instead of the steps above. The 0.8B
+checkpoint has random weights and Qwen3.5-0.8B's exact shapes, MTP head included (acceptance
+means nothing there, costs do); it is made by ``python scripts/make_shapes.py 0.8B`` (into the
+git-ignored runs/shapes/qwen3.5-0.8B). Fetch and build as above, then per weight format:
+
+- F32 and BF16 GGUFs by the converter (its f32 file also feeds the quantizer), Q8_0 and Q4_0 by
+  ``llama-quantize`` (its default recipe: Q4_0 keeps the tied output matrix at Q6_K); against
+  them mtpserve loads the checkpoint in float32 and in bfloat16, and its 8-bit and 4-bit
+  (group 64) folders written by ``mtpserve convert`` (mlx-lm's affine quantization, the
+  embedding too; ``--work``/<name>-mlx-<bits>bit).
+- llama.cpp's decode tokens/s from ``llama-bench -p 0 -n 64 -t T -o json``, mtpserve's from its
+  plain steps (K=0, greedy, EOS ignored, 64 tokens after a short prompt) with the product
+  kernel on T threads; for every T of ``--plain-threads`` (2,1), ``--rounds`` (5) rounds, each
+  format's two tools one after the other (which goes first alternates), so drift hits both.
+- The bytes of weights a token reads on each side: every weight but the MTP head's (and, where
+  the embedding is not the output matrix, the embedding's), as stored.
+
+Writes ``--out``/compare_llamacpp_shape.json and .md (tokens/s with the runs' range, the
+ratio, MB read per token and what that is in GB/s), with the commit and the machine.
 """
 
 from __future__ import annotations
@@ -68,9 +89,14 @@ def fetch(work: Path) -> Path:
     return source
 
 
+#: what ``build`` makes: the server (``run``), the benchmark (``plain``, compare_costs.py) and
+#: the quantizer (``plain``'s Q8_0/Q4_0)
+TOOLS = ("llama-server", "llama-bench", "llama-quantize")
+
+
 def build(work: Path, source: Path, jobs: int) -> Path:
     server = work / "build" / "bin" / "llama-server"
-    if server.exists() and server.with_name("llama-bench").exists():
+    if all(server.with_name(tool).exists() for tool in TOOLS):
         return server
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -89,9 +115,7 @@ def build(work: Path, source: Path, jobs: int) -> Path:
     build_dir = work / "build"
     sh(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *flags], work / "cmake.log")
     sh(
-        # llama-bench: scripts/compare_costs.py times llama.cpp's batches with it
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", "llama-server"]
-        + ["llama-bench"],
+        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS],
         work / "build.log",
     )
     return server
@@ -105,13 +129,9 @@ def convert(
         python = venv / "bin" / "python"
     if not python.exists():
         sh([sys.executable, "-m", "venv", str(venv)])
-        requirements = source / "requirements" / "requirements-convert_hf_to_gguf.txt"
-        pip = [str(python), "-m", "pip", "install", "--quiet"]
-        try:
-            sh([*pip, "-r", str(requirements)])
-        except subprocess.CalledProcessError:
-            # the pinned CPU torch lives on download.pytorch.org; take what the index has
-            sh([*pip, "torch", "numpy", "sentencepiece", "transformers==4.57.6", "protobuf<5"])
+        requirements = work / "convert-requirements.txt"
+        requirements.write_text("\n".join(pinned_requirements(source)) + "\n")
+        sh([str(python), "-m", "pip", "install", "--quiet", "-r", str(requirements)])
         sh(
             [
                 str(python),
@@ -136,6 +156,25 @@ def convert(
             sh(cmd, work / f"convert-{dtype}.log", env=env)
         out[dtype] = path
     return out
+
+
+def pinned_requirements(source: Path) -> list[str]:
+    """The converter's pinned requirements (its ``-r`` includes followed), without the extra
+    index they name: its CPU torch lives on download.pytorch.org, which need not be reachable,
+    so the same torch version comes from the package index (there its Linux build brings CUDA's
+    libraries along, a few GB, unused here)."""
+
+    def read(path: Path) -> list[str]:
+        lines = []
+        for raw in path.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if line.startswith("-r"):
+                lines += read(path.parent / line[2:].strip())
+            elif line and not line.startswith("-"):
+                lines.append(line)
+        return lines
+
+    return read(source / "requirements" / "requirements-convert_hf_to_gguf.txt")
 
 
 #: Runs llama.cpp's converter unchanged, except that a tokenizer whose pre-tokenizer hash it does
@@ -343,6 +382,256 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- plain decoding at a full-size shape (step ``plain``) ---------------------------------------
+
+#: ``plain``: per weight format, llama.cpp's GGUF type and mtpserve's weights: the dtype the
+#: checkpoint is loaded in, or the bits of ``mtpserve convert``'s mlx affine quantization
+PLAIN_FORMATS: dict[str, tuple[str, str, int | None]] = {
+    "f32": ("F32", "float32", None),
+    "bf16": ("BF16", "bfloat16", None),
+    "q8": ("Q8_0", "auto", 8),
+    "q4": ("Q4_0", "auto", 4),
+}
+GROUP_SIZE = 64
+#: mtpserve's prompt before the timed tokens (llama-bench's ``-p 0`` decodes from an empty
+#: context; mtpserve needs a prompt): any ids, greedy, EOS ignored
+PLAIN_PROMPT = [17, 220, 1008, 42, 5, 900, 31, 64]
+
+
+def quantize_gguf(work: Path, f32: Path, kind: str, jobs: int) -> Path:
+    """llama-quantize's ``kind`` of the f32 GGUF, its default recipe for that type (Q4_0 keeps
+    the output matrix, here the tied embedding, at Q6_K as every Q4_0 GGUF has it)."""
+    path = f32.with_name(f32.name.replace("-f32.gguf", f"-{kind.lower()}.gguf"))
+    if not path.exists():
+        tool = work / "build" / "bin" / "llama-quantize"
+        sh([str(tool), str(f32), str(path), kind, str(jobs)], work / f"quantize-{kind}.log")
+    return path
+
+
+def mlx_quantized(work: Path, model: Path, bits: int) -> Path:
+    """``mtpserve convert`` of the checkpoint: mlx-lm's affine quantization of every linear and
+    the embedding at ``bits``, group 64 (the MTP head too; plain decoding does not read it)."""
+    out = work / f"{model.name}-mlx-{bits}bit"
+    if not (out / "config.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "mtpserve", "convert", "--model", str(model)]
+        cmd += ["--out", str(out), "--bits", str(bits), "--head-bits", str(bits)]
+        cmd += ["--group-size", str(GROUP_SIZE)]
+        sh(cmd, work / f"mlx-convert-{bits}bit.log", cwd=ROOT)
+    return out
+
+
+def gguf_read_bytes(source: Path, path: Path) -> int:
+    """Bytes of the weights a decoded token reads in llama.cpp: every tensor but the MTP
+    layers' (the last ``nextn_predict_layers`` blocks) and, beside a separate output matrix,
+    the embedding (one row a token)."""
+    sys.path.insert(0, str(source / "gguf-py"))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.get_field(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    first_mtp = field(f"{arch}.block_count") - field(f"{arch}.nextn_predict_layers", 0)
+    names = {t.name for t in reader.tensors}
+    total = 0
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= first_mtp:
+            continue
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        total += int(t.n_bytes)
+    return total
+
+
+def mtpserve_read_bytes(engine: Any) -> int:
+    """Bytes of the weights a plain step reads in mtpserve: the trunk's parameters (quantized:
+    codes, scales and biases) without the MTP head's and, beside a separate ``lm_head``, the
+    embedding's (one row a token)."""
+    from mlx.utils import tree_flatten
+
+    trunk = engine.trunk
+    tied = trunk.args.tie_word_embeddings
+    return sum(
+        a.nbytes
+        for name, a in tree_flatten(trunk.parameters())
+        if not name.startswith("mtp.") and (tied or not name.startswith("model.embed_tokens."))
+    )
+
+
+def llama_bench(
+    binary: Path, gguf: Path, threads: int, tokens: int, reps: int
+) -> tuple[list[float], str]:
+    """Decode tokens/s of each of ``reps`` runs of ``llama-bench -p 0 -n tokens``, and the
+    llama.cpp commit it was built from."""
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads)]
+    cmd += ["-r", str(reps), "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    (test,) = json.loads(out)
+    return [float(ts) for ts in test["samples_ts"]], str(test.get("build_commit", "?"))
+
+
+def mtpserve_plain_tps(engine: Any, tokens: int) -> float:
+    """Decode tokens/s of mtpserve's plain steps (K=0, greedy): ``tokens`` tokens after the
+    first one (the prompt's), timed from that first token to the last."""
+    from engine.api import GenerationRequest
+    from sampling.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    request = GenerationRequest(PLAIN_PROMPT, greedy, tokens + 1, draft_tokens=0, ignore_eos=True)
+    first, n = None, 0
+    for event in engine.generate(request):
+        now = time.perf_counter()
+        if first is None:
+            first = now
+            continue
+        n += len(event.token_ids)
+    assert first is not None and n == tokens, (n, tokens)
+    return n / (now - first)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
+    """Plain decoding at the shape of ``--shape-model``, each weight format against its
+    counterpart, both tools on the same threads, measured in turn (llama.cpp, mtpserve,
+    llama.cpp, ...; which goes first alternates by round) so the machine's drift hits both."""
+    sys.path.insert(0, str(ROOT))
+    import engine  # noqa: F401  (fast BLAS before mlx)
+    from engine.model import products
+    from engine.runtime import Engine
+
+    commit = subprocess.run(  # the code measured, should HEAD move during the run
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    model = Path(args.shape_model)
+    formats = [f for f in args.plain_formats.split(",") if f]
+    threads = [int(t) for t in args.plain_threads.split(",")]
+    need = {"bf16"} & set(formats) | ({"f32"} if set(formats) - {"bf16"} else set())
+    ggufs = convert(args.work, source, model, sorted(need), args.convert_python)
+    bench = args.work / "build" / "bin" / "llama-bench"
+    sides: dict[str, dict[str, Any]] = {}
+    for name in formats:
+        kind, dtype, bits = PLAIN_FORMATS[name]
+        if bits is None:
+            gguf = ggufs[name]
+        else:
+            gguf = quantize_gguf(args.work, ggufs["f32"], kind, args.jobs)
+        folder = model if bits is None else mlx_quantized(args.work, model, bits)
+        ours = Engine.load(str(folder), draft_tokens=0, dtype=dtype)
+        mtpserve_plain_tps(ours, 4)  # warm-up: the first steps compile
+        sides[name] = {
+            "gguf": gguf,
+            "engine": ours,
+            "llama.cpp": {"weights": kind, "read_bytes": gguf_read_bytes(source, gguf)},
+            "mtpserve": {
+                "weights": dtype if bits is None else f"mlx {bits}-bit, group {GROUP_SIZE}",
+                "read_bytes": mtpserve_read_bytes(ours),
+            },
+        }
+    native = products.native()
+    # "products: native kernel, <isa>" without the pool's size, which each row sets
+    kernel = products.description().rsplit(",", 1)[0] if native else products.description()
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    llama_commit = "?"
+    for r in range(args.rounds):
+        for t in threads:
+            if native is not None:
+                native.set_threads(t)
+            for name in formats:
+                side = sides[name]
+                tools = ["llama.cpp", "mtpserve"][:: -1 if r % 2 else 1]
+                for tool in tools:
+                    if tool == "llama.cpp":
+                        tps, llama_commit = llama_bench(
+                            bench, side["gguf"], t, args.plain_tokens, args.reps
+                        )
+                    else:
+                        tps = [
+                            mtpserve_plain_tps(side["engine"], args.plain_tokens)
+                            for _ in range(args.reps)
+                        ]
+                    samples.setdefault((name, t, tool), []).extend(tps)
+                    print(f"round {r + 1} {name} {t}t {tool}: {tps}", flush=True)
+    rows = []
+    for name in formats:
+        for t in threads:
+            row: dict[str, Any] = {"format": name, "threads": t}
+            for tool in ("llama.cpp", "mtpserve"):
+                row[tool] = {**sides[name][tool], "samples": samples[(name, t, tool)]}
+            rows.append(summarize(row))
+    return {
+        "model": str(model),
+        "rows": rows,
+        "tokens": args.plain_tokens,
+        "rounds": args.rounds,
+        "reps": args.reps,
+        "products": kernel,
+        "llama_cpp": f"llama.cpp {llama_commit} (llama-cpp-python {VERSION}'s vendored sources)",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()}",
+        "commit": commit,
+    }
+
+
+def summarize(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's figures from its runs: mean and best tokens/s of each tool, their ratios, and
+    the read bandwidth of the best run. On a machine shared with other jobs a run that lost a
+    core to them is slow (llama.cpp's threads wait for each other at every operation, so its
+    2-thread runs fall furthest), so the best run is the closer to what the tool does alone."""
+    for tool in ("llama.cpp", "mtpserve"):
+        side = row[tool]
+        side["tokens_per_s"] = statistics.mean(side["samples"])
+        side["best_tokens_per_s"] = max(side["samples"])
+        side["read_gb_per_s"] = side["read_bytes"] * side["best_tokens_per_s"] / 1e9
+    for key, field in (("ratio", "tokens_per_s"), ("ratio_best", "best_tokens_per_s")):
+        row[key] = row["mtpserve"][field] / row["llama.cpp"][field]
+    return row
+
+
+def plain_table(result: dict[str, Any]) -> str:
+    n = len(result["rows"][0]["llama.cpp"]["samples"]) if result["rows"] else 0
+    lines = [
+        f"Plain greedy decoding at the shape of `{Path(result['model']).name}`: llama.cpp's "
+        f"`llama-bench -p 0 -n {result['tokens']}` against mtpserve's plain steps (K=0, "
+        f"{result['tokens']} tokens after an {len(PLAIN_PROMPT)}-token prompt), the mean of "
+        f"{n} runs each, interleaved over {result['rounds']} rounds. Commit `{result['commit']}`; "
+        f"{result['machine']}; {result['llama_cpp']}; mtpserve's {result['products']} "
+        "on the row's threads. Tokens/s: mean (lowest-highest run); mtpserve / llama.cpp: of "
+        "the means and of the best runs. MB/token: the weights one token reads as stored (not "
+        "the MTP head's); GB/s: that times the best run's tokens/s.",
+        "",
+        "| llama.cpp / mtpserve weights | threads | llama.cpp tok/s | mtpserve tok/s | "
+        "mtpserve / llama.cpp, mean | best | llama.cpp MB/token | mtpserve MB/token | "
+        "llama.cpp GB/s | mtpserve GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def spread(s: list[float]) -> str:
+        return f"{statistics.mean(s):.1f} ({min(s):.1f}-{max(s):.1f})"
+
+    for row in result["rows"]:
+        ll, ms = row["llama.cpp"], row["mtpserve"]
+        lines.append(
+            f"| {ll['weights']} / {ms['weights']} | {row['threads']} | {spread(ll['samples'])} | "
+            f"{spread(ms['samples'])} | {row['ratio']:.2f}x | {row['ratio_best']:.2f}x | "
+            f"{ll['read_bytes'] / 1e6:.0f} | "
+            f"{ms['read_bytes'] / 1e6:.0f} | {ll['read_gb_per_s']:.1f} | "
+            f"{ms['read_gb_per_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "models" / "qwen3.5-demo"))
@@ -357,8 +646,29 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--convert-python", type=Path, default=None, help="a Python with torch")
     p.add_argument("--steps", default="fetch,build,convert,run")
+    p.add_argument(
+        "--shape-model",
+        default=None,
+        help="instead: plain decoding at this checkpoint's shape (scripts/make_shapes.py)",
+    )
+    p.add_argument(
+        "--plain-formats", default="f32,bf16,q8,q4", help="of " + ",".join(PLAIN_FORMATS)
+    )
+    p.add_argument("--plain-threads", default="2,1")
+    p.add_argument("--plain-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5, help="plain: rounds over every setting")
+    p.add_argument("--reps", type=int, default=1, help="plain: runs of each setting per round")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.shape_model:
+        source = fetch(args.work)
+        build(args.work, source, args.jobs)
+        result = plain(args, source)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "compare_llamacpp_shape.json").write_text(json.dumps(result, indent=2))
+        (args.out / "compare_llamacpp_shape.md").write_text(plain_table(result))
+        print(plain_table(result))
+        return 0
     steps = set(args.steps.split(","))
     dtypes = [d for d in args.dtypes.split(",") if d]  # none: mtpserve's side only
     source = fetch(args.work) if dtypes else args.work
