@@ -6,14 +6,14 @@
 // - tiles of V::J weight rows (output columns) by V::R activation rows, every (row, column)
 //   sum in one vector accumulator of its own;
 // - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
-//   registers, for products of up to kRegisterRows rows); wider products, and quantized
-//   weights, widen each tile's J weight rows
-//   into a per-thread fp32 scratch once and multiplies every activation row by them from cache,
-//   so a product of many rows reads its weights from memory once;
+//   registers: a tile's first row tile reads them from memory, the next ones from cache, and
+//   prefetches the next tile's); 4- and 8-bit affine rows are read in registers too, their
+//   codes summed per group and then scaled (affine_tile); other affine widths are dequantized
+//   per tile into a per-thread fp32 scratch that every row tile reads from cache;
 // - rows wider than kWholeRow go in chunks, the accumulators kept in a small buffer between
 //   chunks (stored and loaded exactly).
 // One output element's sum is the same sequence of vector FMAs over the same fp32 weight
-// values (a widened weight is the same number in registers or in the scratch; the one partial
+// values (a weight widened in registers is the same number as read in place; the one partial
 // vector at the end of a row is zero-filled either way) followed by the same horizontal sum,
 // whatever the number of rows, the tile it sits in or the thread that runs it.
 
@@ -30,8 +30,6 @@ constexpr int64_t kWholeRow = 8192;
 constexpr int64_t kChunk = 2048;
 // Activation rows whose accumulators are kept at once; more rows run in blocks of this many.
 constexpr int kBlockRows = 64;
-// Half-precision products of up to this many rows widen the weights in registers.
-constexpr int kRegisterRows = 16;
 
 inline int64_t round_up(int64_t n, int64_t m) {
   return (n + m - 1) / m * m;
@@ -159,30 +157,12 @@ inline void decode_affine(const WeightView& wv, int64_t row, int64_t k0, int64_t
   }
 }
 
-// Decodes elements [k0, k0 + n) of weight row `row` to fp32 in `dst`, zero up to a whole vector.
+// Decodes elements [k0, k0 + n) of affine row `row` to fp32 in `dst`, zero up to a whole
+// vector (the widths read through the scratch).
 template <class V>
 inline void decode_row(const WeightView& wv, int64_t row, int64_t k0, int64_t n, float* dst) {
-  const int64_t base = row * wv.in + k0;
-  switch (wv.kind) {
-    case WeightKind::bf16:
-    case WeightKind::f16: {
-      HalfRows<V, true> bf{};
-      HalfRows<V, false> f16{};
-      bf.row[0] = f16.row[0] = static_cast<const uint16_t*>(wv.data) + base;
-      const bool is_bf16 = wv.kind == WeightKind::bf16;
-      int64_t i = 0;
-      for (; i + V::W <= n; i += V::W) V::store(dst + i, is_bf16 ? bf.load(0, i) : f16.load(0, i));
-      if (i < n) V::store(dst + i, is_bf16 ? bf.load_tail(0, i, n - i) : f16.load_tail(0, i, n - i));
-      break;
-    }
-    case WeightKind::affine:
-      decode_affine<V>(wv, row, k0, n, dst);
-      for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
-      break;
-    default:
-      std::memcpy(dst, static_cast<const float*>(wv.data) + base, n * sizeof(float));
-      for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
-  }
+  decode_affine<V>(wv, row, k0, n, dst);
+  for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
 }
 
 // Runs every row tile of one J-row weight tile over [k0, k0 + kn).
@@ -366,16 +346,13 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t in = wv.in;
   const int64_t out = wv.out;
   const int64_t chunk = in <= kWholeRow ? in : kChunk;
-  // fp32 weights are read in place; bf16 and fp16 widened in registers for a product of up to
-  // kRegisterRows rows (a tile's first rows read them from memory, the next ones from cache);
-  // quantized ones (dequantizing into the scratch measured faster than in registers) and wider
-  // products once per tile into the scratch
-  // 4- and 8-bit affine weights in whole vectors per group are read in registers, whatever
-  // the number of rows (one way for every row count keeps rows bit-identical across counts)
+  // Every row count reads the weights the same way (so rows stay bit-identical across counts):
+  // floats in place or widened in registers (widening once per tile into a scratch instead
+  // made bf16 products of 24 rows 3x slower), 4- and 8-bit affine codes in whole vectors per
+  // group in registers, other affine widths through the scratch.
   const bool affine_in_registers = wv.kind == WeightKind::affine &&
       (wv.bits == 4 || wv.bits == 8) && wv.group % V::W == 0;
-  const bool in_registers = wv.kind == WeightKind::f32 || affine_in_registers ||
-      (a.rows <= kRegisterRows && wv.kind != WeightKind::affine);
+  const bool in_registers = wv.kind != WeightKind::affine || affine_in_registers;
   thread_local std::vector<float> scratch;  // J rows of one chunk, widened
   const int64_t scratch_stride = round_up(chunk, 16);
   if (!in_registers && scratch.size() < static_cast<size_t>(J * scratch_stride))
