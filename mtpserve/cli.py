@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP
 from engine.blas import use_fast_blas
-from server.cli import add_serve_arguments, run_serve
+from server.serve import add_serve_arguments, run_serve
 
 use_fast_blas()  # before anything imports mlx
 
@@ -292,7 +292,7 @@ def follow_if_follower(args: argparse.Namespace) -> int | None:
     if distributed.world() is None or distributed.rank() == 0:
         return None
     if args.command == "serve":
-        from server.cli import settings_from_args
+        from server.serve import settings_from_args
 
         # rank 0 reads its dtype from the settings (flag, environment, TOML, then "auto"): the
         # follower must load the very same, or the first collective meets mismatched sizes

@@ -20,7 +20,7 @@ import pytest
 from fake_engine import wait_healthy
 
 from engine.allocator import jemalloc_path
-from server.cli import add_serve_arguments, settings_from_args
+from server.serve import add_serve_arguments, settings_from_args
 from server.settings import ServerSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -420,7 +420,7 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
 def test_cli_flags_reach_the_settings(tmp_path: Path) -> None:
     import argparse
 
-    from server.cli import add_serve_arguments, settings_from_args
+    from server.serve import add_serve_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

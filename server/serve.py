@@ -1,7 +1,7 @@
 """``mtpserve serve``: flags, settings resolution, and uvicorn.
 
 ``add_serve_arguments(parser)`` and ``run_serve(args)`` are what ``mtpserve/cli.py`` wires in;
-``python -m server.cli --model M`` runs the same thing standalone. Flags left unset fall through
+``python -m server.serve --model M`` runs the same thing standalone. Flags left unset fall through
 to ``MTPSERVE_*`` environment variables, then the TOML config file (see ``server.settings``).
 The engine module is imported lazily inside the factory, so ``--help`` and config errors never
 pay for importing mlx.
