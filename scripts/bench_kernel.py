@@ -41,6 +41,7 @@ use_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
+from engine.bench.machine import cpu_name  # noqa: E402
 from engine.model import products  # noqa: E402
 
 #: [out, in] of each projection of one layer at the Qwen3.5-0.8B shape (hidden 1024, MLP
@@ -215,7 +216,7 @@ def main() -> int:
     ).stdout.strip()
     result: dict = {
         "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {_cpu_name()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu_name()}",
         "kernel": products.description(),
         "dtypes": {},
     }
@@ -300,16 +301,6 @@ def table(result: dict, rows: list[int]) -> str:
             cells += [f"{floor[t] / floor[rows[0]]:.2f}" for t in rows[1:]]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

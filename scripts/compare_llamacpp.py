@@ -493,22 +493,13 @@ def mtpserve_plain_tps(engine: Any, tokens: int) -> float:
     return n / (now - first)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     """Plain decoding at the shape of ``--shape-model``, each weight format against its
     counterpart, both tools on the same threads, measured in turn (llama.cpp, mtpserve,
     llama.cpp, ...; which goes first alternates by round) so the machine's drift hits both."""
     sys.path.insert(0, str(ROOT))
     import engine  # noqa: F401  (fast BLAS before mlx)
+    from engine.bench.machine import cpu_name
     from engine.model import products
     from engine.runtime import Engine
 
