@@ -35,11 +35,13 @@ def error_response(error: APIError, path: str) -> JSONResponse:
 
 
 def endpoint_label(path: str) -> str:
-    """The metric label of a request path ("other" for paths no adapter serves)."""
+    """The metric label of a request path ("other" for paths no adapter serves); an endpoint
+    ending in "/" labels every path under it."""
     for adapter in ADAPTERS:
-        if path in adapter.endpoints:
-            return adapter.endpoints[path]
-    return "models" if path.startswith("/v1/models/") else "other"
+        for endpoint, label in adapter.endpoints.items():
+            if path == endpoint or (endpoint.endswith("/") and path.startswith(endpoint)):
+                return label
+    return "other"
 
 
 def install(app: FastAPI) -> None:

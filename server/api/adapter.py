@@ -13,7 +13,8 @@ from server.errors import APIError
 
 @dataclass(frozen=True)
 class Adapter:
-    """One API: its routes, the metric label of each endpoint, and its error shape.
+    """One API: its routes, the metric label of each endpoint (one ending in "/" covers the
+    paths under it), and its error shape.
 
     ``prefixes``: the paths (and what lies under them) whose errors take ``error_body``; an
     adapter without its own shape answers in OpenAI's (``APIError.body``)."""

@@ -13,5 +13,6 @@ ADAPTER = Adapter(
         "/v1/completions": "completions",
         "/v1/responses": "responses",
         "/v1/models": "models",
+        "/v1/models/": "models",
     },
 )
