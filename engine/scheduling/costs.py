@@ -191,10 +191,17 @@ def _group_stamp() -> str:
 
 
 def _code_stamp() -> str:
-    """A hash of the code a cycle runs: costs measured before an engine change are stale."""
+    """A hash of the code a cycle runs, the native kernel's sources included: costs measured
+    before an engine or kernel change are stale."""
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("engine/**/*.py"), *root.glob("sampling/**/*.py")]):
+    patterns = (
+        "engine/**/*.py",
+        "sampling/**/*.py",
+        "engine/model/native/*.cpp",
+        "engine/model/native/*.h",
+    )
+    for path in sorted(path for pattern in patterns for path in root.glob(pattern)):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
