@@ -56,7 +56,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +64,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.api import EngineUnavailable, GenerationEvent, GenerationRequest, RequestError
+from engine.api import EngineUnavailable, GenerationRequest, RequestError
 from engine.blas import all_cores
+from engine.cycle.speculative import CycleResult, Sequence
 from engine.model import loader, products
 from engine.model.mlx_products import prefill_on_all_cores
 from engine.model.mtp import table_rows
 from engine.model.trunk import TrunkCache, trunk_hidden
 from engine.runtime import Engine
+from engine.scheduling.batching import BatchDecoder
 
 log = logging.getLogger("mtpserve.distributed")
 
@@ -656,8 +658,6 @@ class DistributedEngine(Engine):
     """``Engine`` on rank 0 of a group: the trunk is sharded and mirrored on the followers."""
 
     leader: Leader | None = field(default=None, repr=False)
-    #: no batching: the followers mirror one sequence's cache operations at a time
-    batch = None  # type: ignore[assignment]
 
     @classmethod
     def load_model(
@@ -701,21 +701,42 @@ class DistributedEngine(Engine):
         """Callbacks run once when the group is lost (the server fails its queue there)."""
         return self.leader.on_lost
 
-    def generate(
+    def batch(self, capacity: int) -> BatchDecoder:
+        """One row at a time: the followers mirror one sequence's cache operations at a time."""
+        return BatchDecoder(self, 1)
+
+    def row_steps(
         self,
         request: GenerationRequest,
         cancelled: Callable[[], bool] = lambda: False,
         trace: Callable[[dict[str, Any]], None] | None = None,
-    ) -> Iterator[GenerationEvent]:
+        seq: Sequence | None = None,
+    ) -> Generator[Any, CycleResult | None, None]:
+        """``Engine.row_steps`` watched by the leader: progress at every step, and a failure
+        after anything reached the group loses the group (the ranks' caches may differ)."""
         leader = self.leader
         leader.check_alive()
         sent = leader.messages
         leader.active += 1
         leader.progress()
+        steps = super().row_steps(request, cancelled, trace, seq)
         try:
-            for event in super().generate(request, cancelled, trace):
+            reply: Any = None
+            thrown: BaseException | None = None
+            while True:
+                try:
+                    item = steps.send(reply) if thrown is None else steps.throw(thrown)
+                except StopIteration:
+                    return
+                thrown = None
                 leader.progress()
-                yield event
+                try:
+                    reply = yield item
+                except GeneratorExit:
+                    steps.close()
+                    raise
+                except BaseException as exc:  # the batch's account of this row's cycle
+                    thrown = exc
         except (EngineUnavailable, RequestError):
             # a request's own error (a grammar's dead end) is raised where the caches of
             # every rank agree: it fails that request, never the group
@@ -723,7 +744,6 @@ class DistributedEngine(Engine):
         except Exception as exc:
             if leader.messages == sent:  # refused before anything reached the group
                 raise
-            # After a collective the ranks' caches may differ: the group cannot go on.
             raise leader.lose(f"{type(exc).__name__}: {exc}") from exc
         finally:
             leader.active -= 1

@@ -35,22 +35,17 @@ from engine.cache.prefix_cache import (
 )
 from engine.cycle.speculative import (
     PREFILL_CHUNK,
-    CacheSnapshot,
     CycleResult,
-    LaunchedCycle,
     Sequence,
     commit,
-    commit_unread,
-    drive,
     finish_unread,
-    launch_cycle,
     new_sequence,
     prefill_steps,
-    read_cycle,
     start_sequence,
 )
 from engine.model import loader
-from engine.model.memory import limit_host_arenas, release_between_requests
+from engine.model.memory import limit_host_arenas
+from engine.model.mtp import MTPHead
 from engine.scheduling.autok import EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
 from engine.scheduling.policy import DraftPolicy
@@ -204,6 +199,11 @@ class Engine:
         return self.loaded.model_dir
 
     @property
+    def head(self) -> MTPHead | None:
+        """The MTP head attached to the trunk (None: the checkpoint has none)."""
+        return self.loaded.head
+
+    @property
     def has_head(self) -> bool:
         return self.loaded.head is not None
 
@@ -304,35 +304,44 @@ class Engine:
         cancelled: Callable[[], bool] = lambda: False,
         trace: Callable[[dict[str, Any]], None] | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Generate for one request. Synchronous; call from the thread that owns mlx."""
-        self.check(request)
-        policy = self.policy(request.draft_tokens, request.sampling)
-        t0 = time.perf_counter()
-        try:
-            seq = self.start_cached(request, policy, cancelled)
-            if seq is None:
-                yield _cancelled_in_prefill(request, t0)
-                return
-            try:
-                yield from self.decode(
-                    seq, request, cancelled, trace, policy, time.perf_counter() - t0
-                )
-            except GeneratorExit:  # the consumer stopped at a yield: the sequence is consistent
-                self._keep(seq)
-                raise
-            self._keep(seq)
-        finally:
-            release_between_requests()
+        """Generate for one request: a batch of one row (``row_steps`` in a ``BatchDecoder``),
+        the loop every request runs. Synchronous; call from the thread that owns mlx."""
+        return self._alone(request, cancelled, trace, None)
 
-    def start_cached(
+    def decode(
+        self,
+        seq: Sequence,
+        request: GenerationRequest,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Continue ``seq`` (a ``new_sequence``) for up to ``request.max_tokens`` tokens by the
+        same loop, alone: how the cost probe times cycles as requests run them."""
+        return self._alone(request, lambda: False, trace, seq)
+
+    def _alone(
         self,
         request: GenerationRequest,
-        policy: DraftPolicy,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Sequence | None:
-        """Restore the longest cached prefix of the prompt, prefill the rest in chunks (a
-        snapshot at each block end and at the prompt's end); None if cancelled meanwhile."""
-        return drive(self.start_steps(request, policy, cancelled))
+        cancelled: Callable[[], bool],
+        trace: Callable[[dict[str, Any]], None] | None,
+        seq: Sequence | None,
+    ) -> Iterator[GenerationEvent]:
+        batch = BatchDecoder(self, 1)
+        batch.add(0, request, cancelled, trace, seq)
+        try:
+            while len(batch):
+                for _key, item in batch.step():
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:  # stopped early: the row's look-ahead is undone and its sequence kept
+            batch.drop(0)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, draft: bool) -> Sequence:
+        """A sequence prefilled with all of ``prompt_ids`` but the last, outside the conversation
+        cache, with the head's cache when ``draft``: what the cost probe and experiments time."""
+        seq = start_sequence(self.trunk, self.loaded.head, prompt_ids, params, draft)
+        seq.draft_confidence = self.draft_confidence
+        return seq
 
     def start_steps(
         self,
@@ -340,7 +349,9 @@ class Engine:
         policy: DraftPolicy,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> Generator[None, None, Sequence | None]:
-        """``start_cached`` one prefill chunk per step (``prefill_steps``)."""
+        """Restore the longest cached prefix of the prompt, prefill the rest one chunk per step
+        (``prefill_steps``; a snapshot at each block end and at the prompt's end); None if
+        cancelled meanwhile."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
         seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
@@ -395,108 +406,8 @@ class Engine:
             cache.guarded("a snapshot", cache.store, seq, self.trunk, self.loaded.head)
             cache.guarded("writing to disk", cache.flush)
 
-    def start(self, request: GenerationRequest, policy: DraftPolicy | None = None) -> Sequence:
-        """Prefill a new sequence (everything but the prompt's last token)."""
-        policy = policy or self.policy(request.draft_tokens, request.sampling)
-        seq = start_sequence(
-            self.trunk,
-            self.loaded.head,
-            request.prompt_ids,
-            request.sampling,
-            use_head=policy.fixed != 0,
-        )
-        seq.draft_confidence = self.draft_confidence
-        seq.constraint = self._sequence_constraint(request)
-        return seq
-
-    def decode(
-        self,
-        seq: Sequence,
-        request: GenerationRequest,
-        cancelled: Callable[[], bool] = lambda: False,
-        trace: Callable[[dict[str, Any]], None] | None = None,
-        policy: DraftPolicy | None = None,
-        prompt_seconds: float = 0.0,
-    ) -> Iterator[GenerationEvent]:
-        """Decode up to ``request.max_tokens`` more tokens onto ``seq`` (which may continue)."""
-        policy = policy or self.policy(request.draft_tokens, request.sampling)
-        progress = Progress.start(request, policy, seq, trace, prompt_seconds)
-        chooser = policy.chooser
-        # Plain decoding runs one cycle ahead (engine.cycle.speculative's docstring): ``ahead`` is a
-        # cycle launched before the previous one was read back, ``undo`` what cancels it.
-        ahead: LaunchedCycle | None = None
-        undo: CacheSnapshot | None = None
-        k_next: int | None = None
-        # auto K calibrates its cost table with cycle times (profiling syncs would skew them)
-        timed = chooser if not self.profile else None
-        last_end: float | None = None
-        try:
-            while True:
-                if cancelled():
-                    yield progress.cancelled()
-                    return
-                remaining = progress.remaining
-                context_len = len(seq.tokens)
-                if ahead is None:
-                    if k_next is None:
-                        k_next = policy.choose(seq, remaining) if seq.can_draft else 0
-                    current = launch_cycle(self.trunk, self.loaded.head, seq, k_next, self.profile)
-                else:
-                    current, ahead, undo = ahead, None, None
-                k_next = None
-                # A plain cycle's token is kept whatever it is: commit it unread, then decide
-                # the next cycle (a plain cycle reveals nothing to auto K) and, if it is plain
-                # too, launch it now, before reading this one back. (Not under a grammar: the
-                # next cycle's mask depends on this token.)
-                unread = (
-                    current.k == 0 and not self.profile and remaining > 1 and seq.constraint is None
-                )
-                if unread:
-                    commit_unread(seq, current)
-                    if chooser is not None:
-                        chooser.observe(0, 0)
-                    k_next = policy.choose(seq, remaining - 1) if seq.can_draft else 0
-                    if k_next == 0:
-                        undo = CacheSnapshot.of(seq)
-                        ahead = launch_cycle(self.trunk, self.loaded.head, seq, 0)
-                        k_next = None
-                result = read_cycle(current)
-                n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
-                t_commit = time.perf_counter()
-                if unread:
-                    emitted = finish_unread(seq, result)
-                else:
-                    emitted = _commit(seq, result, n_keep)
-                    if chooser is not None:
-                        chooser.observe(len(result.draft_ids), result.n_accepted)
-                end = time.perf_counter()
-                if timed is not None:
-                    since = None if last_end is None else end - last_end
-                    if unread and ahead is None:
-                        # The last plain cycle before drafting was launched one cycle ahead and
-                        # nothing runs behind it: it reads back ~0.4 of a step after the one
-                        # before (the first plain cycle after drafting takes ~2 steps instead;
-                        # class switches are not timed). Timed, every plain stretch pulled the
-                        # calibration of plain cycles down, and the more the shorter the
-                        # stretches: greedy auto K stayed plain where K=4 paid.
-                        since = None
-                    timed.observe_seconds(len(result.draft_ids), len(emitted), since)
-                    last_end = end
-                event = progress.event(result, emitted, finish, context_len, end - t_commit)
-                if finish is not None and undo is not None:  # the look-ahead is not wanted
-                    undo.restore(seq)
-                    ahead = undo = None
-                yield event
-                if finish is not None:
-                    return
-        finally:
-            # Stopped early (cancelled, or the consumer went away): drop the look-ahead cycle
-            # so the sequence holds exactly what was emitted.
-            if undo is not None:
-                undo.restore(seq)
-
     # -- one row of a batch (engine.scheduling.batching) ---------------------------------------
-    def batch(self, capacity: int) -> Any:
+    def batch(self, capacity: int) -> BatchDecoder:
         """A ``BatchDecoder`` of up to ``capacity`` rows on this engine."""
         return BatchDecoder(self, capacity)
 
@@ -505,6 +416,7 @@ class Engine:
         request: GenerationRequest,
         cancelled: Callable[[], bool] = lambda: False,
         trace: Callable[[dict[str, Any]], None] | None = None,
+        seq: Sequence | None = None,
     ) -> Generator[Any, CycleResult | None, None]:
         """``generate`` as one row of a batch: the same events, but the row yields to the batch
         (``BatchDecoder``) instead of running its own cycles — ``None`` after each prefill
@@ -513,19 +425,22 @@ class Engine:
         runs between the running rows' cycles. A row commits each cycle's result itself,
         except a plain cycle the batch committed unread to launch the next one ahead
         (``CycleResult.committed``, ``BatchDecoder``'s look-ahead): the row then only reads
-        its token."""
+        its token. ``seq``: continue this sequence instead of starting one from the prompt
+        (``decode``; it is not kept for the conversation cache)."""
         self.check(request)
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
-        seq = yield from self.start_steps(request, policy, cancelled)
+        kept: Sequence | None = None  # what the conversation cache may snapshot at the end
         if seq is None:
-            yield _cancelled_in_prefill(request, t0)
-            return
+            seq = yield from self.start_steps(request, policy, cancelled)
+            if seq is None:
+                yield _cancelled_in_prefill(request, t0)
+                return
+            kept = seq
         progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
         chooser = policy.chooser
         timed = chooser if not self.profile else None
         last_end: float | None = None
-        kept: Sequence | None = seq  # what the conversation cache may snapshot at the end
         try:
             while True:
                 if cancelled():
@@ -556,8 +471,10 @@ class Engine:
                 end = time.perf_counter()
                 if timed is not None:
                     # Auto K's single-sequence table calibrates on cycles a row ran alone;
-                    # batched cycles are priced by the batch (BatchK). A plain cycle committed
-                    # unread with nothing launched behind it is not timed (``decode``).
+                    # batched cycles are priced by the batch (BatchK). The last plain cycle
+                    # before drafting, committed unread with nothing launched behind it, reads
+                    # back ~0.4 of a step after the one before: not timed, or every plain
+                    # stretch would pull the calibration of plain cycles down.
                     alone = result.rows == 1 and last_end is not None
                     alone = alone and (result.followed or not result.committed)
                     since = end - last_end if alone else None

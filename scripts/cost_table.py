@@ -57,11 +57,10 @@ def main() -> int:
     blas.use_fast_blas()
     import mlx.core as mx
 
-    from engine.api import GenerationRequest
     from engine.cycle import speculative
     from engine.model.mtp import project_to_vocab
     from engine.model.trunk import trunk_hidden
-    from engine.runtime import DraftPolicy, Engine
+    from engine.runtime import Engine
     from engine.scheduling.costs import MAX_AUTO_K, estimate_costs, expected_tokens
     from sampling.params import SamplingParams
 
@@ -81,13 +80,13 @@ def main() -> int:
         best = float("inf")
         for _ in range(2):
             t = clock()
-            engine.start(GenerationRequest(prompt, greedy, 1), DraftPolicy(fixed=2))
+            engine.new_sequence(prompt, greedy, draft=True)
             best = min(best, clock() - t)
         prefill[chunk] = (len(prompt) - 1) / best
 
     threads: dict[int, float] = {}
     if args.threads and blas._set_threads is not None:
-        seq = engine.start(GenerationRequest(prompt[:128], greedy, 1), DraftPolicy(fixed=0))
+        seq = engine.new_sequence(prompt[:128], greedy, draft=False)
         trunk = engine.trunk
         for n in sorted({1, os.cpu_count() or 1}):
             blas._set_threads(n)

@@ -77,6 +77,43 @@ def load_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
 
 
+class OneAtATime:
+    """The engine's batch interface (``BatchDecoder``: ``add``, ``step``, ``drop``) over a test
+    double's ``generate``: one row at a time, one event per step."""
+
+    capacity = 1
+
+    def __init__(self, generate: Callable[..., Iterator[GenerationEvent]]) -> None:
+        self.generate = generate
+        self.rows: dict[Any, Iterator[GenerationEvent]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.rows
+
+    def add(self, key: Any, request: GenerationRequest, cancelled: Callable[[], bool]) -> None:
+        self.rows[key] = iter(self.generate(request, cancelled=cancelled))
+
+    def drop(self, key: Any) -> None:
+        events = self.rows.pop(key, None)
+        if events is not None and hasattr(events, "close"):
+            events.close()
+
+    def step(self) -> list[tuple[Any, GenerationEvent | BaseException]]:
+        out: list[tuple[Any, GenerationEvent | BaseException]] = []
+        for key, events in list(self.rows.items()):
+            try:
+                out.append((key, next(events)))
+            except StopIteration:
+                del self.rows[key]
+            except Exception as exc:
+                del self.rows[key]
+                out.append((key, exc))
+        return out
+
+
 class FakeEngine:
     """Same attributes and ``generate`` contract as ``engine.runtime.Engine``."""
 
@@ -132,6 +169,9 @@ class FakeEngine:
             rng = random.Random()
         # No EOS: runs to max_tokens (unless it hits a long run; keep it simple).
         return [rng.choice(self._clean) for _ in range(request.max_tokens)]
+
+    def batch(self, capacity: int) -> OneAtATime:
+        return OneAtATime(self.generate)
 
     def generate(
         self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False

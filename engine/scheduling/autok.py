@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.scheduling.costs import (
     MAX_AUTO_K,
+    CostProbe,
     CostTable,
     best_k,
     cached_costs,
@@ -33,6 +34,7 @@ from engine.scheduling.costs import (
     save_costs,
     seeded_k_path,
 )
+from sampling.params import resolve
 
 log = logging.getLogger("mtpserve.autok")
 PRIOR_ACCEPTANCE = 0.6
@@ -273,7 +275,7 @@ class EngineAutoK:
     request waits on a long measurement. Live cycles refine it (``AutoK.calibrate``), and the
     refined table goes back to the cache every ``SAVE_EVERY_TIMED`` timed cycles."""
 
-    engine: Any
+    engine: CostProbe
     kinds: dict[str, AutoK] = field(default_factory=dict)
     saved_at: dict[str, int] = field(default_factory=dict)
     #: ``seeded_k`` once decided
@@ -353,13 +355,11 @@ class EngineAutoK:
             self.saved_at[kind] = auto.timed_cycles
 
 
-def representative_sampler(engine: Any, params: Any) -> Any:
+def representative_sampler(engine: CostProbe, params: Any) -> Any:
     """The sampler ``params``' kind of decoding is timed with (``measure_costs``): None for
     greedy decoding. Sampled cycles cost about the same whatever the exact settings; measure
     with the checkpoint's own defaults (or the request's when those are greedy), without
     penalties."""
-    from sampling.params import resolve
-
     if params.greedy:
         return None
     defaults = resolve(engine.sampling_defaults)

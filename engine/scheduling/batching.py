@@ -1,14 +1,18 @@
 """Continuous batching: many requests decoding together, speculation on for every row.
 
-``BatchDecoder`` holds up to ``capacity`` rows. Each row is ``Engine.row_steps`` — the
-request's own loop (prefill, K choice, stops, stats, events) that yields to the batch whenever
+``BatchDecoder`` holds up to ``capacity`` rows. It is the one decode loop: a request alone is
+a batch of one row (``Engine.generate``). Each row is ``Engine.row_steps`` — the request's own
+loop (prefill, K choice, stops, stats, events) that yields to the batch whenever
 it needs the model: ``None`` after a prefill chunk, a ``CycleNeed`` for a cycle. One ``step``
 of the batch advances every row once:
 
+0. the rows that emitted an event in the previous step go on to their next cycle's need (or
+   end, cancelled meanwhile: a request's ``cancelled()`` is polled after its consumer has seen
+   each event, before the next cycle);
 1. the rows that asked for a cycle run it together — one ``launch_cycles`` per distinct K:
    each draft depth runs the head once for all its rows, the verify is one trunk pass over
    every row's K+1 positions, acceptance and commit are per row — and read back with one sync;
-2. every row gets its result back and runs until it asks again, emitting its events; the
+2. every row gets its result back and runs until it emits its event; the
    newcomers still prefilling get one prompt chunk each, first come first served, within a
    budget of prompt tokens per step (the first always gets its chunk): one chunk's worth while
    any row is decoding, so the running rows never wait more than a chunk of prefill between
@@ -45,10 +49,10 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from engine.api import GenerationEvent, GenerationRequest, RequestError
 from engine.cycle.speculative import (
@@ -169,6 +173,28 @@ class BatchK:
         self.last_timed[cell] = self.cycles[size]
 
 
+class RowEngine(Protocol):
+    """What a batch needs from the engine its rows run on (``engine.runtime.Engine``): each
+    request's own loop, the model its cycles run on, and where batched costs are kept."""
+
+    trunk: Any
+    profile: bool
+    prefill_chunk: int
+    prefix_cache: Any
+    batch_k: BatchK
+
+    @property
+    def head(self) -> Any: ...
+
+    def row_steps(
+        self,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool],
+        trace: Callable[[dict[str, Any]], None] | None,
+        seq: Sequence | None,
+    ) -> Generator[Any, CycleResult | None, None]: ...
+
+
 @dataclass
 class CycleNeed:
     """A batch row asking for its next cycle: the K its own policy chooses (``own_k``, asked
@@ -206,6 +232,9 @@ class _Row:
     prompt: tuple[int, ...] | None = None
     #: its prefill has begun
     started: bool = False
+    #: it yielded an event and goes on (to its next cycle's need) at the next step, once the
+    #: event's consumer has seen it: a cancellation in between ends it before another cycle
+    paused: bool = False
 
     def next_chunk(self, chunk_tokens: int) -> int:
         """The most prompt tokens its next advance prefills: chunks end at multiples of
@@ -217,8 +246,7 @@ class BatchDecoder:
     """Rows decoding together on one engine (module docstring). Not thread-safe: the engine's
     worker thread owns it."""
 
-    def __init__(self, engine: Any, capacity: int) -> None:
-        """``engine``: an ``engine.runtime.Engine`` (its ``row_steps``, trunk and head)."""
+    def __init__(self, engine: RowEngine, capacity: int) -> None:
         self.engine = engine
         self.capacity = capacity
         self.rows: dict[Hashable, _Row] = {}
@@ -237,13 +265,15 @@ class BatchDecoder:
         request: GenerationRequest,
         cancelled: Callable[[], bool] = lambda: False,
         trace: Callable[[dict[str, Any]], None] | None = None,
+        seq: Sequence | None = None,
     ) -> None:
-        """A new row; it starts (its first prefill chunk) at the next ``step``."""
+        """A new row; it starts (its first prefill chunk) at the next ``step``. ``seq``: the row
+        continues this sequence instead of prefilling the prompt (``Engine.decode``)."""
         if len(self.rows) >= self.capacity:
             raise RuntimeError("the batch is full")
-        row = _Row(self.engine.row_steps(request, cancelled, trace))
-        row.prompt_left = max(1, len(request.prompt_ids) - 1)
-        if getattr(self.engine, "prefix_cache", None) is not None:
+        row = _Row(self.engine.row_steps(request, cancelled, trace, seq))
+        row.prompt_left = 0 if seq is not None else max(1, len(request.prompt_ids) - 1)
+        if self.engine.prefix_cache is not None and seq is None:
             row.prompt = tuple(request.prompt_ids)
         self.rows[key] = row
 
@@ -257,8 +287,12 @@ class BatchDecoder:
     def step(self) -> list[tuple[Hashable, GenerationEvent | BaseException]]:
         """Run the cycles the rows asked for, then advance every row until it asks again.
         Returns the events (or a row's error) in order; rows that ended have left."""
-        self._run_cycles()
         out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
+        for key, row in list(self.rows.items()):
+            if row.paused and self._advance(key, row, out):
+                del self.rows[key]
+                release_while_running()
+        self._run_cycles()
         prefilled, queue_closed = 0, False
         chunk_tokens = self.engine.prefill_chunk
         idle = not any(row.decoding for row in self.rows.values())
@@ -299,11 +333,10 @@ class BatchDecoder:
         self, key: Hashable, row: _Row, out: list[tuple[Hashable, GenerationEvent | Any]]
     ) -> bool:
         """Resume one row until it yields to the batch; True when it has ended."""
-        if row.error is not None:
-            out.append((key, row.error))
-            _close(row, row.error)
+        if row.error is not None:  # reported as the row itself raises it (``_close``)
+            out.append((key, _close(row, row.error)))
             return True
-        send, row.result, row.need = row.result, None, None
+        send, row.result, row.need, row.paused = row.result, None, None, False
         try:
             while True:
                 item = row.steps.send(send)
@@ -313,6 +346,8 @@ class BatchDecoder:
                     if item.finish_reason is not None:
                         _close(row)
                         return True
+                    row.paused = True
+                    return False
                 elif isinstance(item, CycleNeed):
                     row.need, row.decoding = item, True
                     return False
@@ -360,8 +395,11 @@ class BatchDecoder:
             try:
                 fresh = [row for row in rows if row.ahead is None]
                 seqs = [row.need.seq for row in fresh]
-                head = engine.loaded.head
-                launched = iter(launch_cycles(engine.trunk, head, seqs, k) if seqs else [])
+                launched = iter(
+                    launch_cycles(engine.trunk, engine.head, seqs, k, engine.profile)
+                    if seqs
+                    else []
+                )
                 current = [next(launched) if row.ahead is None else row.ahead for row in rows]
                 timed = len(fresh) == len(rows)
                 for row in rows:
@@ -389,9 +427,8 @@ class BatchDecoder:
 
     def _look_ahead(self, rows: list[_Row], current: list[LaunchedCycle]) -> bool:
         """Commit a plain cycle of the whole batch unread and, if every row's next cycle is
-        plain too, launch it now (``engine.runtime.Engine.decode`` does the same for a request
-        alone). Returns whether the rows were committed; ``_Row.ahead`` holds what was
-        launched."""
+        plain too, launch it now. Returns whether the rows were committed; ``_Row.ahead`` holds
+        what was launched."""
         needs = [row.need for row in rows]
         autos = sum(need.auto for need in needs)
         if self.engine.profile or (autos > 1 and not self.batch_k.settled(autos)):
@@ -413,7 +450,7 @@ class BatchDecoder:
         if all(row.decided_k == 0 for row in rows):
             seqs = [need.seq for need in needs]
             undo = [CacheSnapshot.of(seq) for seq in seqs]
-            ahead = launch_cycles(self.engine.trunk, self.engine.loaded.head, seqs, 0)
+            ahead = launch_cycles(self.engine.trunk, self.engine.head, seqs, 0)
             for row, seq, cycle, snapshot in zip(rows, seqs, ahead, undo, strict=True):
                 row.ahead, row.undo, row.decided_k = cycle, partial(snapshot.restore, seq), None
         return True
@@ -423,18 +460,24 @@ class BatchDecoder:
             release_between_requests()
 
 
-def _close(row: _Row, failed: BaseException | None = None) -> None:
+def _close(row: _Row, failed: BaseException | None = None) -> BaseException | None:
     """End a row's generator; a plain cycle launched ahead for it is undone first, so the
     sequence it leaves (to the conversation cache) holds exactly what it emitted. ``failed``:
-    its cycle failed mid-way, which the generator is told so that it keeps nothing."""
+    its cycle failed mid-way, which the generator is told so that it keeps nothing; returns
+    the error the row ends with (``failed`` itself, or what the row made of it: a sharded
+    engine's lost group)."""
     if row.undo is not None:
         row.undo()
         row.ahead = row.undo = None
     if failed is None:
         row.steps.close()
-        return
+        return None
     try:
         row.steps.throw(failed)
-    except BaseException as exc:  # the error itself, as expected
-        if exc is not failed and not isinstance(exc, StopIteration):
-            log.exception("closing a failed row raised")
+    except StopIteration:
+        return failed
+    except BaseException as exc:  # the error itself, or the row's own account of it
+        return exc
+    log.error("a failed row went on instead of ending")
+    row.steps.close()
+    return failed

@@ -17,16 +17,21 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from engine.allocator import malloc_in_use
+from engine.api import GenerationEvent, GenerationRequest
 from engine.blas import blas_in_use
-from engine.cycle.speculative import MAX_CATCH_UP
-from engine.scheduling.policy import DraftPolicy
+from engine.cycle.speculative import MAX_CATCH_UP, Sequence, absorb_pending
+from engine.model.mtp import MTPHead, project_to_vocab
+from engine.model.trunk import trunk_hidden
+from sampling.params import SamplingOverrides, SamplingParams
 
 log = logging.getLogger("mtpserve.costs")
 
@@ -38,6 +43,34 @@ CYCLES_IN_A_ROW = 8
 #: rows, the first plain cycles measured 7-9% slower than plain decoding's steady state (the bias
 #: made every predicted speed-up come out high)
 PLAIN_ROW = 32
+
+
+class CostProbe(Protocol):
+    """What pricing cycles needs from the engine it prices (``engine.runtime.Engine`` is one):
+    the model to time forwards on, where its tables are cached, fresh sequences, and the
+    request loop itself, so that cycles are timed as requests run them."""
+
+    draft_vocab_size: int
+    draft_vocab_bytes: int
+    sampling_defaults: SamplingOverrides
+
+    @property
+    def trunk(self) -> Any: ...
+
+    @property
+    def head(self) -> MTPHead | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def model_dir(self) -> Path: ...
+
+    def new_sequence(
+        self, prompt_ids: list[int], params: SamplingParams, draft: bool
+    ) -> Sequence: ...
+
+    def decode(self, seq: Sequence, request: GenerationRequest) -> Iterator[GenerationEvent]: ...
 
 
 def decoding_kind(params: Any) -> str:
@@ -207,22 +240,16 @@ def _code_stamp() -> str:
 
 
 def measure_costs(
-    engine: Any, max_k: int = MAX_AUTO_K, reps: int = 9, params: Any = None
+    engine: CostProbe, max_k: int = MAX_AUTO_K, reps: int = 9, params: Any = None
 ) -> CostTable:
     """Time real cycles on a dummy sequence (greedy unless ``params``), median of ``reps``
     interleaved repetitions. Each repetition starts a fresh 128-token sequence and grows it by
     ~150 tokens, the context lengths of a typical request (on one ever-growing sequence, K=4
     cycles at 1,600 tokens measured 15% dearer than in a bench run)."""
-    from engine.api import GenerationRequest
-    from engine.cycle.speculative import absorb_pending
-    from engine.model.mtp import project_to_vocab
-    from engine.model.trunk import trunk_hidden
-    from sampling.params import SamplingParams
-
     rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
     params = params or SamplingParams(temperature=0.0)
-    request = GenerationRequest(rng_ids, params, max_tokens=1)
-    trunk, head = engine.trunk, engine.loaded.head
+    trunk, head = engine.trunk, engine.head
+    assert head is not None, "a cost table prices drafting: the model needs its MTP head"
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
@@ -285,7 +312,7 @@ def measure_costs(
     head_times: list[float] = []
     far_times: list[float] = []
     for rep in range(reps + 2):
-        seq = engine.start(request, DraftPolicy(fixed=max_k))  # the helpers above read it
+        seq = engine.new_sequence(rng_ids, params, draft=True)  # the helpers above read it
         for k in range(max_k + 1):
             row = time_cycles(k, PLAIN_ROW if k == 0 else CYCLES_IN_A_ROW)
             t = time_trunk(k + 1)
@@ -326,7 +353,7 @@ SLOW_FORWARD = 0.5
 
 
 def estimate_costs(
-    engine: Any,
+    engine: CostProbe,
     max_k: int = MAX_AUTO_K,
     reps: int = 1,
     thorough: bool = False,
@@ -347,16 +374,11 @@ def estimate_costs(
     What the model leaves out (sampling, host syncs, the plain cycles' overlap) is learned in
     the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
     timed cycles on (``CALIBRATION_STALE`` weighs the first timings fully)."""
-    from engine.api import GenerationRequest
-    from engine.model.mtp import project_to_vocab
-    from engine.model.trunk import trunk_hidden
-    from sampling.params import SamplingParams
-
-    trunk, head = engine.trunk, engine.loaded.head
+    trunk, head = engine.trunk, engine.head
+    assert head is not None, "a cost table prices drafting: the model needs its MTP head"
     ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max_k + 2)]
     # A one-token prompt: nothing to prefill (on a slow model a prefill takes a forward too).
-    request = GenerationRequest(ids[:1], SamplingParams(temperature=0.0), 1)
-    seq = engine.start(request, DraftPolicy(1))
+    seq = engine.new_sequence(ids[:1], SamplingParams(temperature=0.0), draft=True)
     hidden_size = trunk.args.hidden_size
 
     def timed(run: Any) -> float:
@@ -423,12 +445,10 @@ def estimate_costs(
     )
 
 
-def head_bytes_ratio(engine: Any) -> float:
+def head_bytes_ratio(engine: CostProbe) -> float:
     """Bytes a head step reads over the bytes a plain step reads: its own layer and the output
     projection (its draft-vocabulary rows when drafting over a subset), against the trunk's
     weights (an untied input embedding is gathered, not read whole)."""
-    from mlx.utils import tree_flatten
-
     trunk = engine.trunk
     params = tree_flatten(trunk.parameters())
     head = sum(a.nbytes for n, a in params if n.startswith("mtp."))
@@ -444,18 +464,18 @@ def head_bytes_ratio(engine: Any) -> float:
     return (head + projection) / max(plain, 1)
 
 
-def cost_cache_path(engine: Any, kind: str) -> Path:
-    key = machine_key(engine.loaded.model_dir)
+def cost_cache_path(engine: CostProbe, kind: str) -> Path:
+    key = machine_key(engine.model_dir)
     return CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
 
 
-def seeded_k_path(engine: Any) -> Path:
+def seeded_k_path(engine: CostProbe) -> Path:
     """Where ``EngineAutoK.seeded_k`` keeps its decision (per build, machine and model)."""
-    key = machine_key(engine.loaded.model_dir)
+    key = machine_key(engine.model_dir)
     return CACHE_DIR / f"seeded-k-{key}-v{engine.draft_vocab_size}.json"
 
 
-def cached_costs(engine: Any, kind: str) -> CostTable | None:
+def cached_costs(engine: CostProbe, kind: str) -> CostTable | None:
     path = cost_cache_path(engine, kind)
     try:
         return CostTable(**json.loads(path.read_text()))
@@ -463,7 +483,7 @@ def cached_costs(engine: Any, kind: str) -> CostTable | None:
         return None
 
 
-def save_costs(engine: Any, kind: str, costs: CostTable) -> None:
+def save_costs(engine: CostProbe, kind: str, costs: CostTable) -> None:
     try:
         path = cost_cache_path(engine, kind)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -472,9 +492,9 @@ def save_costs(engine: Any, kind: str, costs: CostTable) -> None:
         pass
 
 
-def load_or_measure(engine: Any, refresh: bool = False, params: Any = None) -> CostTable:
+def load_or_measure(engine: CostProbe, refresh: bool = False, params: Any = None) -> CostTable:
     """The cost table for greedy (``params`` None) or for sampling with ``params``."""
-    key = machine_key(engine.loaded.model_dir)
+    key = machine_key(engine.model_dir)
     kind = "greedy" if params is None else decoding_kind(params)
     path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
     if path.exists() and not refresh:

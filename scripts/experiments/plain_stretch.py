@@ -45,7 +45,7 @@ def acceptance(engine: Engine, prompts: list[dict], gaps: list[int], caps: list[
             got = ref = n = 0
             for prompt in prompts:
                 request = GenerationRequest(prompt["ids"], params, 256)
-                seq = engine.start(request, DraftPolicy(fixed=4))
+                seq = engine.new_sequence(request.prompt_ids, params, draft=True)
                 for t in range(256):
                     k = 4 if t % (gap + 1) == gap else 0
                     result = speculative.run_cycle(engine.trunk, engine.loaded.head, seq, k)
@@ -66,7 +66,7 @@ def catch_up(engine: Engine, lengths: list[int], reps: int = 30) -> None:
     trunk, head = engine.trunk, engine.loaded.head
     ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(300)]
     params = parse_samplers("greedy", engine)["greedy"]
-    seq = engine.start(GenerationRequest(ids, params, 1), DraftPolicy(fixed=4))
+    seq = engine.new_sequence(ids, params, draft=True)
     for n in lengths:
         hidden = mx.random.normal((1, n, trunk.args.hidden_size))
         tokens = mx.array([ids[:n]])
@@ -89,11 +89,13 @@ def timing(engine: Engine, prompts: list[dict]) -> None:
     for prompt in prompts:
         chooser = PatternChooser([4] * 8 + [0] * 8)
         request = GenerationRequest(prompt["ids"], params, 256, ignore_eos=True)
-        seq = engine.start(request, DraftPolicy(fixed=4))
+        seq = engine.new_sequence(request.prompt_ids, params, draft=True)
         cycles: list[dict] = []
         stamps: list[float] = []
-        policy = DraftPolicy(fixed=None, chooser=chooser)
-        for _ in engine.decode(seq, request, policy=policy, trace=cycles.append):
+        # the pattern decides K in place of auto K (the engine asks ``policy`` for it)
+        pattern = DraftPolicy(fixed=None, chooser=chooser)
+        engine.policy = lambda *_, pattern=pattern: pattern  # type: ignore[method-assign]
+        for _ in engine.decode(seq, request, trace=cycles.append):
             stamps.append(time.perf_counter())
         ks = [len(cycle["draft"]) for cycle in cycles]
         run = 0

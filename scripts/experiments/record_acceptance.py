@@ -26,7 +26,7 @@ from engine.api import GenerationRequest  # (the engine package binds the fast B
 from engine.bench.prompts import load_prompts
 from engine.bench.speed import parse_samplers, with_seed
 from engine.cycle.speculative import commit, run_cycle
-from engine.runtime import DraftPolicy, Engine
+from engine.runtime import Engine
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             params = base if base.greedy else with_seed(base, i)
             request = GenerationRequest(prompt["ids"], params, args.max_tokens)
-            seq = engine.start(request, DraftPolicy(fixed=args.draft_tokens))
+            seq = engine.new_sequence(request.prompt_ids, params, draft=args.draft_tokens > 0)
             accepted = []
             for _ in range(args.max_tokens):
                 result = run_cycle(engine.trunk, engine.loaded.head, seq, args.draft_tokens)

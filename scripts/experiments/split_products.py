@@ -23,7 +23,7 @@ import mlx.core as mx
 from engine.api import GenerationRequest
 from engine.model.mtp import project_to_vocab
 from engine.model.trunk import trunk_hidden
-from engine.runtime import DraftPolicy, Engine
+from engine.runtime import Engine
 from sampling.params import SamplingParams
 
 
@@ -38,7 +38,10 @@ def main() -> int:
         loader.product_parts = lambda n=n: n
         engine = Engine.load(args.model, draft_tokens=0, dtype="float32")
         request = GenerationRequest(list(range(100, 164)), SamplingParams(temperature=0.0), 1)
-        engines[n], seqs[n] = engine, engine.start(request, DraftPolicy(fixed=0))
+        engines[n], seqs[n] = (
+            engine,
+            engine.new_sequence(request.prompt_ids, request.sampling, False),
+        )
 
     def forward(n: int, length: int) -> float:
         engine, seq = engines[n], seqs[n]

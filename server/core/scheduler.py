@@ -27,7 +27,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,10 +36,27 @@ from engine.api import GenerationEvent, GenerationRequest, RequestError, release
 logger = logging.getLogger(__name__)
 
 
+class Batch(Protocol):
+    """Rows decoding together (``engine.scheduling.batching.BatchDecoder``; a request alone
+    is a batch of one): the worker adds requests, steps the batch and delivers its events."""
+
+    capacity: int
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: Hashable) -> bool: ...
+
+    def add(
+        self, key: Hashable, request: GenerationRequest, cancelled: Callable[[], bool]
+    ) -> None: ...
+
+    def drop(self, key: Hashable) -> None: ...
+
+    def step(self) -> list[tuple[Hashable, GenerationEvent | BaseException]]: ...
+
+
 class EngineLike(Protocol):
-    def generate(
-        self, request: GenerationRequest, cancelled: Callable[[], bool] = ...
-    ) -> Iterator[GenerationEvent]: ...
+    def batch(self, capacity: int) -> Batch: ...
 
 
 class QueueFullError(Exception):
@@ -130,48 +147,6 @@ class RequestHandle:
         if item.finish_reason is not None:
             self.finished = True
         return item
-
-
-class SerialBatch:
-    """The batch interface (``engine.scheduling.batching.BatchDecoder``: ``add``, ``step``,
-    ``drop``) over an engine that only has ``generate``: one row at a time, one event per step."""
-
-    capacity = 1
-
-    def __init__(self, engine: EngineLike) -> None:
-        self.engine = engine
-        self.rows: dict[Any, Iterator[GenerationEvent]] = {}
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self.rows
-
-    def add(self, key: Any, request: GenerationRequest, cancelled: Callable[[], bool]) -> None:
-        self.rows[key] = iter(self.engine.generate(request, cancelled=cancelled))
-
-    def drop(self, key: Any) -> None:
-        events = self.rows.pop(key, None)
-        if events is not None and hasattr(events, "close"):
-            try:
-                events.close()
-            except Exception:  # a failing close must not kill the worker
-                logger.exception("closing generation %s failed", key)
-
-    def step(self) -> list[tuple[Any, GenerationEvent | BaseException]]:
-        out: list[tuple[Any, GenerationEvent | BaseException]] = []
-        for key, events in list(self.rows.items()):
-            try:
-                out.append((key, next(events)))
-            except StopIteration:
-                del self.rows[key]
-            except Exception as exc:
-                if not isinstance(exc, RequestError):  # a request's own mistake is no fault
-                    logger.exception("generation %s failed", key)
-                del self.rows[key]
-                out.append((key, exc))
-        return out
 
 
 class Scheduler:
@@ -325,13 +300,7 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
-        # One row at a time through ``generate`` unless batching is asked for and the engine
-        # can batch (``generate`` runs plain cycles one ahead; a batch reads every cycle).
-        make_batch = getattr(self.engine, "batch", None)
-        if make_batch is not None and self.max_batch > 1:
-            batch = make_batch(self.max_batch)
-        else:
-            batch = SerialBatch(self.engine)
+        batch = self.engine.batch(self.max_batch)  # its capacity: at most max_batch rows
         while True:
             with self._cond:
                 while not self._pending and not self._rows and not self._closing:
@@ -351,7 +320,7 @@ class Scheduler:
                     batch.add(handle.request_id, handle.request, handle.is_cancelled)
             self._step(batch)
 
-    def _step(self, batch: Any) -> None:
+    def _step(self, batch: Batch) -> None:
         """One step of the batch; deliver its events, finish the rows that ended."""
         try:
             events = batch.step()
@@ -382,7 +351,7 @@ class Scheduler:
                 if self._grace[key] < 0:
                     self._end(batch, handle)
 
-    def _end(self, batch: Any, handle: RequestHandle, error: BaseException | None = None) -> None:
+    def _end(self, batch: Batch, handle: RequestHandle, error: BaseException | None = None) -> None:
         key = handle.request_id
         with self._cond:
             self._rows.pop(key, None)
@@ -404,7 +373,7 @@ class Scheduler:
         self._finished(handle, last, error)
 
     @staticmethod
-    def _drop(batch: Any, key: int) -> None:
+    def _drop(batch: Batch, key: int) -> None:
         """Remove a row; a failure there (the row's clean-up) must not end the worker."""
         try:
             batch.drop(key)

@@ -123,6 +123,11 @@ def test_trace_indices_follow_the_contract(tiny_engine) -> None:
             assert line["draft"][n] != everything[c + n]
 
 
+def started(engine, request):
+    """A sequence prefilled with the request's prompt, drafting unless the request is plain."""
+    return engine.new_sequence(request.prompt_ids, request.sampling, request.draft_tokens != 0)
+
+
 @pytest.mark.parametrize("k", [0, 1, 3, pytest.param(None, marks=pytest.mark.fast)])
 def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None) -> None:
     """max_tokens and EOS at every position (inside draft blocks too), and a consumer that stops
@@ -144,7 +149,7 @@ def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None)
 
     for max_tokens in range(1, 10):
         request = greedy_request(prompt, k, max_tokens, ignore_eos=True)
-        seq = engine.start(request)
+        seq = started(engine, request)
         events = list(engine.decode(seq, request))
         assert events[-1].finish_reason == "length"
         assert seq.tokens == prompt + reference[:max_tokens]
@@ -155,14 +160,14 @@ def test_stop_at_every_point_keeps_caches_consistent(load_engine, k: int | None)
         if eos in reference[:position]:
             continue
         request = greedy_request(prompt, k, 40, stop_token_ids=frozenset({eos}))
-        seq = engine.start(request)
+        seq = started(engine, request)
         events = list(engine.decode(seq, request))
         assert events[-1].finish_reason == "stop"
         assert seq.tokens == prompt + reference[: position + 1]
         check_continuation(seq)
 
     request = greedy_request(prompt, k, 40, ignore_eos=True)
-    seq = engine.start(request)
+    seq = started(engine, request)
     stream = engine.decode(seq, request)
     next(stream)
     stream.close()  # the consumer walks away after the first event
@@ -319,7 +324,9 @@ def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_
     assert accepted > 0.3 * proposed  # this checkpoint accepts ~half its drafts
 
 
-def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine) -> None:
+def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(
+    tiny_engine, monkeypatch
+) -> None:
     """Auto K calibrates its costs with the decode loop's cycle times. Plain cycles run one
     ahead, so at the edges of a plain stretch the time between two cycles is not a plain
     cycle's cost: the first plain cycle after drafting reads back ~2 steps after the drafting
@@ -332,8 +339,10 @@ def test_plain_cycles_are_not_timed_at_the_edges_of_a_plain_stretch(tiny_engine)
     pattern = PatternChooser([2, 2, 0, 0, 0, 0, 0])
     prompt = tiny_engine.tokenizer.encode(PROMPTS[0])
     request = greedy_request(prompt, None, 80, ignore_eos=True)
-    seq = tiny_engine.start(request, DraftPolicy(fixed=2))
-    for _ in tiny_engine.decode(seq, request, policy=DraftPolicy(fixed=None, chooser=pattern)):
+    seq = tiny_engine.new_sequence(prompt, request.sampling, draft=True)
+    # the pattern chooses each cycle's K where auto K would
+    monkeypatch.setattr(tiny_engine, "policy", lambda *_: DraftPolicy(fixed=None, chooser=pattern))
+    for _ in tiny_engine.decode(seq, request):
         pass
     timed = pattern.timed
     last_plain = [i for i in range(len(timed) - 1) if timed[i][0] == 0 and timed[i + 1][0] > 0]
@@ -578,7 +587,7 @@ def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> N
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     first, turn = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[1])
     request = greedy_request(first, 2, 7, ignore_eos=True)
-    seq = engine.start(request)
+    seq = started(engine, request)
     list(engine.decode(seq, request))
     extend_sequence(engine.trunk, engine.loaded.head, seq, turn)
     assert_invariant(seq)

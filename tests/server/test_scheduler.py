@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fake_engine import OneAtATime
 
 from engine.api import GenerationEvent, GenerationRequest, GenerationStats, RequestError
 from sampling.params import SamplingParams
@@ -41,6 +42,9 @@ class CountingEngine:
         self.active = 0
         self.max_active = 0
         self.polls_after_cancel: dict[int, int] = {}
+
+    def batch(self, capacity: int) -> OneAtATime:
+        return OneAtATime(self.generate)
 
     def generate(
         self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
@@ -336,9 +340,27 @@ block = mx.compile(lambda x: (mx.exp(x) + 1, {"half": x / 2}))  # kept, as the e
 
 
 class CompilingEngine:
-    def generate(self, request, cancelled=lambda: False):
+    capacity = 1
+
+    def batch(self, capacity):
+        self.rows = set()
+        return self
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __contains__(self, key):
+        return key in self.rows
+
+    def add(self, key, request, cancelled):
+        self.rows.add(key)
+
+    def drop(self, key):
+        self.rows.discard(key)
+
+    def step(self):
         mx.eval(block(mx.ones(4))[0])
-        yield GenerationEvent([1], finish_reason="length")
+        return [(key, GenerationEvent([1], finish_reason="length")) for key in self.rows.copy()]
 
 
 class BlocksInFinalization:  # releases the GIL after finalizing began, as closing files do
