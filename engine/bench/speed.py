@@ -8,6 +8,12 @@ that none always runs in the same place (with a fixed order, auto — always rig
 at 0.97x of K=4 while drafting K=4 in 1,876 of its 1,877 cycles; alternating the two, 1.01x).
 Speed-ups are ratios against K=0 *of the same run*.
 
+The default samplers are greedy decoding, Qwen's sampler seeded per prompt (``preset:qwen``) and
+the same sampler unseeded (``unseeded:qwen``). Both sampled rows are needed because automatic K
+treats them differently: a seeded sampled request drafts one fixed K every cycle
+(``EngineAutoK.seeded_k``, so that its seed repeats its text), an unseeded one follows the live
+chooser, so the two ``auto`` rows measure different policies.
+
 A second, profiled pass per (sampler, K) syncs after each cycle stage to split cycle time into
 draft / verify / accept / rollback (commit) / overhead; the timed pass never does. The cost
 model (engine.scheduling.autok: measured cycle costs x measured per-position acceptance)
@@ -70,7 +76,15 @@ class Row:
         return out
 
 
+#: the sampler spec of a preset whose requests carry no seed (``preset:NAME`` rows are seeded
+#: per prompt); a spec of its own because automatic K drafts differently for the two
+UNSEEDED = "unseeded:"
+
+
 def parse_samplers(text: str, engine: Any) -> dict[str, Any]:
+    """``greedy``, ``preset:NAME`` or ``unseeded:NAME``, comma-separated, to resolved params."""
+    from dataclasses import replace
+
     from sampling.params import SamplingOverrides, preset, resolve
 
     samplers = {}
@@ -78,11 +92,23 @@ def parse_samplers(text: str, engine: Any) -> dict[str, Any]:
         name = name.strip()
         if name == "greedy":
             samplers[name] = resolve(engine.sampling_defaults, SamplingOverrides(temperature=0.0))
-        elif name.startswith("preset:"):
-            samplers[name] = resolve(engine.sampling_defaults, preset(name.split(":", 1)[1]))
+        elif name.startswith(("preset:", UNSEEDED)):
+            params = resolve(engine.sampling_defaults, preset(name.split(":", 1)[1]))
+            # a seed from the checkpoint's defaults or the preset would make the row seeded
+            samplers[name] = replace(params, seed=None) if name.startswith(UNSEEDED) else params
         else:
-            raise SystemExit(f"unknown sampler {name!r} (use greedy or preset:NAME)")
+            raise SystemExit(f"unknown sampler {name!r} (use greedy, preset:NAME or unseeded:NAME)")
     return samplers
+
+
+def request_params(name: str, params: Any, seed: int) -> Any:
+    """The sampler a request of sampler ``name`` sends: sampled ``preset:`` rows seeded per
+    prompt (their text repeats from run to run, and under automatic K they draft the seeded
+    fixed K), greedy and ``unseeded:`` rows as parsed (the engine draws an unseeded request's
+    seed at random, and automatic K chooses live)."""
+    if params.greedy or name.startswith(UNSEEDED):
+        return params
+    return with_seed(params, seed)
 
 
 def mlx_lm_sampler(params: Any) -> Any:
@@ -104,7 +130,8 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
 
     tokenizer = TokenizerWrapper(engine.tokenizer)
     tokenizer._eos_token_ids = set()  # same work as ours: no early stop
-    mx.random.seed(params.seed or 0)
+    if params.seed is not None:  # an unseeded row draws from mlx's generator as it stands
+        mx.random.seed(params.seed)
     last = None
     for last in stream_generate(
         engine.loaded.model,
@@ -159,12 +186,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
     # The bench always measures afresh, one table per decoding kind (truncation and sampling
     # add work per cycle that greedy decoding does not have), and installs it in the engine's
-    # auto K: the prediction and the `auto` rows decide from the same figures.
-    sampler_costs = {
-        name: engine.autok.costs(params, refresh=True)
-        for name, params in samplers.items()
-        if engine.has_head  # a checkpoint without a head only decodes plainly: nothing to model
-    }
+    # auto K: the prediction and the `auto` rows decide from the same figures. Samplers of one
+    # kind (seeded and unseeded) share its table: measuring it twice would only install the
+    # second reading over the first.
+    # (A checkpoint without a head only decodes plainly: nothing to model.)
+    kind_costs: dict[str, Any] = {}
+    sampler_costs = {}
+    for name, params in samplers.items() if engine.has_head else ():
+        kind = decoding_kind(params)
+        if kind not in kind_costs:
+            kind_costs[kind] = engine.autok.costs(params, refresh=True)
+        sampler_costs[name] = kind_costs[kind]
 
     configs: list[tuple[str, Any, float | None]] = [("mlx_lm", "mlx_lm", None)]
     configs += [(f"K={k}" if k is not None else "auto", k, None) for k in ks]
@@ -188,7 +220,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for repeat in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 for sname, base in samplers.items():
-                    params = base if base.greedy else with_seed(base, 1000 * repeat + i)
+                    params = request_params(sname, base, 1000 * repeat + i)
                     turn = (repeat * len(prompts) + i) % len(configs)
                     for cname, k, confidence in configs[turn:] + configs[:turn]:
                         row = rows[(sname, cname)]
@@ -206,6 +238,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for name, params in samplers.items() if engine.has_head else ():
         kind = engine.autok.kinds[decoding_kind(params)]
         calibration[name] = {
+            "kind": decoding_kind(params),
             "plain": kind.calibration[0],
             "drafting": kind.calibration[1],
             "tilt": kind.tilt[1:],
@@ -215,11 +248,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     # each entry's lower reading: on this shared 2-core machine a slow moment during the
     # start-up measurement once timed a greedy plain step at 3.25 ms against 2.4 ms in the run
     # (K=3 and K=4 cycles alike), and the predictions came out 30-38% high.
-    late_costs = {
-        name: measure_costs(engine, params=representative_sampler(engine, params))
-        for name, params in samplers.items()
-        if name in sampler_costs
-    }
+    late_by_kind: dict[str, Any] = {}
+    late_costs = {}
+    for name, params in samplers.items():
+        if name not in sampler_costs:
+            continue
+        kind = decoding_kind(params)
+        if kind not in late_by_kind:
+            late_by_kind[kind] = measure_costs(
+                engine, params=representative_sampler(engine, params)
+            )
+        late_costs[name] = late_by_kind[kind]
     tables = {name: sampler_costs[name].lowest(late) for name, late in late_costs.items()}
 
     # Profiled pass: split cycle time per stage (a few prompts suffice).
@@ -231,7 +270,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             engine.draft_confidence = confidence
             profiled = Row(sname, cname)
             for i, prompt in enumerate(prompts[: args.profile_prompts]):
-                params = base if base.greedy else with_seed(base, i)
+                params = request_params(sname, base, i)
                 run_ours(engine, prompt["ids"], params, k, args.max_tokens, profiled)
             t = profiled.totals
             cycles = max(t.cycles, 1)
@@ -441,10 +480,16 @@ def format_table(result: dict[str, Any]) -> str:
         f"for a draft vocabulary of {result['draft_vocab_size']});"
         f" BLAS: {result['blas']}; malloc: {result['malloc']}"
     )
+    # one calibration per decoding kind: seeded and unseeded samplers share theirs
+    kinds: dict[str, list[str]] = {}
     for name, factors in result.get("auto_calibration", {}).items():
+        kinds.setdefault(factors.get("kind", name), []).append(name)
+    for names in kinds.values():
+        factors = result["auto_calibration"][names[0]]
         tilts = "/".join(f"{t:.3f}" for t in factors["tilt"])
         lines.append(
-            f"auto K's in-run calibration ({name}): plain cycles x{factors['plain']:.2f}, "
+            f"auto K's in-run calibration ({', '.join(names)}): plain cycles "
+            f"x{factors['plain']:.2f}, "
             f"drafting cycles x{factors['drafting']:.2f} the start-up table "
             f"(times x{tilts} for K=1..{len(factors['tilt'])})"
         )
@@ -530,7 +575,11 @@ def register(sub: Any) -> None:
     p.add_argument("--mtp-weights", default=None)
     p.add_argument("--draft-vocab", type=int, default=None, help=DRAFT_VOCAB_HELP)
     p.add_argument("--draft-tokens", default="0,1,2,3,4,auto", type=_draft_token_list)
-    p.add_argument("--sampler", default="greedy,preset:qwen")
+    p.add_argument(
+        "--sampler",
+        default="greedy,preset:qwen,unseeded:qwen",
+        help="greedy, preset:NAME (seeded per prompt), unseeded:NAME (no seed), comma-separated",
+    )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

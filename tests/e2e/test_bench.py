@@ -13,20 +13,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The default samplers: greedy, Qwen's seeded and Qwen's unseeded."""
     out_dir = tmp_path / "bench"
     run_cli(
         tmp_path,
         ["bench", "--model", str(tiny_checkpoint), "--draft-tokens", "0,2,auto"],
-        ["--sampler", "greedy,preset:qwen", "--max-tokens", "12", "--limit", "2"],
+        ["--max-tokens", "12", "--limit", "2"],
         ["--profile-prompts", "1", "--out", str(out_dir)],
     )
     result = json.loads((out_dir / "results.json").read_text())
     assert (out_dir / "speedup.png").stat().st_size > 0
     table = (out_dir / "table.txt").read_text()
     rows = {(r["sampler"], r["config"]): r for r in result["rows"]}
-    assert set(rows) == {
-        (s, c) for s in ("greedy", "preset:qwen") for c in ("mlx_lm", "K=0", "K=2", "auto")
-    }
+    samplers = ("greedy", "preset:qwen", "unseeded:qwen")
+    assert set(rows) == {(s, c) for s in samplers for c in ("mlx_lm", "K=0", "K=2", "auto")}
     for (sampler, config), row in rows.items():
         assert row["completion_tokens"] == 2 * 12, (sampler, config)
         assert row["decode_tps"] > 0 and row["prefill_tps"] > 0
@@ -49,10 +49,40 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
     assert memory["trunk_only"]["head_bytes"] == 0 and memory["with_head"]["head_bytes"] > 0
     assert memory["with_head"]["generate_peak"] > memory["trunk_only"]["generate_peak"]
     assert "peak memory (fresh processes" in table
-    for sampler in ("greedy", "preset:qwen"):
+    for sampler in samplers:
         factors = result["auto_calibration"][sampler]
         assert factors["plain"] > 0 and factors["drafting"] > 0 and len(factors["tilt"]) == 4
-        assert f"auto K's in-run calibration ({sampler})" in table
+    # seeded and unseeded sampling share one decoding kind, so one calibration and one table
+    assert "auto K's in-run calibration (greedy)" in table
+    assert "auto K's in-run calibration (preset:qwen, unseeded:qwen)" in table
+    assert result["costs"]["preset:qwen"] == result["costs"]["unseeded:qwen"]
+
+
+@pytest.mark.fast
+def test_sampled_rows_are_seeded_per_prompt_or_unseeded() -> None:
+    """The default row set has both sampled rows, and only ``preset:`` requests carry a seed:
+    under automatic K a seeded request drafts a fixed K, an unseeded one the live choice."""
+    import argparse
+
+    from engine.bench.speed import parse_samplers, register, request_params
+    from sampling.params import SamplingOverrides
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    default = parser.parse_args(["bench"]).sampler
+    assert default == "greedy,preset:qwen,unseeded:qwen"
+
+    class Engine:
+        # a checkpoint whose defaults carry a seed: the unseeded row must still send none
+        sampling_defaults = SamplingOverrides(temperature=1.0, seed=5)
+
+    samplers = parse_samplers(default, Engine())
+    assert list(samplers) == ["greedy", "preset:qwen", "unseeded:qwen"]
+    sent = {name: request_params(name, params, 7) for name, params in samplers.items()}
+    assert sent["greedy"].greedy and sent["greedy"] == samplers["greedy"]
+    assert sent["preset:qwen"].seed == 7 and not sent["preset:qwen"].greedy
+    assert sent["unseeded:qwen"].seed is None and not sent["unseeded:qwen"].greedy
+    assert sent["unseeded:qwen"] == samplers["unseeded:qwen"]
 
 
 def run_cli(tmp_path: Path, *args: list[str]) -> None:
