@@ -93,7 +93,7 @@ class SamplingParams:
     top_k: int = sampler_field(
         0,
         Bound(0, wording=">= 0 (0 disables it)"),
-        "sample from the k most likely tokens; 0, -1 or >= the vocabulary: off",
+        "sample from the k most likely tokens; 0 or >= the vocabulary: off (APIs: -1 too)",
     )
     top_p: float = sampler_field(
         1.0,
