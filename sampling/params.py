@@ -249,6 +249,11 @@ class SamplingOverrides:
     def __hash__(self) -> int:
         return hash(tuple(sorted((k, repr(v)) for k, v in self._values.items())))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt through the constructor: the default (setting the slot) is what
+        # __setattr__ forbids; pickle and copy go through here
+        return (SamplingOverrides.from_mapping, (dict(self._values),))
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
         return f"SamplingOverrides({inner})"

@@ -165,3 +165,14 @@ def test_generate_flags_are_the_definition() -> None:
     assert all(spec.description in help_text for spec in SAMPLER_FIELDS)
     args = parser.parse_args(["--temperature", "0.5", "--top-k", "7"])
     assert sampling_overrides(args) == SamplingOverrides(temperature=0.5, top_k=7)
+
+
+def test_overrides_copy_and_pickle_as_values() -> None:
+    """SamplingOverrides is generated, not a dataclass: copying must still work (an engine's
+    sampling_defaults may be copied or sent to another process)."""
+    import copy
+    import pickle
+
+    layer = SamplingOverrides(temperature=0.5, logit_bias={3: 1.0})
+    assert pickle.loads(pickle.dumps(layer)) == layer == copy.deepcopy(layer)
+    assert (layer.temperature, layer.top_k) == (0.5, None)
