@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.api import DEMO_MODEL, DRAFT_VOCAB_HELP
 from engine.blas import use_fast_blas
+from sampling.params import SAMPLER_FIELDS, SamplingOverrides
 from server.serve import add_serve_arguments, run_serve
 
 use_fast_blas()  # before anything imports mlx
@@ -53,30 +54,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """``--preset`` and one flag per sampler field of the definition (``--top-k`` for top_k),
+    unset by default so the checkpoint's generation_config and the preset show through."""
     p.add_argument("--preset", default=None, help="sampler preset from configs/presets.toml")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    for spec in SAMPLER_FIELDS:
+        flag = "--" + spec.name.replace("_", "-")
+        p.add_argument(flag, type=spec.type, default=None, help=spec.description)
 
 
-def sampling_overrides(args: argparse.Namespace) -> Any:
-    from sampling.params import SamplingOverrides
-
-    return SamplingOverrides(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+def sampling_overrides(args: argparse.Namespace) -> SamplingOverrides:
+    """The layer the sampler flags set (None where a flag was not given)."""
+    return SamplingOverrides(**{spec.name: getattr(args, spec.name) for spec in SAMPLER_FIELDS})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

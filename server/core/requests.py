@@ -21,7 +21,13 @@ from sampling.constraint import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from sampling.params import SamplingOverrides, SamplingParamError, SamplingParams, resolve
+from sampling.params import (
+    SAMPLER_FIELD_NAMES,
+    SamplingOverrides,
+    SamplingParamError,
+    SamplingParams,
+    resolve,
+)
 from server.core.toolcalls import (
     THINK_CLOSE,
     TOOL_CLOSE,
@@ -30,17 +36,6 @@ from server.core.toolcalls import (
 )
 from server.errors import APIError, bad_request
 from server.state import ServerState
-
-SAMPLER_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
 
 #: Template arguments a request may not set: they belong to the renderer itself.
 _RESERVED_TEMPLATE_KWARGS = {
@@ -393,28 +388,25 @@ def check_limits(state: ServerState, params: GenerationParams, n_prompts: int = 
 
 
 def resolve_sampling(state: ServerState, params: GenerationParams) -> SamplingParams:
-    """generation_config -> server layer -> request, validated against the vocabulary."""
-    engine = state.engine
-    values = {k: params.sampling.get(k) for k in SAMPLER_FIELDS}
-    if values["top_k"] == -1:  # vLLM's convention for "off"; ours is 0
+    """generation_config -> server layer -> request, built once into a sampler: the one place a
+    request's sampler fields are checked (their bounds, and the vocabulary for top_k and
+    logit_bias); a bad value is a 400 naming the field. The engine gets it as it is."""
+    values = {k: v for k, v in params.sampling.items() if k in SAMPLER_FIELD_NAMES}
+    if values.get("top_k") == -1:  # vLLM's convention for "off"; ours is 0
         values["top_k"] = 0
     if params.logit_bias:
         try:
             values["logit_bias"] = {int(k): float(v) for k, v in params.logit_bias.items()}
         except (TypeError, ValueError) as exc:
             raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
+    engine = state.engine
     try:
-        request_layer = SamplingOverrides.from_mapping(values)
-        resolved = resolve(engine.sampling_defaults, state.sampling_layer, request_layer)
-    except SamplingParamError as exc:
-        raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
-    except (TypeError, ValueError) as exc:
-        raise bad_request(f"invalid sampling field: {exc}", code="invalid_value") from exc
-    if resolved.top_k >= engine.vocab_size:
-        # top_k >= vocab keeps every token: the same as "off", which is what the sampler expects.
-        resolved = replace(resolved, top_k=0)
-    try:
-        return resolved.validate(engine.vocab_size)
+        return resolve(
+            engine.sampling_defaults,
+            state.sampling_layer,
+            SamplingOverrides(**values),
+            vocab_size=engine.vocab_size,
+        )
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
 
@@ -461,9 +453,8 @@ def build_requests(
         for i in range(params.n):
             choice_sampling = sampling
             if sampling.seed is not None and i:
-                choice_sampling = replace(sampling, seed=sampling.seed + i)
-                try:
-                    choice_sampling.validate(engine.vocab_size)
+                try:  # the sampler checks itself: seed + i may pass 2**63
+                    choice_sampling = replace(sampling, seed=sampling.seed + i)
                 except SamplingParamError as exc:
                     raise bad_request(str(exc), param=exc.param) from exc
             out.append(

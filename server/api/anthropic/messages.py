@@ -39,6 +39,7 @@ from server.core.requests import (
     render_chat,
     select_tools,
 )
+from server.core.sampler_schema import sent_sampling
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
 from server.state import ServerState
@@ -175,7 +176,7 @@ async def messages(request: Request) -> Response:
     params = GenerationParams(
         max_tokens=req.max_tokens,
         prompt_param="messages",
-        sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k},
+        sampling=sent_sampling(req),
         stop=list(req.stop_sequences or []),
         stop_param="stop_sequences",
         draft_tokens=req.draft_tokens,

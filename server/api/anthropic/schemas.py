@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.core.extensions import DraftTokens
+from server.core.sampler_schema import sampler_fields_model
 from server.core.tagged import by_type
 
 
@@ -114,13 +115,15 @@ class CountTokensRequest(_Base):
     output_format: JSONOutputFormat | None = None
 
 
-class MessagesRequest(CountTokensRequest):
+#: Not arguments of the current anthropic SDK; clients may send them as extra body fields.
+MessagesSampler = sampler_fields_model(
+    "MessagesSampler", CountTokensRequest, ("temperature", "top_p", "top_k")
+)
+
+
+class MessagesRequest(MessagesSampler):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
-    #: Not arguments of the current anthropic SDK; clients may send them as extra body fields.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     draft_tokens: DraftTokens = None

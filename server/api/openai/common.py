@@ -12,7 +12,8 @@ from engine.api import TokenLogprob
 from server.api.openai.schemas import SamplingFields
 from server.core.http import v1_router
 from server.core.jobs import Job, Usage
-from server.core.requests import SAMPLER_FIELDS, GenerationParams
+from server.core.requests import GenerationParams
+from server.core.sampler_schema import sent_sampling
 from server.core.sse import DONE, sse_json
 from server.errors import APIError
 from server.state import ServerState
@@ -24,7 +25,7 @@ def openai_params(req: SamplingFields, **kw: Any) -> GenerationParams:
     """The fields chat and text completions share, in neutral form."""
     return GenerationParams(
         max_tokens=req.max_tokens,
-        sampling={k: getattr(req, k) for k in SAMPLER_FIELDS},
+        sampling=sent_sampling(req),
         logit_bias=req.logit_bias,
         stop=req.stop_list(),
         n=req.n,

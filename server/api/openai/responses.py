@@ -35,6 +35,7 @@ from server.core.requests import (
     render_chat,
     select_tools,
 )
+from server.core.sampler_schema import sent_sampling
 from server.core.sse import sse_json
 from server.errors import APIError, bad_request
 from server.state import ServerState
@@ -107,12 +108,11 @@ async def responses(request: Request) -> Response:
             code="unsupported_parameter",
         )
     prompt, grammar = await asyncio.to_thread(_render, state, req)  # templating, tokenizing
-    sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     params = GenerationParams(
         max_tokens=req.max_output_tokens,
         max_tokens_param="max_output_tokens",
         prompt_param="input",
-        sampling=sampling | {"min_p": req.min_p},
+        sampling=sent_sampling(req),
         draft_tokens=req.draft_tokens,
         grammar=grammar,
     )

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.core.extensions import DraftTokens
 from server.core.requests import ReasoningEffort, join_text, parse_arguments
+from server.core.sampler_schema import sampler_fields_model
 from server.core.tagged import by_type
 from server.errors import bad_request
 
@@ -112,7 +113,17 @@ class TextConfig(_Base):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(_Base):
+#: OpenAI's temperature and top_p, and top_k / min_p as extensions; temperature keeps OpenAI's
+#: bound of 2 (the sampler's own bounds are checked when the request is resolved)
+ResponsesSampler = sampler_fields_model(
+    "ResponsesSampler",
+    _Base,
+    ("temperature", "top_p", "top_k", "min_p"),
+    wire_max={"temperature": 2},
+)
+
+
+class ResponsesRequest(ResponsesSampler):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
@@ -123,9 +134,6 @@ class ResponsesRequest(_Base):
     #: Structured output: ``{"format": {"type": "json_schema", "schema": ...}}``.
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    #: OpenAI bounds it to [0, 2]; below 0 is the sampler's own 400
-    temperature: float | None = Field(None, le=2)
-    top_p: float | None = None
     stream: bool = False
     #: Accepted, but nothing is stored: the response always says ``"store": false``.
     store: bool | None = None
@@ -133,8 +141,6 @@ class ResponsesRequest(_Base):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     #: Extensions (not in OpenAI's schema).
-    top_k: int | None = None
-    min_p: float | None = None
     draft_tokens: DraftTokens = None
     chat_template_kwargs: dict[str, Any] | None = None
 

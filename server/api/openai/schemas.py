@@ -3,17 +3,20 @@
 Unknown fields are ignored (``extra="ignore"``) so clients that send newer OpenAI fields keep
 working; known fields are type-checked here and range-checked where the range does not depend on
 the model (vocabulary- and context-dependent checks happen in server/core/requests.py, with the
-engine's numbers). Response bodies are built as plain dicts in the OpenAI shapes by the adapters.
+engine's numbers). The sampler fields come from the one definition in sampling/params.py
+(server/core/sampler_schema.py); their bounds are checked when the request is resolved. Response
+bodies are built as plain dicts in the OpenAI shapes by the adapters.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.core.extensions import DraftTokens
 from server.core.requests import ReasoningEffort
+from server.core.sampler_schema import sampler_fields_model
 
 
 class _Base(BaseModel):
@@ -97,33 +100,23 @@ class StreamOptions(_Base):
 StopField = Annotated[str | list[str] | None, Field(default=None)]
 
 
-class SamplingFields(_Base):
-    """Fields shared by chat and text completions."""
+#: OpenAI bounds temperature to [0, 2]; the sampler's own bounds are checked when the request
+#: is resolved (server.core.requests), like every other API's
+OpenAISampler = sampler_fields_model("OpenAISampler", _Base, wire_max={"temperature": 2})
+
+
+class SamplingFields(OpenAISampler):
+    """Fields shared by chat and text completions (every sampler field of the definition)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    #: OpenAI bounds it to [0, 2]; below 0 is the sampler's own 400
-    temperature: float | None = Field(None, le=2)
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stop: StopField = None
-    seed: int | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     draft_tokens: DraftTokens = None
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _top_k_none(cls, value: Any) -> Any:
-        # vLLM's convention: -1 disables top-k; ours is 0.
-        return 0 if value == -1 else value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
