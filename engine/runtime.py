@@ -258,7 +258,7 @@ class Engine:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
-        request.sampling.validate(self.vocab_size)
+        request.sampling.check_vocabulary(self.vocab_size)  # its ranges hold by construction
         # (a grammar is compiled once, when the sequence starts: ``constraint`` raises the
         # RequestError there, before the first event)
 

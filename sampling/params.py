@@ -158,13 +158,6 @@ class SamplingParams:
             if not 0 <= int(token) < vocab_size:
                 raise SamplingParamError("logit_bias", f"logit_bias token id {token} out of range")
 
-    def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Kept for callers that still re-check a sampler: the bounds already hold (checked on
-        construction), so only the vocabulary check is left; returns self."""
-        if vocab_size is not None:
-            self.check_vocabulary(vocab_size)
-        return self
-
 
 @dataclass(frozen=True)
 class SamplerField:

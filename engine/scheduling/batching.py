@@ -67,6 +67,7 @@ from engine.cycle.speculative import (
 )
 from engine.model.memory import release_between_requests, release_while_running
 from engine.scheduling.costs import MAX_AUTO_K, expected_tokens
+from sampling.params import SamplingParamError
 
 log = logging.getLogger("mtpserve.batching")
 
@@ -357,7 +358,7 @@ class BatchDecoder:
             _close(row)
             return True
         except Exception as exc:  # this row only: the others go on
-            if not isinstance(exc, RequestError):  # a request's own mistake is no fault
+            if not isinstance(exc, (RequestError, SamplingParamError)):  # the request's own mistake
                 log.exception("a batch row failed")
             out.append((key, exc))
             _close(row)

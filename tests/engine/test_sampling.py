@@ -123,7 +123,7 @@ def test_truncated_probs_matches_reference(name: str) -> None:
 @pytest.mark.fast
 def test_invalid_values_are_rejected_with_the_param_named(field: str, value: float) -> None:
     with pytest.raises(SamplingParamError) as err:
-        resolve(SamplingOverrides(**{field: value})).validate(vocab_size=100)
+        resolve(SamplingOverrides(**{field: value}), vocab_size=100)
     assert err.value.param == field
 
 
