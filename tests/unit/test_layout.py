@@ -64,3 +64,35 @@ def test_the_engine_never_imports_the_server_or_the_command_line() -> None:
         if target.startswith(("server", "mtpserve"))
     }
     assert not wrong
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """A name with a leading underscore is its module's own: another module that needs it needs
+    a public name (a compiled extension module, named ``_x`` by convention, is a module)."""
+    wrong = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or not node.module:
+                    continue
+                folder = ROOT.joinpath(*node.module.split("."))
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and not any(folder.glob(f"{alias.name}.*")):
+                        wrong.append(f"{path.relative_to(ROOT)}: {node.module}.{alias.name}")
+    assert not wrong, wrong
+
+
+def test_the_loop_below_the_engine_never_calls_up_into_it() -> None:
+    """Scheduling, cycles, caches and the model sit below ``engine.runtime``: they reach the
+    engine only through the interfaces they declare (``RowEngine``, ``CostProbe``)."""
+    graph = import_graph()
+    lower = ("engine.scheduling", "engine.cycle", "engine.cache", "engine.model", "sampling")
+    wrong = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith(lower)
+        for target in targets
+        if target in ("engine.runtime", "engine.distributed") or target.startswith("engine.bench")
+    }
+    assert not wrong
