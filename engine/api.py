@@ -67,6 +67,10 @@ class GenerationRequest:
     #: ``grammar`` already compiled (``Engine.constraint``, off the engine's thread) for this
     #: request alone: the engine advances it as the output grows; None: compiled at start.
     constraint: Any = None
+    #: A prompt position the conversation cache also snapshots: where the prompt's last message
+    #: begins, so that a next turn whose template re-renders the previous reply (Qwen's drops its
+    #: think block) still reuses everything before it. None: only the block ends and the end.
+    snapshot_at: int | None = None
 
 
 @dataclass

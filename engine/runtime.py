@@ -366,16 +366,14 @@ class Engine:
                     seq.head_cache = restored.head_cache
                     seq.head_pending = [restored.head_pending]
                 seq.restored = restored.position
-        # Also a snapshot where the prompt's last message begins (its last turn marker): a
-        # template that re-renders the previous reply (Qwen's drops its <think> block) still
-        # matches the next prompt up to there.
+        # Also a snapshot where the request says the prompt's last message begins: a template
+        # that re-renders the previous reply (Qwen's drops its <think> block) still matches the
+        # next prompt up to there.
         body = request.prompt_ids[: len(request.prompt_ids) - 1]
         stops = [len(body)]
-        turn = self._turn_marker()
-        if cache is not None and turn is not None and turn in body:
-            marker = len(body) - 1 - body[::-1].index(turn)
-            if marker > seq.restored:
-                stops.insert(0, marker)
+        at = request.snapshot_at
+        if cache is not None and at is not None and seq.restored < at < len(body):
+            stops.insert(0, at)
         hook = prefill_hook(cache, self.trunk, head, cancelled)
         for stop in stops:
             fed = yield from prefill_steps(
@@ -391,13 +389,6 @@ class Engine:
             if cache is not None:
                 cache.guarded("a snapshot", cache.store, seq, self.trunk, head)
         return seq
-
-    def _turn_marker(self) -> int | None:
-        """The id of ``<|im_start|>`` (ChatML's turn marker) if the tokenizer has it."""
-        if "_turn_marker_id" not in self.__dict__:
-            vocab = getattr(self.tokenizer, "get_vocab", dict)()
-            self.__dict__["_turn_marker_id"] = vocab.get("<|im_start|>")
-        return self.__dict__["_turn_marker_id"]
 
     def _keep(self, seq: Sequence) -> None:
         """Snapshot a finished generation (after its final commit) for the next turn."""

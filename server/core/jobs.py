@@ -21,8 +21,9 @@ from fastapi import Request
 
 from engine.api import EngineUnavailable, GenerationRequest
 from sampling.params import SamplingParamError
+from server.core.chat_format import Prompt
 from server.core.output import ChoiceOutput, OutputDelta
-from server.core.requests import GenerationParams, Prompt
+from server.core.requests import GenerationParams
 from server.core.scheduler import (
     GenerationFailedError,
     QueueFullError,

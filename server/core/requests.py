@@ -28,27 +28,9 @@ from sampling.params import (
     SamplingParams,
     resolve,
 )
-from server.core.toolcalls import (
-    THINK_CLOSE,
-    TOOL_CLOSE,
-    TOOL_OPEN,
-    prompt_opens_reasoning,
-)
+from server.core.chat_format import ChatFormat, Prompt, check_text_fits
 from server.errors import APIError, bad_request
 from server.state import ServerState
-
-#: Template arguments a request may not set: they belong to the renderer itself.
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation",
-    "messages",
-    "tools",
-    "tokenize",
-    "add_generation_prompt",
-    "return_dict",
-    "return_tensors",
-    "chat_template",
-    "documents",
-}
 
 
 @dataclass
@@ -71,20 +53,6 @@ class GenerationParams:
     draft_tokens: int | Literal["auto"] | None = None
     #: structured output: the llguidance grammar of ``output_grammar`` (None: free text)
     grammar: str | None = None
-
-
-@dataclass
-class Prompt:
-    """One rendered prompt: its text (None for raw token ids) and ids."""
-
-    ids: list[int]
-    text: str | None = None
-    #: The tools shown to the model (None: tool-call parsing off).
-    tools: list[dict[str, Any]] | None = None
-
-    @property
-    def opens_reasoning(self) -> bool:
-        return self.text is not None and prompt_opens_reasoning(self.text)
 
 
 def join_text(
@@ -238,8 +206,8 @@ def output_grammar(
     understood."""
     if schema is None and not (force_tool_call and prompt.tools):
         return None
-    tokenizer = state.engine.tokenizer
-    end = token_id(tokenizer, THINK_CLOSE) if prompt.opens_reasoning else None
+    chat = ChatFormat.of(state.engine.tokenizer)
+    end = chat.think_close if prompt.opens_reasoning else None
     if schema is not None:
         try:
             grammar = json_schema_grammar(schema, reasoning_end=end)
@@ -257,8 +225,8 @@ def output_grammar(
                     str(exc), param=schema_param, code=getattr(exc, "code", None)
                 ) from exc
         return grammar
-    call_ids = token_id(tokenizer, TOOL_OPEN), token_id(tokenizer, TOOL_CLOSE)
-    if None in call_ids:
+    call_ids = chat.tool_call_ids
+    if call_ids is None:
         raise bad_request(
             "this model's tokenizer has no tool-call tokens: tool_choice cannot force a call",
             param="tool_choice",
@@ -269,45 +237,6 @@ def output_grammar(
         )
     except GrammarError as exc:
         raise bad_request(str(exc), param="tools") from exc
-
-
-def token_id(tokenizer: Any, text: str) -> int | None:
-    """The id of the single token spelled ``text`` (None if the vocabulary has none); a lookup,
-    not ``get_vocab()``, which builds a dict of the whole vocabulary on every call."""
-    found = tokenizer.convert_tokens_to_ids(text)
-    if isinstance(found, int) and tokenizer.convert_ids_to_tokens(found) == text:
-        return found
-    return None
-
-
-def render_chat(
-    state: ServerState,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template_kwargs: dict[str, Any] | None,
-    param: str = "messages",
-    prefill: str = "",
-) -> Prompt:
-    """Template messages -> prompt ids; the server's default template kwargs sit under the
-    request's. Template errors are the client's 400. ``prefill``: the start of the
-    assistant's reply, written after the generation prompt so that the model continues it."""
-    tokenizer = state.engine.tokenizer
-    merged = dict(state.settings.chat_template_kwargs) | dict(template_kwargs or {})
-    kwargs = {k: v for k, v in merged.items() if k not in _RESERVED_TEMPLATE_KWARGS}
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-        )
-    except Exception as exc:  # jinja2 TemplateError, TypeError from odd kwargs, ...
-        raise bad_request(f"could not apply the chat template: {exc}", param=param) from exc
-    if not isinstance(text, str):
-        raise bad_request("the chat template did not produce text", param=param)
-    text += prefill
-    check_text_fits(state, text, param)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise bad_request("the rendered prompt is empty", param=param)
-    return Prompt(ids=ids, text=text, tools=tools)
 
 
 def encode_prompts(
@@ -339,35 +268,9 @@ def encode_prompts(
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {vocab_size})", param=param)
-        out.append(Prompt(ids=list(ids)))
+        # raw ids get the turn facts too: a ChatML text sent here is cached like a chat's
+        out.append(ChatFormat.of(tokenizer).prompt(list(ids)))
     return out
-
-
-def check_text_fits(state: ServerState, text: str, param: str) -> None:
-    """A text longer than the context could hold at the longest token's length is refused
-    without tokenizing it (a 400 that costs nothing, however large the body)."""
-    engine = state.engine
-    limit = engine.context_length * longest_token_chars(engine.tokenizer)
-    if len(text) > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {engine.context_length} tokens, and the "
-            f"prompt's {len(text)} characters are more than that many tokens can hold.",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
-_LONGEST_TOKEN: dict[int, int] = {}
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters one token can stand for (its byte-level spelling's length: one
-    character per byte, and a text character is at least one byte); computed once."""
-    key = id(tokenizer)
-    if key not in _LONGEST_TOKEN:
-        _LONGEST_TOKEN[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
-    return _LONGEST_TOKEN[key]
 
 
 def check_limits(state: ServerState, params: GenerationParams, n_prompts: int = 1) -> None:
@@ -467,6 +370,7 @@ def build_requests(
                     draft_tokens=draft,
                     top_logprobs=params.top_logprobs,
                     grammar=params.grammar,
+                    snapshot_at=prompt.last_turn_start,
                 )
             )
     return out

@@ -29,12 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sampling.constraint import declared_type
+from server.core.chat_format import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from server.core.finite import loads_keeping_huge
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
 
 _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>")
 _PARAM_RE = re.compile(
@@ -42,14 +38,6 @@ _PARAM_RE = re.compile(
 )
 #: A parameter whose closing tag was written: all that a call cut short can be trusted with.
 _CLOSED_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
-
-
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """True when the rendered prompt leaves a ``<think>`` block open for the model to continue."""
-    open_at = prompt_text.rfind(THINK_OPEN)
-    if open_at < 0:
-        return False
-    return open_at > prompt_text.rfind(THINK_CLOSE) and open_at > prompt_text.rfind("<|im_start|>")
 
 
 def partial_marker_suffix(text: str, markers: tuple[str, ...]) -> int:

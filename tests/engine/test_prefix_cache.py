@@ -27,6 +27,7 @@ from fake_engine import LiveServer
 from engine.api import GenerationRequest
 from sampling.params import SamplingParams
 from server.app import create_app
+from server.core.chat_format import ChatFormat
 from server.settings import ServerSettings
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
@@ -197,6 +198,7 @@ def run(engine: Any, prompt: list[int], cached: bool = True, **kw: Any) -> tuple
         kw.pop("max_tokens", 30),
         stop_token_ids=kw.pop("stop_ids", frozenset()),
         draft_tokens=kw.pop("k", 3),
+        snapshot_at=kw.pop("snapshot_at", None),
     )
     events = 0
 
@@ -283,7 +285,9 @@ def test_re_rendered_history_reuses_up_to_the_last_snapshot(tiny: Any) -> None:
     msgs = [{"role": "user", "content": "write a parser"}]
     text1 = system + tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     p1 = tok.encode(text1, add_special_tokens=False)
-    reply, _ = run(tiny, p1, max_tokens=12)
+    # as the server asks: a snapshot where the prompt's last turn begins
+    chat = ChatFormat.of(tok)
+    reply, _ = run(tiny, p1, max_tokens=12, snapshot_at=chat.last_turn_start(p1))
     # the next turn, rendered without the reasoning of the previous reply
     text2 = text1[: text1.rindex("<|im_start|>")] + (
         "<|im_start|>assistant\nok<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
@@ -295,7 +299,7 @@ def test_re_rendered_history_reuses_up_to_the_last_snapshot(tiny: Any) -> None:
     blocks = [b for b in range(0, first_diff + 1, TINY_BLOCK) if b <= len(p1) - 1]
     expected = max([marker, *blocks])
     assert marker <= first_diff < len(p1)
-    warm, stats = run(tiny, p2, max_tokens=12)
+    warm, stats = run(tiny, p2, max_tokens=12, snapshot_at=chat.last_turn_start(p2))
     assert stats.cached_tokens == expected
     assert warm == run(tiny, p2, cached=False, max_tokens=12)[0]
 

@@ -347,7 +347,7 @@ def test_cheap_limits_come_before_tokenizing(
     r = post(http, many, "/v1/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     assert encode_threads == []
-    from server.core.requests import longest_token_chars
+    from server.core.chat_format import longest_token_chars
 
     # more characters than the context can hold at the longest token's length
     engine = server.engine

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from server.core.toolcalls import ChatOutputParser, ParsedDelta, prompt_opens_reasoning
+from server.core.toolcalls import ChatOutputParser, ParsedDelta
 
 TOOLS = [
     {
@@ -166,17 +166,6 @@ def test_partial_marker_at_end_is_flushed() -> None:
     assert total.content == "answer </thi"
     total, _, _ = parse("reasoning <tool_c", "chars", start_in_reasoning=True, tools=TOOLS)
     assert total.reasoning == "reasoning <tool_c"
-
-
-def test_prompt_opens_reasoning() -> None:
-    assert prompt_opens_reasoning(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    )
-    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert not prompt_opens_reasoning(closed)
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
-    old = "<|im_start|>assistant\n<think>\nx\n</think>\n\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert not prompt_opens_reasoning(old)
 
 
 def test_a_tool_call_nested_past_the_json_parser_is_kept_as_text() -> None:

@@ -24,19 +24,19 @@ from sse_starlette import ServerSentEvent
 
 from server.api.anthropic.errors import error_body
 from server.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from server.core import chat_format
+from server.core.chat_format import Prompt
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, Usage, new_id, start_job
 from server.core.output import Block, BlockEvent, OutputDelta
 from server.core.requests import (
     GenerationParams,
-    Prompt,
     build_requests,
     check_structured,
     join_text,
     output_grammar,
     output_schema,
     prefill_kwargs,
-    render_chat,
     select_tools,
 )
 from server.core.sampler_schema import sent_sampling
@@ -130,7 +130,7 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
     schema = output_schema(fmt.type, fmt.schema_, f"{where}.schema") if fmt else None
     if schema is not None:
         check_structured(tools, where, last if prefill else None)
-    prompt = render_chat(state, messages, tools, kwargs, prefill=prefill)
+    prompt = chat_format.render(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     # a named tool is asked for once
     parallel = not (

@@ -20,6 +20,7 @@ from server.api.openai.common import (
     openai_params,
 )
 from server.api.openai.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.core import chat_format
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta
@@ -32,7 +33,6 @@ from server.core.requests import (
     output_schema,
     parse_arguments,
     prefill_kwargs,
-    render_chat,
     select_tools,
 )
 from server.core.toolcalls import ParsedDelta
@@ -84,7 +84,9 @@ async def chat_completions(request: Request) -> Response:
     if schema is not None:
         check_structured(tools, "response_format", "continue_final_message" if prefill else None)
     # templating and tokenizing a long prompt must not hold up every other stream
-    prompt = await asyncio.to_thread(render_chat, state, messages, tools, kwargs, prefill=prefill)
+    prompt = await asyncio.to_thread(
+        chat_format.render, state, messages, tools, kwargs, prefill=prefill
+    )
     params = openai_params(
         req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
     )

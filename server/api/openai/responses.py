@@ -21,18 +21,18 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.api.openai.responses_schemas import ResponsesRequest, template_messages
+from server.core import chat_format
+from server.core.chat_format import Prompt
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, Usage, new_id, start_job
 from server.core.output import Block, BlockEvent, OutputDelta
 from server.core.requests import (
     GenerationParams,
-    Prompt,
     build_requests,
     check_structured,
     effort_kwargs,
     output_grammar,
     output_schema,
-    render_chat,
     select_tools,
 )
 from server.core.sampler_schema import sent_sampling
@@ -81,7 +81,7 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     schema = output_schema(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
     if schema is not None:
         check_structured(shown, "text.format")
-    prompt = render_chat(state, template_messages(req), shown, kwargs, param="input")
+    prompt = chat_format.render(state, template_messages(req), shown, kwargs, param="input")
     forced = choice == "required" or named is not None
     # a named function is asked for once
     parallel = req.parallel_tool_calls is not False and named is None
