@@ -45,13 +45,25 @@ def _texts(first_chars: int, turn_chars: int, turns: int) -> list[str]:
     return out
 
 
-def _ttft(engine: Engine, prompt: list[int], max_tokens: int, k: int) -> tuple[float, list[int]]:
+def _reply_start(tok: Any, messages: list[dict[str, str]], prompt: list[int]) -> int | None:
+    """Where ``prompt``'s generation prompt begins (None if the history is not its prefix): the
+    last turn's start the server asks the conversation cache to snapshot, found without knowing
+    the chat format (the engine never imports the server's)."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    history = tok.encode(text, add_special_tokens=False)
+    return len(history) if prompt[: len(history)] == history else None
+
+
+def _ttft(
+    engine: Engine, prompt: list[int], max_tokens: int, k: int, snapshot_at: int | None = None
+) -> tuple[float, list[int]]:
     request = GenerationRequest(
         prompt,
         SamplingParams(temperature=0.0),
         max_tokens,
         stop_token_ids=engine.eos_token_ids,
         draft_tokens=k,
+        snapshot_at=snapshot_at,
     )
     t0 = time.perf_counter()
     first = None
@@ -87,11 +99,12 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
         ask = "Review this file:\n" if i == 0 else "And this part:\n"
         messages.append({"role": "user", "content": ask + text})
         prompt = chat_prompt_ids(tok, messages)
+        at = _reply_start(tok, messages, prompt)
         engine.prefix_cache = None
         cold, cold_out = _ttft(engine, prompt, args.max_tokens, args.draft_tokens)
         engine.prefix_cache = cache
         before = cache.counters.reused_tokens
-        warm, warm_out = _ttft(engine, prompt, args.max_tokens, args.draft_tokens)
+        warm, warm_out = _ttft(engine, prompt, args.max_tokens, args.draft_tokens, at)
         reused = cache.counters.reused_tokens - before
         if warm_out != cold_out:
             raise RuntimeError(f"turn {i + 1}: the cached reply differs from the cold one")
@@ -122,7 +135,8 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
     # the disk tier as it was after turn N-1: the last turn resumes a chat of the old server
     restarted.enable_prefix_cache(args.cache_bytes, before_last)
     disk_cache = restarted.prefix_cache
-    warm, warm_out = _ttft(restarted, last_prompt, args.max_tokens, args.draft_tokens)
+    at = _reply_start(tok, messages[:-1], last_prompt)
+    warm, warm_out = _ttft(restarted, last_prompt, args.max_tokens, args.draft_tokens, at)
     if warm_out != cold_out:
         raise RuntimeError("the reply restored from disk differs from the cold one")
     restart = {
