@@ -33,16 +33,14 @@ from engine.cache.prefix_cache import (
     model_fingerprint,
     prefill_hook,
 )
-from engine.cycle.speculative import (
+from engine.cycle.sequence import (
     PREFILL_CHUNK,
-    CycleResult,
     Sequence,
-    commit,
-    finish_unread,
     new_sequence,
     prefill_steps,
     start_sequence,
 )
+from engine.cycle.speculative import CycleResult, commit, finish_unread
 from engine.model import loader
 from engine.model.memory import limit_host_arenas
 from engine.model.mtp import MTPHead
