@@ -66,7 +66,8 @@ from mlx.utils import tree_flatten
 
 from engine.api import EngineUnavailable, GenerationRequest, RequestError
 from engine.blas import all_cores
-from engine.cycle.speculative import CycleResult, Sequence
+from engine.cycle.sequence import Sequence
+from engine.cycle.speculative import CycleResult
 from engine.model import loader, products
 from engine.model.mlx_products import prefill_on_all_cores
 from engine.model.mtp import table_rows

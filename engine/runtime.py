@@ -1,8 +1,9 @@
 """``Engine``: the loaded model plus the generation loop behind the ``engine.api`` seam.
 
 The loop turns cycles into ``GenerationEvent``s and applies stop conditions (EOS ids,
-max_tokens, cancellation). A stop inside a draft block commits only the tokens up to the stop,
-so the caches always hold exactly prompt + emitted (minus the last).
+max_tokens, cancellation; what each cycle adds: ``engine.request_progress``). A stop inside a
+draft block commits only the tokens up to the stop, so the caches always hold exactly prompt +
+emitted (minus the last).
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import mlx.core as mx
-
 from engine.api import (
     MAX_DRAFT_TOKENS,
     ContextLengthExceeded,
     GenerationEvent,
     GenerationRequest,
-    GenerationStats,
     RequestError,
-    TokenLogprob,
 )
 from engine.cache.prefix_cache import (
     DEFAULT_DISK_BUDGET_BYTES,
@@ -33,19 +30,23 @@ from engine.cache.prefix_cache import (
     model_fingerprint,
     prefill_hook,
 )
-from engine.cycle.speculative import (
+from engine.cycle.sequence import (
     PREFILL_CHUNK,
-    CycleResult,
     Sequence,
-    commit,
-    finish_unread,
     new_sequence,
     prefill_steps,
     start_sequence,
 )
+from engine.cycle.speculative import CycleResult, finish_unread
 from engine.model import loader
 from engine.model.memory import limit_host_arenas
 from engine.model.mtp import MTPHead
+from engine.request_progress import (
+    Progress,
+    apply_stops,
+    cancelled_in_prefill,
+    commit_for_request,
+)
 from engine.scheduling.autok import EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
 from engine.scheduling.policy import DraftPolicy
@@ -425,7 +426,7 @@ class Engine:
         if seq is None:
             seq = yield from self.start_steps(request, policy, cancelled)
             if seq is None:
-                yield _cancelled_in_prefill(request, t0)
+                yield cancelled_in_prefill(request, t0)
                 return
             kept = seq
         progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
@@ -451,12 +452,12 @@ class Engine:
                 except BaseException:  # its cycle failed mid-way: nothing of it is kept
                     kept = None
                     raise
-                n_keep, finish = _apply_stops(result.emitted, progress.stop_ids, remaining)
+                n_keep, finish = apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 if result.committed:  # the batch committed it and told auto K (look-ahead)
                     emitted = finish_unread(seq, result)
                 else:
-                    emitted = _commit(seq, result, n_keep)
+                    emitted = commit_for_request(seq, result, n_keep)
                     if chooser is not None:
                         chooser.observe(len(result.draft_ids), result.n_accepted)
                 end = time.perf_counter()
@@ -479,83 +480,6 @@ class Engine:
                 self._keep(kept)
 
 
-@dataclass
-class Progress:
-    """One request's output so far: what each cycle adds to its events and stats."""
-
-    request: GenerationRequest
-    policy: DraftPolicy
-    stats: GenerationStats
-    trace: Callable[[dict[str, Any]], None] | None
-    stop_ids: frozenset[int]
-    started: float
-    generated: int = 0
-
-    @classmethod
-    def start(
-        cls,
-        request: GenerationRequest,
-        policy: DraftPolicy,
-        seq: Sequence,
-        trace: Callable[[dict[str, Any]], None] | None,
-        prompt_seconds: float,
-    ) -> Progress:
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), cached_tokens=seq.restored)
-        stats.prompt_seconds = prompt_seconds
-        stats.draft_tokens = policy.fixed if policy.fixed is not None else MAX_DRAFT_TOKENS
-        stats.k_histogram = [0] * (MAX_DRAFT_TOKENS + 1)
-        stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
-        stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
-        stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
-        return cls(request, policy, stats, trace, stop_ids, time.perf_counter())
-
-    @property
-    def remaining(self) -> int:
-        return self.request.max_tokens - self.generated
-
-    def cancelled(self) -> GenerationEvent:
-        self.stats.generation_seconds = time.perf_counter() - self.started
-        return GenerationEvent([], finish_reason="cancelled", stats=self.stats)
-
-    def event(
-        self,
-        result: CycleResult,
-        emitted: list[int],
-        finish: str | None,
-        context_len: int,
-        commit_seconds: float,
-    ) -> GenerationEvent:
-        """The event of a committed cycle: ``emitted`` = accepted drafts, then the trunk's
-        token, cut at a stop; the first min(n_accepted, len(emitted)) tokens are drafts and
-        usage counts exactly those."""
-        drafted = [i < result.n_accepted for i in range(len(emitted))]
-        self.generated += len(emitted)
-        _record(self.stats, result, sum(drafted), self.generated, commit_seconds)
-        if self.trace is not None:
-            self.trace(
-                {
-                    "context_len": context_len,
-                    "draft": result.draft_ids,
-                    "accepted": result.n_accepted,
-                    "emitted": emitted,
-                }
-            )
-        top = self.request.top_logprobs
-        logprobs = _logprobs(result, emitted, top) if top is not None else None
-        self.stats.generation_seconds = time.perf_counter() - self.started
-        if finish is not None and self.policy.fixed is None:
-            used = [k for k, n in enumerate(self.stats.k_histogram) if n]
-            self.stats.draft_tokens = max(used, default=0)
-        return GenerationEvent(
-            emitted,
-            logprobs,
-            finish,
-            self.stats,
-            drafted=drafted,
-            cycle_draft_tokens=len(result.draft_ids),
-        )
-
-
 def chat_prompt_ids(
     tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any
 ) -> list[int]:
@@ -568,78 +492,6 @@ def chat_prompt_ids(
         messages, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _cancelled_in_prefill(request: GenerationRequest, started: float) -> GenerationEvent:
-    """The one event of a request cancelled while its prompt was prefilled."""
-    stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-    stats.prompt_seconds = time.perf_counter() - started
-    return GenerationEvent([], finish_reason="cancelled", stats=stats)
-
-
-def _commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
-    """``commit``; a grammar dead end the kept tokens ran into is this request's error (the
-    caches were committed first, so the sequence stays consistent)."""
-    try:
-        return commit(seq, result, n_keep)
-    except GrammarDeadEnd as exc:
-        raise RequestError(str(exc), "grammar", code="unsatisfiable_grammar") from exc
-
-
-def _apply_stops(
-    emitted: list[int], stop_ids: frozenset[int], remaining: int
-) -> tuple[int, str | None]:
-    """How many emitted tokens survive (EOS included) and why generation ends, if it does."""
-    for j, token in enumerate(emitted[:remaining]):
-        if token in stop_ids:
-            return j + 1, "stop"
-    if len(emitted) >= remaining:
-        return remaining, "length"
-    return len(emitted), None
-
-
-def _record(
-    stats: GenerationStats, result: CycleResult, kept_drafts: int, generated: int, commit_s: float
-) -> None:
-    """Add one cycle. ``kept_drafts``: its accepted drafts that were emitted (a stop token
-    among the drafts cuts the rest), so ``accepted`` counts drafted tokens of the output."""
-    k = len(result.draft_ids)
-    stats.cycles += 1
-    stats.k_histogram[k] += 1
-    stats.proposed += k
-    stats.accepted += kept_drafts
-    for i in range(k):
-        stats.proposed_per_position[i] += 1
-        if i < kept_drafts:
-            stats.accepted_per_position[i] += 1
-    stats.completion_tokens = generated
-    stats.draft_seconds += result.draft_seconds
-    stats.verify_seconds += result.verify_seconds
-    stats.accept_seconds += result.accept_seconds
-    stats.commit_seconds += commit_s
-
-
-def _logprobs(result: CycleResult, emitted: list[int], top: int | None) -> list[TokenLogprob]:
-    """Log-probabilities of the emitted tokens under the model (raw logits, no sampler)."""
-    n = len(emitted)
-    logp = result.verify_logits[:n].astype(mx.float32)
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    ids = mx.array(emitted)
-    chosen = logp[mx.arange(n), ids]
-    if top:
-        top_ids = mx.argsort(-logp, axis=-1)[:, :top]
-        top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
-        mx.eval(chosen, top_ids, top_vals)
-        pairs = [
-            list(zip(i, v, strict=True))
-            for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
-        ]
-    else:
-        mx.eval(chosen)
-        pairs = [[] for _ in range(n)]
-    return [
-        TokenLogprob(t, lp, p) for t, lp, p in zip(emitted, chosen.tolist(), pairs, strict=True)
-    ]
 
 
 def _model_name(model: str, model_dir: Path) -> str:

@@ -57,7 +57,7 @@ def main() -> int:
     blas.use_fast_blas()
     import mlx.core as mx
 
-    from engine.cycle import speculative
+    from engine.cycle import sequence
     from engine.model.mtp import project_to_vocab
     from engine.model.trunk import trunk_hidden
     from engine.runtime import Engine
@@ -76,7 +76,7 @@ def main() -> int:
     prompt = [(i * 7919) % 1000 for i in range(args.prefill_tokens)]
     prefill: dict[int, float] = {}
     for chunk in [int(c) for c in args.chunks.split(",")]:
-        speculative.PREFILL_CHUNK = chunk
+        sequence.PREFILL_CHUNK = chunk
         best = float("inf")
         for _ in range(2):
             t = clock()

@@ -60,7 +60,7 @@ MUTATIONS = [
     ),
     Mutation(
         "logprobs-reversed",
-        "engine/runtime.py",
+        "engine/request_progress.py",
         "logp = result.verify_logits[:n].astype(mx.float32)",
         "logp = result.verify_logits[:n][::-1].astype(mx.float32)",
         ("tests/engine/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
@@ -68,7 +68,7 @@ MUTATIONS = [
     ),
     Mutation(
         "logprobs-unnormalised",
-        "engine/runtime.py",
+        "engine/request_progress.py",
         "logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)",
         "logp = logp",
         ("tests/engine/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),

@@ -51,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from engine.cycle.speculative import PREFILL_CHUNK, absorb_pending
+from engine.cycle.sequence import PREFILL_CHUNK, absorb_pending
 from engine.model.attention import RowKVCache
 from engine.model.trunk import GDNLayerState
 

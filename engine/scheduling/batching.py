@@ -55,12 +55,10 @@ from functools import partial
 from typing import Any, Protocol
 
 from engine.api import GenerationEvent, GenerationRequest, RequestError
+from engine.cycle.sequence import PREFILL_CHUNK, CacheSnapshot, Sequence
 from engine.cycle.speculative import (
-    PREFILL_CHUNK,
-    CacheSnapshot,
     CycleResult,
     LaunchedCycle,
-    Sequence,
     commit_unread,
     launch_cycles,
     read_cycles,

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from engine.allocator import malloc_in_use
 from engine.api import GenerationEvent, GenerationRequest
 from engine.blas import blas_in_use
-from engine.cycle.speculative import MAX_CATCH_UP, Sequence, absorb_pending
+from engine.cycle.sequence import MAX_CATCH_UP, Sequence, absorb_pending
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import trunk_hidden
 from sampling.params import SamplingOverrides, SamplingParams

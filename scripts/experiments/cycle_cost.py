@@ -26,7 +26,8 @@ from pathlib import Path
 from step_overhead import cycle_primitives
 
 from engine.api import DEMO_MODEL, GenerationRequest
-from engine.cycle.speculative import commit, launch_cycles, read_cycles, start_sequence
+from engine.cycle.sequence import start_sequence
+from engine.cycle.speculative import commit, launch_cycles, read_cycles
 from engine.runtime import Engine
 from sampling.params import SamplingParams
 

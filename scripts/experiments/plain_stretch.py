@@ -24,7 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
-import engine.cycle.speculative as speculative  # (the engine package binds the fast BLAS first)
+import engine.cycle.sequence as sequence  # (the engine package binds the fast BLAS first)
+import engine.cycle.speculative as speculative
 from engine.api import GenerationRequest
 from engine.bench.prompts import load_prompts
 from engine.bench.speed import parse_samplers
@@ -38,10 +39,10 @@ def acceptance(engine: Engine, prompts: list[dict], gaps: list[int], caps: list[
     record = json.loads((ROOT / "tests" / "data" / "acceptance_demo.json").read_text())
     steady = {row["id"]: row["accepted"] for row in record["samplers"]["greedy"]}
     params = parse_samplers("greedy", engine)["greedy"]
-    default_cap = speculative.MAX_CATCH_UP
+    default_cap = sequence.MAX_CATCH_UP
     for gap in gaps:
         for cap in caps:
-            speculative.MAX_CATCH_UP = cap
+            sequence.MAX_CATCH_UP = cap
             got = ref = n = 0
             for prompt in prompts:
                 request = GenerationRequest(prompt["ids"], params, 256)
@@ -57,7 +58,7 @@ def acceptance(engine: Engine, prompts: list[dict], gaps: list[int], caps: list[
                 f"accepted; steady drafting at the same positions {ref / n:.3f} ({n} cycles)",
                 flush=True,
             )
-    speculative.MAX_CATCH_UP = default_cap
+    sequence.MAX_CATCH_UP = default_cap
 
 
 def catch_up(engine: Engine, lengths: list[int], reps: int = 30) -> None:
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("what", choices=["acceptance", "catch-up", "timing"])
     parser.add_argument("--model", default=str(ROOT / "models" / "qwen3.5-demo"))
     parser.add_argument("--gaps", default="16,64")
-    parser.add_argument("--caps", default=f"9,{speculative.MAX_CATCH_UP}")
+    parser.add_argument("--caps", default=f"9,{sequence.MAX_CATCH_UP}")
     args = parser.parse_args()
     engine = Engine.load(args.model, draft_tokens=4)
     prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)

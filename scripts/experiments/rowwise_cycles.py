@@ -23,7 +23,8 @@ import time
 from cycle_cost import GREEDY, ROWS
 
 from engine.api import DEMO_MODEL
-from engine.cycle.speculative import Sequence, commit, launch_cycles, read_cycles, start_sequence
+from engine.cycle.sequence import Sequence, start_sequence
+from engine.cycle.speculative import commit, launch_cycles, read_cycles
 from engine.model import mlx_products
 from engine.runtime import Engine
 

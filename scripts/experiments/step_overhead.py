@@ -37,7 +37,8 @@ from typing import Any
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
 from engine.api import GenerationRequest
-from engine.cycle.speculative import Sequence, launch_cycles, start_sequence
+from engine.cycle.sequence import Sequence, start_sequence
+from engine.cycle.speculative import launch_cycles
 from engine.runtime import Engine
 from sampling.params import SamplingOverrides, resolve
 

@@ -20,7 +20,7 @@ import time
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
 from engine.api import DEMO_MODEL
-from engine.cycle.speculative import start_sequence
+from engine.cycle.sequence import start_sequence
 from engine.model.mtp import project_to_vocab
 from engine.model.trunk import mx, trunk_hidden
 from engine.runtime import Engine

@@ -531,7 +531,8 @@ def test_the_conversation_cache_holds_what_it_counts_after_batched_rows() -> Non
 
     import mlx.core as mx
 
-    from engine.cycle.speculative import commit, launch_cycles, read_cycles, start_sequence
+    from engine.cycle.sequence import start_sequence
+    from engine.cycle.speculative import commit, launch_cycles, read_cycles
 
     engine = Engine.load(str(DEMO))
     engine.enable_prefix_cache(256 << 20, block_tokens=32)

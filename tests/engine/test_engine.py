@@ -306,7 +306,8 @@ def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
     are still good."""
-    from engine.cycle.speculative import MAX_CATCH_UP, commit, run_cycle, start_sequence
+    from engine.cycle.sequence import MAX_CATCH_UP, start_sequence
+    from engine.cycle.speculative import commit, run_cycle
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     prompt = engine.tokenizer.encode(PROMPTS[2])
@@ -582,7 +583,7 @@ def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
 def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> None:
     """Tokens appended after a generation (the next turn) are prefilled into trunk and head
     caches exactly: continuing equals a fresh run on the whole text."""
-    from engine.cycle.speculative import extend_sequence
+    from engine.cycle.sequence import extend_sequence
 
     engine = load_engine("dense-untied-sharded", draft_tokens=0)
     first, turn = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[1])

@@ -373,12 +373,13 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
 ) -> None:
     """Order of events, no timing: the long prompt is cancelled while its first chunk runs;
     the next queued request's first forward comes right after that chunk."""
+    import engine.cycle.sequence as sequence
     import engine.cycle.speculative as speculative
     from server.core.scheduler import Scheduler
 
     calls: list[tuple[str, int]] = []
     handles: list[Any] = []
-    real = speculative.trunk_hidden
+    real = sequence.trunk_hidden
 
     def traced(trunk: Any, ids: Any, cache: Any, capture: bool) -> Any:
         calls.append(("cycle" if capture else "prefill", ids.shape[1]))
@@ -389,7 +390,8 @@ def test_cancel_during_a_4k_prefill_frees_the_worker_within_one_chunk(
     sched = Scheduler(lambda: load(DEMO, 64 << 20, 256))
     sched.start()
     engine = sched.wait_ready(120)
-    monkeypatch.setattr(speculative, "trunk_hidden", traced)
+    monkeypatch.setattr(sequence, "trunk_hidden", traced)  # the prefill's chunks
+    monkeypatch.setattr(speculative, "trunk_hidden", traced)  # a lone row's verify
     long_prompt = _prompt(5, 4000, vocab=8000)
     short = _prompt(6, 20, vocab=8000)
 

@@ -412,10 +412,10 @@ def test_speculative_sampling_matches_plain_sampling(demo_engine, name: str) -> 
 def counted_entropy(monkeypatch: pytest.MonkeyPatch, start: int) -> None:
     """Unseeded requests take their seed from ``os.urandom``: count instead, so that a test of
     the unseeded path is as deterministic as the seeded ones."""
-    from engine.cycle import speculative
+    from engine.cycle import sequence
 
     counter = iter(range(start, start + 1_000_000))
-    monkeypatch.setattr(speculative, "_entropy", lambda: next(counter).to_bytes(7, "little"))
+    monkeypatch.setattr(sequence, "_entropy", lambda: next(counter).to_bytes(7, "little"))
 
 
 def test_unseeded_speculative_sampling_matches_plain_sampling(

@@ -284,10 +284,10 @@ def test_calibrated_rates_are_the_scaled_tables_rates() -> None:
 
 
 def test_the_head_catches_up_on_the_longest_plain_stretch_between_probes() -> None:
-    """engine.cycle.speculative cannot import engine.scheduling.autok (the other way round), so
+    """engine.cycle.sequence cannot import engine.scheduling.autok (the other way round), so
     MAX_CATCH_UP is a literal: it must cover MAX_PROBE_INTERVAL plain cycles plus auto K's
     longest commit."""
-    from engine.cycle.speculative import MAX_CATCH_UP
+    from engine.cycle.sequence import MAX_CATCH_UP
     from engine.scheduling.autok import MAX_PROBE_INTERVAL
 
     assert MAX_CATCH_UP >= MAX_PROBE_INTERVAL + MAX_AUTO_K + 1

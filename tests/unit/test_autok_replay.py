@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cycle.speculative import MAX_CATCH_UP
+from engine.cycle.sequence import MAX_CATCH_UP
 from engine.scheduling.autok import POLICIES, AutoK, KindPolicy
 from engine.scheduling.costs import CostTable
 
