@@ -76,11 +76,11 @@ def main() -> int:
     prompt = [(i * 7919) % 1000 for i in range(args.prefill_tokens)]
     prefill: dict[int, float] = {}
     for chunk in [int(c) for c in args.chunks.split(",")]:
-        sequence.PREFILL_CHUNK = chunk
         best = float("inf")
         for _ in range(2):
             t = clock()
-            engine.new_sequence(prompt, greedy, draft=True)
+            seq = sequence.new_sequence(engine.trunk, engine.head, prompt, greedy, use_head=True)
+            sequence.prefill(engine.trunk, engine.head, seq, prompt[:-1], chunk_tokens=chunk)
             best = min(best, clock() - t)
         prefill[chunk] = (len(prompt) - 1) / best
 

@@ -31,8 +31,9 @@ from engine.runtime import Engine, chat_prompt_ids
 from sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-#: deterministic text from this checkout for the chat's messages
-SOURCES = [ROOT / "engine" / "speculative.py", ROOT / "engine" / "trunk.py"]
+#: deterministic text from this checkout for the chat's messages (a folder, not named files,
+#: so that moving code between its modules never leaves the bench without text)
+SOURCES = sorted((ROOT / "engine" / "cycle").glob("*.py"))
 
 
 def _texts(first_chars: int, turn_chars: int, turns: int) -> list[str]:
