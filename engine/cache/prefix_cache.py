@@ -53,7 +53,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine.cycle.speculative import PREFILL_CHUNK, absorb_pending
 from engine.model.attention import RowKVCache
-from engine.model.trunk import GDNLayerState
+from engine.model.gated_deltanet import GDNLayerState
 
 T = TypeVar("T")
 log = logging.getLogger("mtpserve.prefix_cache")
