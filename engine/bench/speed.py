@@ -489,7 +489,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import sharding
-    from engine.distributed import world
+    from engine.distributed.group import world
 
     if args.sharding or world() is not None:
         return sharding.cmd_bench(args)
