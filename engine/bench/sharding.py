@@ -14,7 +14,10 @@ import mlx.core as mx
 
 from engine.api import GenerationRequest
 from engine.bench.prompts import load_prompts
-from engine.distributed import MESSAGE_SIZE, OP_PING, engine_class, time_send, world
+from engine.distributed import engine_class
+from engine.distributed.group import world
+from engine.distributed.measure import time_send
+from engine.distributed.protocol import MESSAGE_SIZE, OP_PING
 
 
 def bench_sharding(args: Any) -> dict[str, Any]:

@@ -438,7 +438,7 @@ def _gap_note(
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import sharding
-    from engine.distributed import world
+    from engine.distributed.group import world
 
     if args.sharding or world() is not None:
         return sharding.cmd_bench(args)

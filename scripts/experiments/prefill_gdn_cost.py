@@ -1,5 +1,5 @@
 """A prefill's Gated-DeltaNet recurrence on CPUs: mlx-lm's step-by-step rule against
-``engine.model.trunk.delta_rule_prefill``'s closed-form blocks, for several block sizes.
+``engine.model.delta_rule.delta_rule_prefill``'s closed-form blocks, for several block sizes.
 
 One GDN layer of the demo model's shape (4 value heads, 2 key heads repeated, 64 x 64 state)
 over a 512-token chunk: milliseconds (best of ``--repeats``) and the largest error of the
@@ -16,7 +16,7 @@ import json
 import time
 
 # engine first: its __init__ preloads the fast BLAS before anything imports mlx
-import engine.model.trunk as trunk  # isort: skip
+import engine.model.delta_rule as delta_rule  # isort: skip
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update
@@ -80,10 +80,10 @@ def measure(keys: str, tokens: int, block_sizes: list[int], repeats: int) -> Non
     row = {"keys": keys, "rule": "mlx-lm step by step", "ms": best_ms(stepwise, repeats)}
     print(json.dumps({**row, **errors(*stepwise())}), flush=True)
     for block in block_sizes:
-        trunk.PREFILL_GDN_BLOCK = block
+        delta_rule.PREFILL_GDN_BLOCK = block
 
         def blocks() -> tuple[mx.array, mx.array]:
-            return trunk.delta_rule_prefill(q, k, v, log_g, beta, state, 0)
+            return delta_rule.delta_rule_prefill(q, k, v, log_g, beta, state, 0)
 
         row = {"keys": keys, "rule": f"blocks of {block}", "ms": best_ms(blocks, repeats)}
         print(json.dumps({**row, **errors(*blocks())}), flush=True)
@@ -93,7 +93,7 @@ def measure(keys: str, tokens: int, block_sizes: list[int], repeats: int) -> Non
         ys, s = [], state
         for t in range(0, q.shape[1], block):
             part = (x[:, t : t + block] for x in (q, k, v, log_g, beta))
-            y, capture = trunk.delta_rule_chunk(*part, s)
+            y, capture = delta_rule.delta_rule_chunk(*part, s)
             s = capture.state_after(y.shape[1])
             ys.append(y)
         return mx.concatenate(ys, axis=1), s

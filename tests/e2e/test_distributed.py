@@ -297,7 +297,8 @@ def test_killing_rank1_mid_stream_fails_the_client_and_stops_rank0(cluster) -> N
 @pytest.mark.fast
 def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
     """A peer that hangs (no socket reset) never makes a collective return: the watchdog."""
-    from engine import distributed
+    from engine.distributed.leader import Leader, clear_lost
+    from engine.distributed.protocol import OP_FORWARD
 
     class Group:
         def size(self) -> int:
@@ -305,7 +306,7 @@ def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
 
     stopped = threading.Event()
     failed: list[BaseException] = []
-    leader = distributed.Leader(Group(), timeout=0.2, stop=stopped.set)
+    leader = Leader(Group(), timeout=0.2, stop=stopped.set)
     leader.on_lost.append(failed.append)
     leader.active = 1
     leader.last_progress -= 1.0
@@ -315,9 +316,9 @@ def test_watchdog_fails_a_generation_that_stops_progressing() -> None:
         assert isinstance(failed[0], EngineUnavailable)
         assert "no answer" in str(failed[0])
         with pytest.raises(EngineUnavailable):
-            leader.announce((distributed.OP_FORWARD, 1, 1, 1))
+            leader.announce((OP_FORWARD, 1, 1, 1))
     finally:
-        distributed._lost = None
+        clear_lost()
 
 
 def test_serve_starts_on_a_bfloat16_checkpoint_and_survives_a_request_error(

@@ -783,7 +783,7 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
     import mlx.nn as nn
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    from engine.model.trunk import delta_rule_chunk
+    from engine.model.delta_rule import delta_rule_chunk
 
     mx.random.seed(length)
     heads, dk, dv = 4, 32, 16
@@ -822,7 +822,7 @@ def test_prefill_delta_rule_matches_the_recurrence(keys: str) -> None:
     computed in float64, over 150 positions starting mid-block (blocks [37, 64), [64, 128),
     [128, 187)) — also when one key repeats with little decay and beta near 1, where the
     verify pass's squaring series would overflow float32 at these lengths."""
-    from engine.model.trunk import PREFILL_GDN_BLOCK, delta_rule_prefill
+    from engine.model.delta_rule import PREFILL_GDN_BLOCK, delta_rule_prefill
 
     assert PREFILL_GDN_BLOCK == 64
     rng = np.random.default_rng(3)
@@ -862,7 +862,7 @@ def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) 
     import mlx.nn as nn
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    from engine.model.trunk import delta_rule_step
+    from engine.model.delta_rule import delta_rule_step
 
     mx.random.seed(7)
     k_heads, v_heads = heads

@@ -491,12 +491,12 @@ def test_a_full_disk_fails_no_request(
     second from the memory tier), the worker lives on, and the faults are counted."""
     import errno
 
-    from engine.cache import prefix_cache
+    from engine.cache import disk_writer
 
     def full_disk(path: Path, *args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(prefix_cache, "_write_file", full_disk)
+    monkeypatch.setattr(disk_writer, "_write_file", full_disk)
     model = make_checkpoint(VARIANTS["dense-tied"])
 
     def loaded() -> Any:

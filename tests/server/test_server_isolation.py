@@ -377,13 +377,13 @@ def test_grammars_compile_and_cache_files_are_written_off_the_engine_thread(
 ) -> None:
     import threading
 
-    from engine.cache import prefix_cache
+    from engine.cache import disk_writer
     from engine.runtime import Engine
     from sampling import constraint
 
     threads: dict[str, list[str]] = {"grammar": [], "disk": []}
     compile_grammar = constraint.TokenConstraint.__init__
-    write_file = prefix_cache._write_file
+    write_file = disk_writer._write_file
 
     def recording_compile(self: Any, *args: Any) -> None:
         threads["grammar"].append(threading.current_thread().name)
@@ -394,7 +394,7 @@ def test_grammars_compile_and_cache_files_are_written_off_the_engine_thread(
         write_file(*args)
 
     monkeypatch.setattr(constraint.TokenConstraint, "__init__", recording_compile)
-    monkeypatch.setattr(prefix_cache, "_write_file", recording_write)
+    monkeypatch.setattr(disk_writer, "_write_file", recording_write)
 
     def load() -> Any:
         engine = Engine.load(str(tiny_checkpoint), draft_tokens=2)

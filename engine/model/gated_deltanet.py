@@ -1,0 +1,191 @@
+"""A Gated-DeltaNet layer's state and forward: its conv window and recurrent state
+(``GDNLayerState``), the deferred batched commit of those states (``BatchCommit``), and the
+layer's forward over q, k, v projections into the recurrence (``gated_deltanet``)."""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from engine.model.activations import gated_rms_norm, silu
+from engine.model.delta_rule import Capture, delta_rule_chunk, delta_rule_prefill, delta_rule_step
+from engine.model.products import linear
+
+
+class GDNLayerState:
+    """Conv window and recurrent state of one Gated-DeltaNet layer, plus verify captures.
+
+    After a batched verify the row's commit may be deferred (``BatchCommit``): ``conv`` and
+    ``recurrent`` then form on first read, for every row of the batch at once when all have
+    committed."""
+
+    def __init__(self, conv: mx.array | None = None, recurrent: mx.array | None = None) -> None:
+        self._conv, self._recurrent = conv, recurrent
+        # Filled by a capturing forward over T positions; consumed by ``commit``.
+        self.conv_window: mx.array | None = None
+        self.capture: Capture | None = None
+        #: a batched verify's captures this row committed to but has not formed yet
+        self.batch: BatchCommit | None = None
+        self.row = 0
+
+    @property
+    def conv(self) -> mx.array | None:
+        if self.batch is not None:
+            self.batch.settle(self.row)
+        return self._conv
+
+    @conv.setter
+    def conv(self, value: mx.array | None) -> None:
+        self.settled(value, self.recurrent)
+
+    @property
+    def recurrent(self) -> mx.array | None:
+        if self.batch is not None:
+            self.batch.settle(self.row)
+        return self._recurrent
+
+    @recurrent.setter
+    def recurrent(self, value: mx.array | None) -> None:
+        self.settled(self.conv, value)
+
+    def settled(self, conv: mx.array | None, recurrent: mx.array | None) -> None:
+        """Set both states (no commit pending any more)."""
+        self._conv, self._recurrent, self.batch = conv, recurrent, None
+
+    def commit(self, n_keep: int, kernel: int) -> None:
+        if self.batch is not None and self.capture is None:
+            self.batch.keep(self.row, n_keep)
+            return
+        if self.conv_window is None:
+            return
+        self.settled(
+            self.conv_window[:, n_keep : n_keep + kernel - 1], self.capture.state_after(n_keep)
+        )
+        self.conv_window = None
+        self.capture = None
+
+
+class BatchCommit:
+    """One GDN layer's captures from a batched verify of B rows, committed for all rows at once.
+
+    Each row's ``commit`` records how many positions it keeps; when every row has, the states
+    at the kept lengths are formed for all rows with one set of ops (a per-row gather along
+    the captured positions) instead of one set per row, and the next batched forward over the
+    same rows in the same order takes the stacked states as they are (``stacked``). A row read
+    before the others have committed (one that finishes while the others go on) forms its own
+    state from its rows of the captures, exactly as a single sequence does.
+
+    The rows' states point at their ``BatchCommit`` and it points back only weakly: a finished
+    row's states (a layer's window and captures each) are then freed with its sequence, not
+    whenever Python's cycle collector next reaches them (which left the demo model's server
+    holding 10-25 MiB more after a burst of requests)."""
+
+    def __init__(
+        self, states: list[GDNLayerState], window: mx.array, capture: Capture, kernel: int
+    ) -> None:
+        self.states = [weakref.ref(state) for state in states]
+        self.window, self.capture, self.kernel = window, capture, kernel
+        self.keeps: list[int | None] = [None] * len(states)
+        self.conv: mx.array | None = None
+        self.recurrent: mx.array | None = None
+        for row, state in enumerate(states):
+            state.batch, state.row = self, row
+            state.conv_window = state.capture = None
+
+    def keep(self, row: int, n_keep: int) -> None:
+        self.keeps[row] = n_keep
+        if all(k is not None for k in self.keeps):
+            self._form_all()
+
+    def settle(self, row: int) -> None:
+        """Form row ``row``'s states now (all rows' if all have committed)."""
+        n_keep = self.keeps[row]
+        if n_keep is None:
+            raise RuntimeError("a GDN state read between a verify and its commit")
+        if self.recurrent is None:
+            one = self.capture.row(row)
+            window = self.window[row : row + 1]
+            self.states[row]().settled(
+                window[:, n_keep : n_keep + self.kernel - 1], one.state_after(n_keep)
+            )
+
+    def stacked(self, states: list[GDNLayerState]) -> tuple[mx.array, mx.array] | None:
+        """The stacked states if ``states`` are exactly this batch's rows, in order, formed
+        together and untouched since."""
+        if self.recurrent is None or len(states) != len(self.states):
+            return None
+        rows = zip(states, self.states, strict=True)
+        if any(state is not ref() or state.batch is not self for state, ref in rows):
+            return None
+        return self.conv, self.recurrent
+
+    def _form_all(self) -> None:
+        last = mx.array(self.keeps) - 1  # [B]: each row's last kept position
+        self.recurrent = self.capture.states_after(last)
+        window_rows = (last + 1)[:, None] + mx.arange(self.kernel - 1)[None]  # [B, kernel-1]
+        self.conv = mx.take_along_axis(self.window, window_rows[..., None], axis=1)
+        for row, ref in enumerate(self.states):
+            if (state := ref()) is not None:  # a row that left has nothing to form
+                state._conv = self.conv[row : row + 1]
+                state._recurrent = self.recurrent[row : row + 1]
+
+
+def gated_deltanet(
+    m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool, start: int = 0
+) -> mx.array:
+    """mlx-lm's ``GatedDeltaNet`` forward over positions ``start..start+T-1``, optionally
+    capturing the state after each position.
+
+    Without capture (prefill) the recurrence is ``delta_rule_prefill``'s closed-form blocks on
+    CPUs and mlx-lm's elsewhere (its kernel on Metal)."""
+    B, T, _ = x.shape
+    flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
+    qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
+    z = linear(m.in_proj_z, flat).reshape(B, T, m.num_v_heads, m.head_v_dim)
+    b = linear(m.in_proj_b, flat).reshape(B, T, -1)
+    a = linear(m.in_proj_a, flat).reshape(B, T, -1)
+
+    conv_state = state.conv
+    if conv_state is None:
+        conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
+    window = mx.concatenate([conv_state, qkv], axis=1)
+    conv_out = silu(m.conv1d(window))
+    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
+    q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    v = v.reshape(B, T, m.num_v_heads, m.head_v_dim)
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+
+    recurrent = state.recurrent
+    if recurrent is None:
+        recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+    if not capture and mx.default_device().type != mx.DeviceType.cpu:
+        y, recurrent = gated_delta_update(
+            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
+        )
+    else:
+        beta = mx.sigmoid(b)
+        # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
+        log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
+        if (repeat := m.num_v_heads // m.num_k_heads) > 1:
+            q = mx.repeat(q, repeat, axis=-2)
+            k = mx.repeat(k, repeat, axis=-2)
+        if capture:
+            rule = delta_rule_step if T == 1 else delta_rule_chunk
+            y, state.capture = rule(q, k, v, log_g, beta, recurrent)
+        else:
+            y, recurrent = delta_rule_prefill(q, k, v, log_g, beta, recurrent, start)
+        y = y.astype(x.dtype)
+    if capture:
+        state.conv_window = window
+    else:
+        state.conv = window[:, -(m.conv_kernel_size - 1) :]
+        state.recurrent = recurrent
+    out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B * T, -1)).reshape(B, T, -1)
+    if getattr(m, "sharding_group", None) is not None:
+        # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
+        out = mx.distributed.all_sum(out, group=m.sharding_group)
+    return out
