@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api import GenerationEvent, RequestError
-from server import api
+from server import adapters
 from server.core.http import openapi_schema
 from server.core.scheduler import RequestHandle, Scheduler
 from server.guard import RequestGuard, startup_warning
@@ -31,7 +31,7 @@ from server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-#: the server's own endpoints' metric labels (the adapters name theirs: ``server.api``)
+#: the server's own endpoints' metric labels (the adapters name theirs: ``server.adapters``)
 _OWN_ENDPOINTS = {"/health": "health", "/metrics": "metrics"}
 
 
@@ -48,7 +48,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = _OWN_ENDPOINTS.get(path) or api.endpoint_label(path)
+        endpoint = _OWN_ENDPOINTS.get(path) or adapters.endpoint_label(path)
         status = 500
         start = time.monotonic()
 
@@ -127,7 +127,7 @@ def create_app(engine: Any | Callable[[], Any], settings: ServerSettings | None 
     )
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.state.mtp = state
-    api.install(app)
+    adapters.install(app)
     app.include_router(page_router)
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts refusals too

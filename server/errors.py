@@ -1,7 +1,7 @@
 """Errors as one exception type, ``APIError``, whatever the API.
 
 Every failure a handler can detect (bad JSON, a field out of range, an unknown model, a full
-queue) is raised as ``APIError``; the adapter registry (``server.api``) answers it in the shape
+queue) is raised as ``APIError``; the adapter registry (``server.adapters``) answers it in the shape
 of the API the request's path belongs to — OpenAI's ``{"error": {"message", "type", "param",
 "code"}}`` (``APIError.body``) unless the adapter has its own — so clients (both SDKs map status
 codes to exception classes) see consistent errors, and nothing a request sends can surface as

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import error_response
+from server.adapters import error_response
 from server.errors import APIError
 from server.settings import ServerSettings
 

@@ -17,9 +17,9 @@ from pydantic import BaseModel
 
 import sampling.params
 from sampling.params import SAMPLER_FIELDS, SamplerField, SamplingOverrides, SamplingParams
-from server.api.anthropic.schemas import MessagesRequest
-from server.api.openai.responses_schemas import ResponsesRequest
-from server.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from server.adapters.anthropic.schemas import MessagesRequest
+from server.adapters.openai.responses_schemas import ResponsesRequest
+from server.adapters.openai.schemas import ChatCompletionRequest, CompletionRequest
 from server.app import create_app
 from server.settings import ServerSettings
 

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.api import TokenLogprob
-from server.api.openai.schemas import SamplingFields
+from server.adapters.openai.schemas import SamplingFields
 from server.core.http import v1_router
 from server.core.jobs import Job, Usage
 from server.core.requests import GenerationParams

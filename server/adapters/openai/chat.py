@@ -13,13 +13,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.openai.common import (
+from server.adapters.openai.common import (
     OpenAIStream,
     completion_body,
     logprob_items,
     openai_params,
 )
-from server.api.openai.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.adapters.openai.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.core import chat_format
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, new_id, start_job

@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.api import TokenLogprob
-from server.api.openai.common import OpenAIStream, completion_body, openai_params
-from server.api.openai.schemas import CompletionRequest
+from server.adapters.openai.common import OpenAIStream, completion_body, openai_params
+from server.adapters.openai.schemas import CompletionRequest
 from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta

@@ -22,8 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
-from server.api.anthropic.errors import error_body
-from server.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from server.adapters.anthropic.errors import error_body
+from server.adapters.anthropic.schemas import CountTokensRequest, MessagesRequest
 from server.core import chat_format
 from server.core.chat_format import Prompt
 from server.core.http import json_body, read_body, respond, v1_router

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.api.adapter import Adapter
-from server.api.openai import chat, common, completions, responses
+from server.adapters.adapter import Adapter
+from server.adapters.openai import chat, common, completions, responses
 
 ADAPTER = Adapter(
     name="openai",

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.openai.responses_schemas import ResponsesRequest, template_messages
+from server.adapters.openai.responses_schemas import ResponsesRequest, template_messages
 from server.core import chat_format
 from server.core.chat_format import Prompt
 from server.core.http import json_body, read_body, respond, v1_router

@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api import anthropic, openai
-from server.api.adapter import Adapter
+from server.adapters import anthropic, openai
+from server.adapters.adapter import Adapter
 from server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from server.api.adapter import Adapter
-from server.api.anthropic import messages
-from server.api.anthropic.errors import error_body
+from server.adapters.adapter import Adapter
+from server.adapters.anthropic import messages
+from server.adapters.anthropic.errors import error_body
 
 ADAPTER = Adapter(
     name="anthropic",

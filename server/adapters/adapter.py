@@ -1,4 +1,4 @@
-"""What an API adapter hands the registry (``server.api``)."""
+"""What an API adapter hands the registry (``server.adapters``)."""
 
 from __future__ import annotations
 
