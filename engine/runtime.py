@@ -53,6 +53,7 @@ from engine.scheduling.policy import DraftPolicy
 from sampling.constraint import GrammarDeadEnd, GrammarError, TokenConstraint, build_tokenizer
 from sampling.params import (
     SamplingOverrides,
+    SamplingParamError,
     SamplingParams,
     generation_config_defaults,
     resolve,
@@ -259,7 +260,10 @@ class Engine:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
-        request.sampling.check_vocabulary(self.vocab_size)  # its ranges hold by construction
+        try:  # its ranges hold by construction; its token ids need this model's vocabulary
+            request.sampling.check_vocabulary(self.vocab_size)
+        except SamplingParamError as exc:
+            raise RequestError(str(exc), exc.param) from exc
         # (a grammar is compiled once, when the sequence starts: ``constraint`` raises the
         # RequestError there, before the first event)
 
@@ -326,7 +330,7 @@ class Engine:
         trace: Callable[[dict[str, Any]], None] | None,
         seq: Sequence | None,
     ) -> Iterator[GenerationEvent]:
-        batch = BatchDecoder(self, 1)
+        batch = self.batch(1)
         batch.add(0, request, cancelled, trace, seq)
         try:
             while len(batch):
@@ -340,7 +344,7 @@ class Engine:
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, draft: bool) -> Sequence:
         """A sequence prefilled with all of ``prompt_ids`` but the last, outside the conversation
         cache, with the head's cache when ``draft``: what the cost probe and experiments time."""
-        seq = start_sequence(self.trunk, self.loaded.head, prompt_ids, params, draft)
+        seq = start_sequence(self.trunk, self.head, prompt_ids, params, draft)
         seq.draft_confidence = self.draft_confidence
         return seq
 

@@ -65,7 +65,6 @@ from engine.cycle.speculative import (
 )
 from engine.model.memory import release_between_requests, release_while_running
 from engine.scheduling.costs import MAX_AUTO_K, expected_tokens
-from sampling.params import SamplingParamError
 
 log = logging.getLogger("mtpserve.batching")
 
@@ -284,8 +283,9 @@ class BatchDecoder:
             self._release_if_idle()
 
     def step(self) -> list[tuple[Hashable, GenerationEvent | BaseException]]:
-        """Run the cycles the rows asked for, then advance every row until it asks again.
-        Returns the events (or a row's error) in order; rows that ended have left."""
+        """Resume the rows that emitted an event last step, run the cycles the rows asked for,
+        then advance every row to its next event or request (module docstring). Returns the
+        events (or a row's error) in order; rows that ended have left."""
         out: list[tuple[Hashable, GenerationEvent | BaseException]] = []
         for key, row in list(self.rows.items()):
             if row.paused and self._advance(key, row, out):
@@ -356,7 +356,7 @@ class BatchDecoder:
             _close(row)
             return True
         except Exception as exc:  # this row only: the others go on
-            if not isinstance(exc, (RequestError, SamplingParamError)):  # the request's own mistake
+            if not isinstance(exc, RequestError):  # a request's own mistake is no fault
                 log.exception("a batch row failed")
             out.append((key, exc))
             _close(row)
