@@ -493,21 +493,13 @@ def save_costs(engine: CostProbe, kind: str, costs: CostTable) -> None:
 
 
 def load_or_measure(engine: CostProbe, refresh: bool = False, params: Any = None) -> CostTable:
-    """The cost table for greedy (``params`` None) or for sampling with ``params``."""
-    key = machine_key(engine.model_dir)
+    """The cost table for greedy (``params`` None) or for sampling with ``params``: the cached
+    one unless ``refresh``, else measured now and cached."""
     kind = "greedy" if params is None else decoding_kind(params)
-    path = CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
-    if path.exists() and not refresh:
-        try:
-            return CostTable(**json.loads(path.read_text()))
-        except (TypeError, ValueError):
-            pass
+    if not refresh and (cached := cached_costs(engine, kind)) is not None:
+        return cached
     t = time.perf_counter()
     costs = measure_costs(engine, params=params)
     log.info("measured cycle costs in %.1fs: %s", time.perf_counter() - t, costs.cycle)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(costs)))
-    except OSError:
-        pass
+    save_costs(engine, kind, costs)
     return costs
