@@ -1,6 +1,7 @@
-"""The Gated-DeltaNet recurrence on one layer's q, k, v: the closed-form (WY) chunk that keeps the
-state after every position (verify), the one-position step (decode), the blocked closed form
-for prefill, and the captures those passes leave for the commit."""
+"""The Gated-DeltaNet recurrence on one layer's q, k, v: the native kernel's pass over the
+positions of a decode step or verify (CPUs with the kernel), the closed-form (WY) chunk that
+keeps the state after every position (verify) and the one-position step (decode) in mlx ops,
+the blocked closed form for prefill, and the captures those passes leave for the commit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,33 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.model import products
 from engine.model.activations import exp
+
+
+def native_delta_rule() -> bool:
+    """Whether decode steps and verifies run the recurrence on the native kernel."""
+    return products.on_native()
+
+
+def delta_rule_native(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, Capture]:
+    """The recurrence over T positions on the native kernel (``delta_rule_chunk``'s arguments
+    and result, q and k at the key heads: the kernel serves value head h from key head
+    ``h // (Hv / Hk)``).
+
+    The kernel runs ``S_t = g_t S_{t-1} + u_t k_t^T``, ``u_t = beta_t (v_t - g_t S_{t-1} k_t)``,
+    ``y_t = S_t q_t`` position by position, one row of the state at a time (row i needs only
+    its own ``(S k)_i``, so it stays in cache for all T positions: the state is read once and
+    written once, on every core). Each position computes the same bits whether it runs alone
+    or among T, and the state after any kept position is replayed from u (``ReplayCapture``)
+    bit for bit, so a verify's states and outputs are exactly those of T plain steps."""
+    f32 = mx.float32
+    y, u, final = products.native().delta_rule(q, k, v, log_g.astype(f32), beta.astype(f32), state)
+    if q.shape[1] == 1:
+        return y, StepCapture(final)
+    return y, ReplayCapture(state, k, u, log_g.astype(f32), final)
 
 
 def delta_rule_chunk(
@@ -200,9 +227,51 @@ class VerifyCapture:
         return gamma * self.start + (self.u * w).swapaxes(-1, -2) @ self.k
 
 
+@dataclass
+class ReplayCapture:
+    """What the native kernel's pass over T positions keeps of one GDN layer: the state before
+    it, its keys, u and log-decays, and the state after the last position. The state after
+    position n < T is the kernel's replay of the first n updates from ``start``
+    (``S_t = g_t S_{t-1} + u_t k_t^T`` with the pass's own u): no product of the state with a
+    key is re-run, and the floats are bit for bit the ones the pass computed there."""
+
+    start: mx.array  # S_0 [B, H, Dv, Dk]
+    k: mx.array  # [B, T, Hk, Dk]
+    u: mx.array  # [B, T, H, Dv]
+    log_g: mx.array  # [B, T, H]
+    final: mx.array  # the state after position T
+
+    def arrays(self) -> list[mx.array]:
+        return [self.start, self.k, self.u, self.log_g, self.final]
+
+    def outputs(self) -> list[mx.array]:
+        """What a compiled block returns of it (the caller holds ``start``: ``capture_of``)."""
+        return [self.k, self.u, self.log_g, self.final]
+
+    def state_after(self, n: int) -> mx.array:
+        """The recurrent state after the first ``n`` positions."""
+        if n == self.k.shape[1]:
+            return self.final
+        return self._replay(mx.full((self.k.shape[0],), n, dtype=mx.int32))
+
+    def row(self, b: int) -> ReplayCapture:
+        return ReplayCapture(*(a[b : b + 1] for a in self.arrays()))
+
+    def states_after(self, last: mx.array) -> mx.array:
+        """Every row's state after its position ``last[b]`` (0-based): one replay for all rows."""
+        return self._replay((last + 1).astype(mx.int32))
+
+    def _replay(self, keep: mx.array) -> mx.array:
+        return products.native().delta_rule_replay(self.start, self.k, self.u, self.log_g, keep)
+
+
 def capture_of(start: mx.array, positions: int, outputs: list[mx.array]) -> Capture:
     """A capture from what a compiled GDN block returned (``outputs()``) over ``positions``."""
-    return StepCapture(*outputs) if positions == 1 else VerifyCapture(start, *outputs)
+    if positions == 1:
+        return StepCapture(*outputs)
+    if native_delta_rule():
+        return ReplayCapture(start, *outputs)
+    return VerifyCapture(start, *outputs)
 
 
-Capture = VerifyCapture | StepCapture
+Capture = VerifyCapture | ReplayCapture | StepCapture

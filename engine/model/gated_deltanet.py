@@ -11,7 +11,14 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from engine.model.activations import gated_rms_norm, silu
-from engine.model.delta_rule import Capture, delta_rule_chunk, delta_rule_prefill, delta_rule_step
+from engine.model.delta_rule import (
+    Capture,
+    delta_rule_chunk,
+    delta_rule_native,
+    delta_rule_prefill,
+    delta_rule_step,
+    native_delta_rule,
+)
 from engine.model.products import linear
 
 
@@ -133,14 +140,23 @@ class BatchCommit:
                 state._recurrent = self.recurrent[row : row + 1]
 
 
+def repeat_heads(m: nn.Module, x: mx.array) -> mx.array:
+    """Query or key heads repeated to the value heads (each key head serves ``Hv / Hk`` value
+    heads in turn, as mlx-lm's layer has it)."""
+    repeat = m.num_v_heads // m.num_k_heads
+    return mx.repeat(x, repeat, axis=-2) if repeat > 1 else x
+
+
 def gated_deltanet(
     m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool, start: int = 0
 ) -> mx.array:
     """mlx-lm's ``GatedDeltaNet`` forward over positions ``start..start+T-1``, optionally
     capturing the state after each position.
 
-    Without capture (prefill) the recurrence is ``delta_rule_prefill``'s closed-form blocks on
-    CPUs and mlx-lm's elsewhere (its kernel on Metal)."""
+    With capture (decode steps and verifies) the recurrence is the native kernel's on a CPU that
+    has it (``delta_rule_native``), else ``delta_rule_step``/``delta_rule_chunk``. Without
+    capture (prefill) it is ``delta_rule_prefill``'s closed-form blocks on CPUs and mlx-lm's
+    elsewhere (its kernel on Metal)."""
     B, T, _ = x.shape
     flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
     qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
@@ -170,13 +186,15 @@ def gated_deltanet(
         beta = mx.sigmoid(b)
         # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
         log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
-        if (repeat := m.num_v_heads // m.num_k_heads) > 1:
-            q = mx.repeat(q, repeat, axis=-2)
-            k = mx.repeat(k, repeat, axis=-2)
-        if capture:
+        if capture and native_delta_rule():
+            # the kernel maps each value head to its key head itself: no repeat
+            y, state.capture = delta_rule_native(q, k, v, log_g, beta, recurrent)
+        elif capture:
+            q, k = repeat_heads(m, q), repeat_heads(m, k)
             rule = delta_rule_step if T == 1 else delta_rule_chunk
             y, state.capture = rule(q, k, v, log_g, beta, recurrent)
         else:
+            q, k = repeat_heads(m, q), repeat_heads(m, k)
             y, recurrent = delta_rule_prefill(q, k, v, log_g, beta, recurrent, start)
         y = y.astype(x.dtype)
     if capture:

@@ -53,6 +53,9 @@ def _load() -> None:
     except ImportError as error:
         _reason = f"not built ({error}; `make install` builds it)"
         return
+    if not hasattr(_products, "delta_rule"):
+        _reason = "a stale build (`make install` rebuilds it)"
+        return
     _native = _products
 
 

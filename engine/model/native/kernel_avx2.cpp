@@ -6,6 +6,7 @@
 
 #define KERNEL_NAMESPACE avx2
 #include "kernel_impl.h"
+#include "delta_rule_impl.h"
 
 namespace mtpserve {
 namespace {
@@ -56,6 +57,14 @@ struct Avx2 {
 
 void columns_avx2(const ProductArgs& a, int64_t first, int64_t last) {
   avx2::columns<Avx2>(a, first, last);
+}
+
+void delta_avx2(const DeltaArgs& a, int64_t first, int64_t last) {
+  avx2::rows<false>(a, first, last);
+}
+
+void replay_avx2(const DeltaArgs& a, int64_t first, int64_t last) {
+  avx2::rows<true>(a, first, last);
 }
 
 }  // namespace mtpserve

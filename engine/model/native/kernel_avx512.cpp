@@ -6,6 +6,7 @@
 
 #define KERNEL_NAMESPACE avx512
 #include "kernel_impl.h"
+#include "delta_rule_impl.h"
 
 namespace mtpserve {
 namespace {
@@ -51,6 +52,14 @@ struct Avx512 {
 
 void columns_avx512(const ProductArgs& a, int64_t first, int64_t last) {
   avx512::columns<Avx512>(a, first, last);
+}
+
+void delta_avx512(const DeltaArgs& a, int64_t first, int64_t last) {
+  avx512::rows<false>(a, first, last);
+}
+
+void replay_avx512(const DeltaArgs& a, int64_t first, int64_t last) {
+  avx512::rows<true>(a, first, last);
 }
 
 }  // namespace mtpserve

@@ -6,6 +6,7 @@
 
 #define KERNEL_NAMESPACE scalar
 #include "kernel_impl.h"
+#include "delta_rule_impl.h"
 
 namespace mtpserve {
 namespace {
@@ -36,6 +37,14 @@ struct Scalar {
 
 void columns_scalar(const ProductArgs& a, int64_t first, int64_t last) {
   scalar::columns<Scalar>(a, first, last);
+}
+
+void delta_scalar(const DeltaArgs& a, int64_t first, int64_t last) {
+  scalar::rows<false>(a, first, last);
+}
+
+void replay_scalar(const DeltaArgs& a, int64_t first, int64_t last) {
+  scalar::rows<true>(a, first, last);
 }
 
 }  // namespace mtpserve

@@ -25,8 +25,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
-#include "pool.h"
-#include "products.h"
+#include "kernels.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -90,6 +89,8 @@ namespace {
 struct Isa {
   const char* name;
   ColumnsKernel kernel;
+  DeltaKernel delta;
+  DeltaKernel replay;
   bool (*supported)();
 };
 
@@ -108,10 +109,10 @@ bool has_avx512() {
 // Best first.
 const Isa kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", columns_avx512, has_avx512},
-    {"avx2", columns_avx2, has_avx2},
+    {"avx512", columns_avx512, delta_avx512, replay_avx512, has_avx512},
+    {"avx2", columns_avx2, delta_avx2, replay_avx2, has_avx2},
 #endif
-    {"scalar", columns_scalar, always},
+    {"scalar", columns_scalar, delta_scalar, replay_scalar, always},
 };
 
 std::mutex state_lock;
@@ -163,22 +164,28 @@ void ensure_state() {
   current_pool = std::make_shared<ThreadPool>(threads > 0 ? threads : usable_cores(), spin_us());
 }
 
-std::pair<ColumnsKernel, std::shared_ptr<ThreadPool>> current() {
-  std::lock_guard<std::mutex> guard(state_lock);
-  ensure_state();
-  return {current_isa->kernel, current_pool};
-}
 
-// Products over less weight than this run on the calling thread alone: waking a worker costs
-// more than it gives.
-constexpr int64_t kParallelBytes = 64 << 10;
+}  // namespace
 
 Real real_of(mx::Dtype t) {
   if (t == mx::float32) return Real::f32;
   if (t == mx::bfloat16) return Real::bf16;
   if (t == mx::float16) return Real::f16;
-  throw std::invalid_argument("products take float32, bfloat16 or float16 arrays");
+  throw std::invalid_argument("the kernels take float32, bfloat16 or float16 arrays");
 }
+
+Kernels current_kernels() {
+  std::lock_guard<std::mutex> guard(state_lock);
+  ensure_state();
+  return {current_isa->kernel, current_isa->delta, current_isa->replay, current_pool};
+}
+
+namespace {
+
+// Products over less weight than this run on the calling thread alone: waking a worker costs
+// more than it gives.
+constexpr int64_t kParallelBytes = 64 << 10;
+
 
 // x widened to fp32, rows padded with zeros to a multiple of kPad (any strides, any float type).
 void widen_rows(const mx::array& x, int64_t rows, int64_t in, int64_t stride, float* dst) {
@@ -238,7 +245,9 @@ void compute(
   widen_rows(x, rows, in, stride, widened.data());
   ProductArgs args{widened.data(), stride, static_cast<int>(rows), view, y.data<void>(),
                    real_of(y.dtype())};
-  auto [kernel, pool] = current();
+  const Kernels kernels = current_kernels();
+  const ColumnsKernel kernel = kernels.columns;
+  const auto& pool = kernels.pool;
   const int threads = pool->threads();
   if (threads == 1 || static_cast<int64_t>(w.nbytes()) < kParallelBytes) {
     kernel(args, 0, out);
@@ -389,8 +398,7 @@ double read_seconds(const mx::array& a) {
   mx::eval(a);
   const auto* words = a.data<uint64_t>();
   const int64_t count = static_cast<int64_t>(a.nbytes() / 8);
-  auto [kernel, pool] = current();
-  (void)kernel;
+  const auto pool = current_kernels().pool;
   constexpr int64_t kBlock = 1 << 16;  // words: 512 KiB a block
   const int64_t blocks = (count + kBlock - 1) / kBlock;
   std::atomic<int64_t> next{0};
@@ -419,7 +427,8 @@ std::vector<std::string> supported_isas() {
 
 NB_MODULE(_products, m) {
   using namespace mtpserve;
-  m.doc() = "mtpserve's CPU product kernel for the few rows of decoding";
+  m.doc() = "mtpserve's CPU kernels for the few rows of decoding: products and the gated delta rule";
+  bind_delta_rule(m);
   m.def(
       "product",
       &product,

@@ -1,0 +1,264 @@
+// The mlx primitives `DeltaRule` (a Gated-DeltaNet layer's recurrence over the T positions of a
+// decode step or a verify, on the CPU by the row kernels of delta_rule_impl.h) and
+// `DeltaReplay` (the state after each row's kept positions, from what the forward pass left).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mtpserve {
+namespace {
+
+// A recurrence of fewer multiply-adds a position than this runs on the calling thread alone:
+// waking a worker costs more than it gives.
+constexpr int64_t kParallelWork = 1 << 17;
+
+// `a` as packed fp32, row-major (any strides, any float type); `exp` applies std::exp.
+void pack(const mx::array& a, std::vector<float>& dst, bool exp = false) {
+  const int64_t n = static_cast<int64_t>(a.size());
+  dst.resize(n);
+  if (n == 0) return;
+  const Real type = real_of(a.dtype());
+  const int nd = a.ndim();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const char* base = a.data<char>();
+  const size_t item = a.itemsize();
+  const int64_t last = shape[nd - 1];
+  const int64_t step = strides[nd - 1];
+  for (int64_t r = 0; r < n / last; ++r) {
+    int64_t offset = 0;
+    int64_t rest = r;
+    for (int d = nd - 2; d >= 0; --d) {
+      offset += (rest % shape[d]) * strides[d];
+      rest /= shape[d];
+    }
+    const char* p = base + offset * item;
+    float* out = dst.data() + r * last;
+    if (type == Real::f32 && step == 1)
+      std::memcpy(out, p, last * sizeof(float));
+    else
+      for (int64_t j = 0; j < last; ++j) out[j] = real_at(p, type, j * step);
+  }
+  if (exp)
+    for (float& x : dst) x = std::exp(x);
+}
+
+const float* packed_state(const mx::array& state, std::vector<float>& scratch) {
+  if (state.dtype() == mx::float32 && state.flags().row_contiguous) return state.data<float>();
+  pack(state, scratch);
+  return scratch.data();
+}
+
+void run_units(DeltaKernel kernel, const Kernels& kernels, const DeltaArgs& args) {
+  const int64_t units = delta_units(args);
+  const int64_t work = args.B * args.Hv * args.Dv * args.Dk;
+  if (kernels.pool->threads() == 1 || work < kParallelWork) {
+    kernel(args, 0, units);
+    return;
+  }
+  // units handed out in turn (ThreadPool::run: a late worker takes fewer or none)
+  std::atomic<int64_t> next{0};
+  kernels.pool->run([&](int) {
+    for (int64_t unit; (unit = next.fetch_add(1, std::memory_order_relaxed)) < units;)
+      kernel(args, unit, unit + 1);
+  });
+}
+
+DeltaArgs shape_of(const mx::array& k, const mx::array& state) {
+  DeltaArgs args{};
+  args.B = k.shape(0);
+  args.T = k.shape(1);
+  args.Hk = k.shape(2);
+  args.Dk = k.shape(3);
+  args.Hv = state.shape(1);
+  args.Dv = state.shape(2);
+  return args;
+}
+
+void forward(std::vector<mx::array>& in, std::vector<mx::array>& out) {
+  thread_local std::vector<float> q, k, v, g, beta, state;
+  DeltaArgs args = shape_of(in[1], in[5]);
+  pack(in[0], q);
+  pack(in[1], k);
+  pack(in[2], v);
+  pack(in[3], g, true);
+  pack(in[4], beta);
+  args.q = q.data();
+  args.k = k.data();
+  args.v = v.data();
+  args.g = g.data();
+  args.beta = beta.data();
+  args.state = packed_state(in[5], state);
+  args.y = out[0].data<float>();
+  args.u_out = out[1].data<float>();
+  args.final = out[2].data<float>();
+  const Kernels kernels = current_kernels();
+  run_units(kernels.delta, kernels, args);
+}
+
+void replay(std::vector<mx::array>& in, mx::array& out) {
+  thread_local std::vector<float> k, u, g, state;
+  thread_local std::vector<int32_t> keep;
+  DeltaArgs args = shape_of(in[1], in[0]);
+  pack(in[1], k);
+  pack(in[2], u);
+  pack(in[3], g, true);
+  const mx::array& kept = in[4];
+  keep.resize(args.B);
+  for (int64_t b = 0; b < args.B; ++b)  // clamped: a count out of range keeps what exists
+    keep[b] = std::clamp<int32_t>(kept.data<int32_t>()[b * kept.strides()[0]], 0,
+                                  static_cast<int32_t>(args.T));
+  args.k = k.data();
+  args.u = u.data();
+  args.g = g.data();
+  args.keep = keep.data();
+  args.state = packed_state(in[0], state);
+  args.final = out.data<float>();
+  const Kernels kernels = current_kernels();
+  run_units(kernels.replay, kernels, args);
+}
+
+// Registers every input and output with the stream's encoder and runs `body` on its thread with
+// weak copies (mlx keeps the arrays alive until the task has run).
+template <class Body>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs, Body body) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    a.set_data(mx::allocator::malloc(a.nbytes()));
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
+}
+
+class DeltaRule : public mx::Primitive {
+ public:
+  explicit DeltaRule(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) { forward(in, out); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("DeltaRule runs on the CPU only");
+  }
+  const char* name() const override { return "DeltaRule"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[2].shape(), inputs[2].shape(), inputs[5].shape()};
+  }
+};
+
+class DeltaReplay : public mx::UnaryPrimitive {
+ public:
+  explicit DeltaReplay(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    std::vector<mx::array> outputs{output};
+    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) { replay(in, out[0]); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("DeltaReplay runs on the CPU only");
+  }
+  const char* name() const override { return "DeltaReplay"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+mx::Stream cpu_stream() {
+  auto stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::cpu)
+    throw std::invalid_argument("the gated delta rule kernel runs on the CPU only");
+  return stream;
+}
+
+void check_float(const mx::array& a, const char* name) {
+  try {
+    real_of(a.dtype());
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 or float16");
+  }
+}
+
+// The shapes both primitives share: k [B, T, Hk, Dk], per-value-head [B, T, Hv, Dv] (v or u),
+// log_g [B, T, Hv], state [B, Hv, Dv, Dk] float32.
+void check_shapes(const mx::array& k, const mx::array& values, const mx::array& log_g,
+                  const mx::array& state) {
+  if (k.ndim() != 4 || values.ndim() != 4 || log_g.ndim() != 3 || state.ndim() != 4)
+    throw std::invalid_argument(
+        "delta rule: k [B, T, Hk, Dk], v [B, T, Hv, Dv], log_g [B, T, Hv], state [B, Hv, Dv, Dk]");
+  const int B = k.shape(0), T = k.shape(1), Hk = k.shape(2), Dk = k.shape(3);
+  const int Hv = values.shape(2), Dv = values.shape(3);
+  if (values.shape(0) != B || values.shape(1) != T || log_g.shape() != mx::Shape{B, T, Hv} ||
+      state.shape() != mx::Shape{B, Hv, Dv, Dk})
+    throw std::invalid_argument("delta rule: the operands' shapes disagree");
+  if (Hk == 0 || Hv % Hk != 0)
+    throw std::invalid_argument("delta rule: value heads must be a multiple of key heads");
+  if (state.dtype() != mx::float32) throw std::invalid_argument("delta rule: state must be float32");
+  check_float(k, "k");
+  check_float(values, "v");
+  check_float(log_g, "log_g");
+}
+
+std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const mx::array& v,
+                                  const mx::array& log_g, const mx::array& beta,
+                                  const mx::array& state) {
+  auto stream = cpu_stream();
+  check_shapes(k, v, log_g, state);
+  if (q.shape() != k.shape()) throw std::invalid_argument("delta rule: q and k disagree");
+  if (beta.shape() != log_g.shape()) throw std::invalid_argument("delta rule: beta [B, T, Hv]");
+  check_float(q, "q");
+  check_float(beta, "beta");
+  return mx::array::make_arrays({v.shape(), v.shape(), state.shape()},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DeltaRule>(stream),
+                                {q, k, v, log_g, beta, state});
+}
+
+mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx::array& u,
+                            const mx::array& log_g, const mx::array& keep) {
+  auto stream = cpu_stream();
+  check_shapes(k, u, log_g, state);
+  if (keep.dtype() != mx::int32 || keep.shape() != mx::Shape{k.shape(0)})
+    throw std::invalid_argument("delta rule replay: keep must be int32 [B]");
+  return mx::array(state.shape(), mx::float32, std::make_shared<DeltaReplay>(stream),
+                   {state, k, u, log_g, keep});
+}
+
+}  // namespace
+
+void bind_delta_rule(nb::module_& m) {
+  m.def("delta_rule", &delta_rule, "q"_a, "k"_a, "v"_a, "log_g"_a, "beta"_a, "state"_a,
+        "A Gated-DeltaNet layer's recurrence over T positions, row by row of the state: "
+        "q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], log_g, beta [B, T, Hv], state [B, Hv, Dv, Dk] "
+        "float32. Returns y and u [B, T, Hv, Dv] and the state after the last position "
+        "(float32); lazy, like any op.");
+  m.def("delta_rule_replay", &delta_rule_replay, "state"_a, "k"_a, "u"_a, "log_g"_a, "keep"_a,
+        "The state after each row's first keep[b] positions, from the state before them and "
+        "delta_rule's k, u and log_g: bit for bit the state delta_rule computed there.");
+}
+
+}  // namespace mtpserve
