@@ -140,6 +140,24 @@ class BatchCommit:
                 state._recurrent = self.recurrent[row : row + 1]
 
 
+def causal_conv(conv: nn.Conv1d, window: mx.array) -> mx.array:
+    """The layer's depthwise causal conv1d over ``window [B, T + K - 1, C]`` (the K - 1 kept
+    positions, then the T new ones): ``out[t] = sum_j window[t + j] * w[j]`` as K shifted
+    multiply-adds, which mx.compile fuses into one elementwise kernel.
+
+    mlx's CPU ``conv1d`` unfolds the window and runs a grouped product per call: ~0.4 ms a
+    0.8B layer for one position against ~0.05 ms here, and over a prompt chunk ~2x slower.
+    Each position sums its own K products in the same order whatever T is, so a position's
+    output is the same bits in a plain step, a verify and a prefill."""
+    weight = conv.weight  # [C, K, 1]
+    taps = weight.shape[1]
+    positions = window.shape[1] - taps + 1
+    out = window[:, :positions] * weight[:, 0, 0]
+    for j in range(1, taps):
+        out = out + window[:, j : j + positions] * weight[:, j, 0]
+    return out if "bias" not in conv else out + conv.bias
+
+
 def repeat_heads(m: nn.Module, x: mx.array) -> mx.array:
     """Query or key heads repeated to the value heads (each key head serves ``Hv / Hk`` value
     heads in turn, as mlx-lm's layer has it)."""
@@ -168,7 +186,7 @@ def gated_deltanet(
     if conv_state is None:
         conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
     window = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = silu(m.conv1d(window))
+    conv_out = silu(causal_conv(m.conv1d, window))
     q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
     q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)

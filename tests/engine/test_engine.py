@@ -885,3 +885,65 @@ def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) 
     np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=2e-6)
     np.testing.assert_allclose(np.array(capture.state_after(1)), np.array(state_ref), atol=2e-6)
     np.testing.assert_allclose(np.array(capture.row(1).final), np.array(state_ref[1:]), atol=2e-6)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
+@pytest.mark.fast
+def test_native_delta_rule_matches_mlx_lm(heads: tuple[int, int]) -> None:
+    """The kernel's pass over a verify's positions (``delta_rule_native``: outputs and the
+    state after each kept count) equals mlx-lm's gated delta rule, the key heads mapped to the
+    value heads as mlx-lm repeats them."""
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from engine.model import products
+    from engine.model.delta_rule import delta_rule_native
+
+    if products.native() is None:
+        pytest.skip("the native kernel is not built")
+    mx.random.seed(8)
+    k_heads, v_heads = heads
+    dk, dv, T = 32, 16, 3
+    q = 0.2 * mx.random.normal((2, T, k_heads, dk))
+    k = mx.random.normal((2, T, k_heads, dk))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((2, T, v_heads, dv))
+    a, b = mx.random.normal((2, T, v_heads)), mx.random.normal((2, T, v_heads))
+    a_log, dt_bias = mx.random.normal((v_heads,)), mx.random.normal((v_heads,))
+    start = 0.3 * mx.random.normal((2, v_heads, dv, dk))
+    log_g = -mx.exp(a_log) * nn.softplus(a + dt_bias)
+
+    y, capture = delta_rule_native(q, k, v, log_g, mx.sigmoid(b), start)
+    for n in range(1, T + 1):
+        y_ref, state_ref = gated_delta_update(
+            q[:, :n],
+            k[:, :n],
+            v[:, :n],
+            a[:, :n],
+            b[:, :n],
+            a_log,
+            dt_bias,
+            start,
+            None,
+            use_kernel=False,
+        )
+        np.testing.assert_allclose(np.array(y[:, :n]), np.array(y_ref), atol=2e-6)
+        np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
+
+
+@pytest.mark.fast
+def test_causal_conv_is_mlx_s_conv1d() -> None:
+    """The GDN layer's depthwise conv as shifted multiply-adds (``causal_conv``) computes what
+    mlx's grouped ``nn.Conv1d`` does, with and without a bias, over one position and many."""
+    import mlx.nn as nn
+
+    from engine.model.gated_deltanet import causal_conv
+
+    mx.random.seed(9)
+    for bias in (False, True):
+        conv = nn.Conv1d(40, 40, 4, groups=40, bias=bias)
+        for positions in (1, 5, 70):
+            window = mx.random.normal((2, positions + 3, 40))
+            np.testing.assert_allclose(
+                np.array(causal_conv(conv, window)), np.array(conv(window)), atol=1e-6
+            )
