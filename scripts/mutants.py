@@ -42,6 +42,17 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "gdn-replay-keeps-one-less",
+        "engine/model/delta_rule.py",
+        "return self._replay((last + 1).astype(mx.int32))",
+        "return self._replay(last.astype(mx.int32))",
+        (
+            "tests/unit/test_delta_rule_kernel.py::"
+            "test_the_capture_commits_the_state_of_the_kept_positions",
+        ),
+        "a batched verify's rows commit the GDN state one position short of what they kept",
+    ),
+    Mutation(
         "verify-history",
         "engine/cycle/speculative.py",
         "history = seq.history.rows(drafts, len(self.ids) + 1) if seq.history else None",
@@ -112,7 +123,8 @@ MUTATIONS = [
 
 
 def copy_tree(dest: Path) -> None:
-    """The working tree as git sees it (tracked + untracked, minus ignored files)."""
+    """The working tree as git sees it (tracked + untracked, minus ignored files), plus the built
+    native kernel (ignored: a build output), so the tests run the kernel's paths as users do."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -128,6 +140,8 @@ def copy_tree(dest: Path) -> None:
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest / rel)
+    for built in (ROOT / "engine" / "model" / "native").glob("_products*.so"):
+        shutil.copy2(built, dest / built.relative_to(ROOT))
 
 
 def run_tests(tree: Path, tests: tuple[str, ...]) -> dict[str, tuple[str, float]]:
