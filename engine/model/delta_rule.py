@@ -12,6 +12,9 @@ import mlx.core as mx
 from engine.model import products
 from engine.model.activations import exp
 
+#: the reference's l2-norm epsilon for the query and key heads (added to the sum of squares)
+L2_EPS = 1e-6
+
 
 def native_delta_rule() -> bool:
     """Whether decode steps and verifies run the recurrence on the native kernel."""
@@ -19,11 +22,19 @@ def native_delta_rule() -> bool:
 
 
 def delta_rule_native(
-    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    eps: float = L2_EPS,
 ) -> tuple[mx.array, Capture]:
     """The recurrence over T positions on the native kernel (``delta_rule_chunk``'s arguments
-    and result, q and k at the key heads: the kernel serves value head h from key head
-    ``h // (Hv / Hk)``).
+    and result, except that q and k come as the layer's conv emits them, at the key heads: the
+    kernel l2-normalizes each head vector, ``x / sqrt(sum x^2 + eps)``, scales q by
+    ``Dk^-0.5`` as mlx-lm's ``normalize_qk`` does, and serves value head h from key head
+    ``h // (Hv / Hk)``; two norms of three primitives each fewer a layer).
 
     The kernel runs ``S_t = g_t S_{t-1} + u_t k_t^T``, ``u_t = beta_t (v_t - g_t S_{t-1} k_t)``,
     ``y_t = S_t q_t`` position by position, one row of the state at a time (row i needs only
@@ -32,10 +43,11 @@ def delta_rule_native(
     or among T, and the state after any kept position is replayed from u (``ReplayCapture``)
     bit for bit, so a verify's states and outputs are exactly those of T plain steps."""
     f32 = mx.float32
-    y, u, final = products.native().delta_rule(q, k, v, log_g.astype(f32), beta.astype(f32), state)
+    log_g = log_g.astype(f32)
+    y, u, final = products.native().delta_rule(q, k, v, log_g, beta.astype(f32), state, eps=eps)
     if q.shape[1] == 1:
         return y, StepCapture(final)
-    return y, ReplayCapture(state, k, u, log_g.astype(f32), final)
+    return y, ReplayCapture(state, k, u, log_g, final, eps)
 
 
 def delta_rule_chunk(
@@ -236,10 +248,11 @@ class ReplayCapture:
     key is re-run, and the floats are bit for bit the ones the pass computed there."""
 
     start: mx.array  # S_0 [B, H, Dv, Dk]
-    k: mx.array  # [B, T, Hk, Dk]
+    k: mx.array  # [B, T, Hk, Dk], as the pass took it (the replay normalizes it the same way)
     u: mx.array  # [B, T, H, Dv]
     log_g: mx.array  # [B, T, H]
     final: mx.array  # the state after position T
+    eps: float = L2_EPS
 
     def arrays(self) -> list[mx.array]:
         return [self.start, self.k, self.u, self.log_g, self.final]
@@ -255,14 +268,16 @@ class ReplayCapture:
         return self._replay(mx.full((self.k.shape[0],), n, dtype=mx.int32))
 
     def row(self, b: int) -> ReplayCapture:
-        return ReplayCapture(*(a[b : b + 1] for a in self.arrays()))
+        return ReplayCapture(*(a[b : b + 1] for a in self.arrays()), self.eps)
 
     def states_after(self, last: mx.array) -> mx.array:
         """Every row's state after its position ``last[b]`` (0-based): one replay for all rows."""
         return self._replay((last + 1).astype(mx.int32))
 
     def _replay(self, keep: mx.array) -> mx.array:
-        return products.native().delta_rule_replay(self.start, self.k, self.u, self.log_g, keep)
+        return products.native().delta_rule_replay(
+            self.start, self.k, self.u, self.log_g, keep, eps=self.eps
+        )
 
 
 def capture_of(start: mx.array, positions: int, outputs: list[mx.array]) -> Capture:

@@ -12,6 +12,7 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from engine.model.activations import gated_rms_norm, silu
 from engine.model.delta_rule import (
+    L2_EPS,
     Capture,
     delta_rule_chunk,
     delta_rule_native,
@@ -197,7 +198,9 @@ def gated_deltanet(
     q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
     k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
     v = v.reshape(B, T, m.num_v_heads, m.head_v_dim)
-    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+    native = capture and native_delta_rule()
+    if not native:  # the kernel normalizes q and k itself
+        q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=L2_EPS)
 
     recurrent = state.recurrent
     if recurrent is None:
@@ -210,7 +213,7 @@ def gated_deltanet(
         beta = mx.sigmoid(b)
         # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
         log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
-        if capture and native_delta_rule():
+        if native:
             # the kernel maps each value head to its key head itself: no repeat
             y, state.capture = delta_rule_native(q, k, v, log_g, beta, recurrent)
         elif capture:

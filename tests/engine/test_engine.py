@@ -891,10 +891,10 @@ def test_one_position_delta_rule_matches_the_recurrence(heads: tuple[int, int]) 
 @pytest.mark.fast
 def test_native_delta_rule_matches_mlx_lm(heads: tuple[int, int]) -> None:
     """The kernel's pass over a verify's positions (``delta_rule_native``: outputs and the
-    state after each kept count) equals mlx-lm's gated delta rule, the key heads mapped to the
-    value heads as mlx-lm repeats them."""
+    state after each kept count) equals mlx-lm's q/k normalization and gated delta rule, the
+    key heads mapped to the value heads as mlx-lm repeats them."""
     import mlx.nn as nn
-    from mlx_lm.models.gated_delta import gated_delta_update
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
     from engine.model import products
     from engine.model.delta_rule import delta_rule_native
@@ -904,16 +904,16 @@ def test_native_delta_rule_matches_mlx_lm(heads: tuple[int, int]) -> None:
     mx.random.seed(8)
     k_heads, v_heads = heads
     dk, dv, T = 32, 16, 3
-    q = 0.2 * mx.random.normal((2, T, k_heads, dk))
+    q = mx.random.normal((2, T, k_heads, dk))
     k = mx.random.normal((2, T, k_heads, dk))
-    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
     v = mx.random.normal((2, T, v_heads, dv))
     a, b = mx.random.normal((2, T, v_heads)), mx.random.normal((2, T, v_heads))
     a_log, dt_bias = mx.random.normal((v_heads,)), mx.random.normal((v_heads,))
     start = 0.3 * mx.random.normal((2, v_heads, dv, dk))
     log_g = -mx.exp(a_log) * nn.softplus(a + dt_bias)
 
-    y, capture = delta_rule_native(q, k, v, log_g, mx.sigmoid(b), start)
+    y, capture = delta_rule_native(q, k, v, log_g, mx.sigmoid(b), start)  # q, k normalized there
+    q, k = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
     for n in range(1, T + 1):
         y_ref, state_ref = gated_delta_update(
             q[:, :n],

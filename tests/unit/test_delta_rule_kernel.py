@@ -1,5 +1,6 @@
 """The native gated delta rule (engine/model/native/delta_rule*) against numpy in float64: odd
-head sizes, grouped key heads, several rows, every instruction set this CPU runs; and the
+head sizes, grouped key heads, several rows, the l2 norm of q and k, every instruction set this
+CPU runs; and the
 bit-identities decoding relies on — a pass over T positions computes position by position the
 floats of T one-position passes, and a replay of the first n positions the state the pass had
 there — whatever the instruction set or thread count."""
@@ -30,8 +31,8 @@ def _operands(
 ) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
     f32 = np.float32
-    q = (rng.standard_normal((B, T, Hk, Dk)) / np.sqrt(Dk)).astype(f32)
-    k = (rng.standard_normal((B, T, Hk, Dk)) / np.sqrt(Dk)).astype(f32)
+    q = rng.standard_normal((B, T, Hk, Dk)).astype(f32)  # raw: the kernel normalizes them
+    k = rng.standard_normal((B, T, Hk, Dk)).astype(f32)
     v = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
     log_g = -rng.random((B, T, Hv)).astype(f32)
     beta = rng.random((B, T, Hv)).astype(f32)
@@ -39,9 +40,16 @@ def _operands(
     return q, k, v, log_g, beta, state
 
 
+def _l2(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    x = x.astype(np.float64)
+    return scale * x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + 1e-6)
+
+
 def _reference(q, k, v, log_g, beta, state) -> tuple[np.ndarray, list[np.ndarray]]:
-    """y and the state after each position, in float64, position by position."""
+    """y and the state after each position, in float64, position by position, from q and k as
+    the layer's conv emits them (l2-normalized here, q also scaled by Dk^-0.5)."""
     T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
+    q, k = _l2(q, q.shape[-1] ** -0.5), _l2(k)
     S = state.astype(np.float64).copy()
     y = np.zeros(v.shape)
     states = []

@@ -65,6 +65,18 @@ const float* packed_state(const mx::array& state, std::vector<float>& scratch) {
   return scratch.data();
 }
 
+// Each `dim`-vector of `x` scaled to unit length, x / sqrt(sum x^2 + eps), then times `scale`
+// (the layer's l2 norm of its query and key heads; the sum in a fixed order).
+void l2_normalize(std::vector<float>& x, int64_t dim, float eps, float scale) {
+  for (size_t first = 0; first < x.size(); first += dim) {
+    float* v = x.data() + first;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) sum += v[i] * v[i];
+    const float factor = scale / std::sqrt(sum + eps);
+    for (int64_t i = 0; i < dim; ++i) v[i] *= factor;
+  }
+}
+
 void run_units(DeltaKernel kernel, const Kernels& kernels, const DeltaArgs& args) {
   const int64_t units = delta_units(args);
   const int64_t work = args.B * args.Hv * args.Dv * args.Dk;
@@ -91,11 +103,13 @@ DeltaArgs shape_of(const mx::array& k, const mx::array& state) {
   return args;
 }
 
-void forward(std::vector<mx::array>& in, std::vector<mx::array>& out) {
+void forward(std::vector<mx::array>& in, std::vector<mx::array>& out, float eps) {
   thread_local std::vector<float> q, k, v, g, beta, state;
   DeltaArgs args = shape_of(in[1], in[5]);
   pack(in[0], q);
   pack(in[1], k);
+  l2_normalize(q, args.Dk, eps, 1.0f / std::sqrt(static_cast<float>(args.Dk)));
+  l2_normalize(k, args.Dk, eps, 1.0f);
   pack(in[2], v);
   pack(in[3], g, true);
   pack(in[4], beta);
@@ -112,11 +126,12 @@ void forward(std::vector<mx::array>& in, std::vector<mx::array>& out) {
   run_units(kernels.delta, kernels, args);
 }
 
-void replay(std::vector<mx::array>& in, mx::array& out) {
+void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   thread_local std::vector<float> k, u, g, state;
   thread_local std::vector<int32_t> keep;
   DeltaArgs args = shape_of(in[1], in[0]);
   pack(in[1], k);
+  l2_normalize(k, args.Dk, eps, 1.0f);
   pack(in[2], u);
   pack(in[3], g, true);
   const mx::array& kept = in[4];
@@ -155,37 +170,49 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
 
 class DeltaRule : public mx::Primitive {
  public:
-  explicit DeltaRule(mx::Stream stream) : mx::Primitive(stream) {}
+  DeltaRule(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) { forward(in, out); });
+    dispatch(stream(), inputs, outputs,
+             [eps = eps_](auto& in, auto& out) { forward(in, out, eps); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("DeltaRule runs on the CPU only");
   }
   const char* name() const override { return "DeltaRule"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const DeltaRule&>(other).eps_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[2].shape(), inputs[2].shape(), inputs[5].shape()};
   }
+
+ private:
+  float eps_;
 };
 
 class DeltaReplay : public mx::UnaryPrimitive {
  public:
-  explicit DeltaReplay(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  DeltaReplay(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
     std::vector<mx::array> outputs{output};
-    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) { replay(in, out[0]); });
+    dispatch(stream(), inputs, outputs,
+             [eps = eps_](auto& in, auto& out) { replay(in, out[0], eps); });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("DeltaReplay runs on the CPU only");
   }
   const char* name() const override { return "DeltaReplay"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const DeltaReplay&>(other).eps_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+ private:
+  float eps_;
 };
 
 mx::Stream cpu_stream() {
@@ -225,7 +252,7 @@ void check_shapes(const mx::array& k, const mx::array& values, const mx::array& 
 
 std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const mx::array& v,
                                   const mx::array& log_g, const mx::array& beta,
-                                  const mx::array& state) {
+                                  const mx::array& state, float eps) {
   auto stream = cpu_stream();
   check_shapes(k, v, log_g, state);
   if (q.shape() != k.shape()) throw std::invalid_argument("delta rule: q and k disagree");
@@ -234,17 +261,17 @@ std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const 
   check_float(beta, "beta");
   return mx::array::make_arrays({v.shape(), v.shape(), state.shape()},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DeltaRule>(stream),
+                                std::make_shared<DeltaRule>(stream, eps),
                                 {q, k, v, log_g, beta, state});
 }
 
 mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx::array& u,
-                            const mx::array& log_g, const mx::array& keep) {
+                            const mx::array& log_g, const mx::array& keep, float eps) {
   auto stream = cpu_stream();
   check_shapes(k, u, log_g, state);
   if (keep.dtype() != mx::int32 || keep.shape() != mx::Shape{k.shape(0)})
     throw std::invalid_argument("delta rule replay: keep must be int32 [B]");
-  return mx::array(state.shape(), mx::float32, std::make_shared<DeltaReplay>(stream),
+  return mx::array(state.shape(), mx::float32, std::make_shared<DeltaReplay>(stream, eps),
                    {state, k, u, log_g, keep});
 }
 
@@ -252,13 +279,17 @@ mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx
 
 void bind_delta_rule(nb::module_& m) {
   m.def("delta_rule", &delta_rule, "q"_a, "k"_a, "v"_a, "log_g"_a, "beta"_a, "state"_a,
+        "eps"_a = 1e-6f,
         "A Gated-DeltaNet layer's recurrence over T positions, row by row of the state: "
-        "q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], log_g, beta [B, T, Hv], state [B, Hv, Dv, Dk] "
-        "float32. Returns y and u [B, T, Hv, Dv] and the state after the last position "
-        "(float32); lazy, like any op.");
+        "q, k [B, T, Hk, Dk] as the layer's conv emits them (each head vector is scaled to "
+        "x / sqrt(sum x^2 + eps), q also by Dk^-0.5), v [B, T, Hv, Dv], log_g, beta [B, T, Hv], "
+        "state [B, Hv, Dv, Dk] float32. Returns y and u [B, T, Hv, Dv] and the state after the "
+        "last position (float32); lazy, like any op.");
   m.def("delta_rule_replay", &delta_rule_replay, "state"_a, "k"_a, "u"_a, "log_g"_a, "keep"_a,
+        "eps"_a = 1e-6f,
         "The state after each row's first keep[b] positions, from the state before them and "
-        "delta_rule's k, u and log_g: bit for bit the state delta_rule computed there.");
+        "delta_rule's k (as given to it), u and log_g: bit for bit the state delta_rule "
+        "computed there.");
 }
 
 }  // namespace mtpserve
