@@ -28,11 +28,10 @@ def delta_rule_native(
     log_g: mx.array,
     beta: mx.array,
     state: mx.array,
-    eps: float = L2_EPS,
 ) -> tuple[mx.array, Capture]:
     """The recurrence over T positions on the native kernel (``delta_rule_chunk``'s arguments
     and result, except that q and k come as the layer's conv emits them, at the key heads: the
-    kernel l2-normalizes each head vector, ``x / sqrt(sum x^2 + eps)``, scales q by
+    kernel l2-normalizes each head vector, ``x / sqrt(sum x^2 + L2_EPS)``, scales q by
     ``Dk^-0.5`` as mlx-lm's ``normalize_qk`` does, and serves value head h from key head
     ``h // (Hv / Hk)``; two norms of three primitives each fewer a layer).
 
@@ -44,10 +43,10 @@ def delta_rule_native(
     bit for bit, so a verify's states and outputs are exactly those of T plain steps."""
     f32 = mx.float32
     log_g = log_g.astype(f32)
-    y, u, final = products.native().delta_rule(q, k, v, log_g, beta.astype(f32), state, eps=eps)
+    y, u, final = products.native().delta_rule(q, k, v, log_g, beta.astype(f32), state, eps=L2_EPS)
     if q.shape[1] == 1:
         return y, StepCapture(final)
-    return y, ReplayCapture(state, k, u, log_g, final, eps)
+    return y, ReplayCapture(state, k, u, log_g, final)
 
 
 def delta_rule_chunk(
@@ -252,7 +251,6 @@ class ReplayCapture:
     u: mx.array  # [B, T, H, Dv]
     log_g: mx.array  # [B, T, H]
     final: mx.array  # the state after position T
-    eps: float = L2_EPS
 
     def arrays(self) -> list[mx.array]:
         return [self.start, self.k, self.u, self.log_g, self.final]
@@ -268,7 +266,7 @@ class ReplayCapture:
         return self._replay(mx.full((self.k.shape[0],), n, dtype=mx.int32))
 
     def row(self, b: int) -> ReplayCapture:
-        return ReplayCapture(*(a[b : b + 1] for a in self.arrays()), self.eps)
+        return ReplayCapture(*(a[b : b + 1] for a in self.arrays()))
 
     def states_after(self, last: mx.array) -> mx.array:
         """Every row's state after its position ``last[b]`` (0-based): one replay for all rows."""
@@ -276,7 +274,7 @@ class ReplayCapture:
 
     def _replay(self, keep: mx.array) -> mx.array:
         return products.native().delta_rule_replay(
-            self.start, self.k, self.u, self.log_g, keep, eps=self.eps
+            self.start, self.k, self.u, self.log_g, keep, eps=L2_EPS
         )
 
 

@@ -775,6 +775,14 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
             assert run(split, request)[0] == run(whole, request)[0], (prompt, k)
 
 
+def _mlx_lm_rule(q, k, v, a, b, a_log, dt_bias, start, n: int) -> tuple[mx.array, mx.array]:
+    """mlx-lm's step-by-step gated delta rule over the first ``n`` positions: (y, state)."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    prefix = (x[:, :n] for x in (q, k, v, a, b))
+    return gated_delta_update(*prefix, a_log, dt_bias, start, None, use_kernel=False)
+
+
 @pytest.mark.parametrize("length", [1, 2, 3, 5, 8])
 @pytest.mark.fast
 def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
@@ -800,18 +808,7 @@ def test_chunked_delta_rule_matches_the_recurrence(length: int) -> None:
     y_ref, _ = gated_delta_update(q, k, v, a, b, a_log, dt_bias, start, None, use_kernel=False)
     np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=2e-6)
     for n in range(1, length + 1):
-        _, state_ref = gated_delta_update(
-            q[:, :n],
-            k[:, :n],
-            v[:, :n],
-            a[:, :n],
-            b[:, :n],
-            a_log,
-            dt_bias,
-            start,
-            None,
-            use_kernel=False,
-        )
+        _, state_ref = _mlx_lm_rule(q, k, v, a, b, a_log, dt_bias, start, n)
         np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
 
 
@@ -894,7 +891,7 @@ def test_native_delta_rule_matches_mlx_lm(heads: tuple[int, int]) -> None:
     state after each kept count) equals mlx-lm's q/k normalization and gated delta rule, the
     key heads mapped to the value heads as mlx-lm repeats them."""
     import mlx.nn as nn
-    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+    from mlx_lm.models.gated_delta import normalize_qk
 
     from engine.model import products
     from engine.model.delta_rule import delta_rule_native
@@ -915,18 +912,7 @@ def test_native_delta_rule_matches_mlx_lm(heads: tuple[int, int]) -> None:
     y, capture = delta_rule_native(q, k, v, log_g, mx.sigmoid(b), start)  # q, k normalized there
     q, k = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
     for n in range(1, T + 1):
-        y_ref, state_ref = gated_delta_update(
-            q[:, :n],
-            k[:, :n],
-            v[:, :n],
-            a[:, :n],
-            b[:, :n],
-            a_log,
-            dt_bias,
-            start,
-            None,
-            use_kernel=False,
-        )
+        y_ref, state_ref = _mlx_lm_rule(q, k, v, a, b, a_log, dt_bias, start, n)
         np.testing.assert_allclose(np.array(y[:, :n]), np.array(y_ref), atol=2e-6)
         np.testing.assert_allclose(np.array(capture.state_after(n)), np.array(state_ref), atol=2e-6)
 
