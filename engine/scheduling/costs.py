@@ -53,6 +53,8 @@ class CostProbe(Protocol):
     draft_vocab_size: int
     draft_vocab_bytes: int
     sampling_defaults: SamplingOverrides
+    #: encodes the text auto K measures acceptance on (``autok.probe_acceptance``)
+    tokenizer: Any
 
     @property
     def trunk(self) -> Any: ...

@@ -3,6 +3,7 @@ independent reference head, and every kind of stop leaves the caches consistent.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import replace
@@ -300,6 +301,46 @@ def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> Non
     assert sum(histogram[seeded_k + 1 :]) == 0 and sum(histogram[:seeded_k]) <= seeded_k
     fixed, _ = run(engine, replace(request, draft_tokens=seeded_k))
     assert fixed == runs[0][0]
+
+
+def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
+    load_engine, monkeypatch, tmp_path
+) -> None:
+    """The seeded K comes from the model's own acceptance on a fixed text, not from the prior:
+    the probe counts a_i (draft i accepted given 1..i-1 were) as the request's stats do,
+    repeats itself exactly (keyed draws), and the decision follows it: drafts always accepted
+    favour the longest K, drafts never accepted K=0."""
+    from engine.scheduling import autok
+    from engine.scheduling.costs import MAX_AUTO_K
+
+    engine = load_engine("dense-untied-sharded")
+    params = SamplingParams(temperature=1.0, top_k=20, seed=0)
+    cycles = 12
+    probed = autok.probe_acceptance(engine, params, cycles)
+    assert autok.probe_acceptance(engine, params, cycles) == probed
+
+    prompt = list(engine.tokenizer.encode(autok.ACCEPTANCE_PROBE_TEXT))
+    seq = engine.new_sequence(prompt, params, draft=True)
+    request = GenerationRequest(seq.tokens, params, 200, draft_tokens=MAX_AUTO_K, ignore_eos=True)
+    events = engine.decode(seq, request)
+    drafting = (e.stats for e in events if e.cycle_draft_tokens)
+    for _ in range(cycles):
+        stats = copy.deepcopy(next(drafting))  # a running request's stats change: a copy
+    events.close()
+    assert stats is not None and stats.k_histogram[MAX_AUTO_K] == cycles
+    counts = autok.AcceptanceCounts()
+    revealed = [cycles, *stats.accepted_per_position[: MAX_AUTO_K - 1]]
+    counts.hits = [float(a) for a in stats.accepted_per_position[:MAX_AUTO_K]]
+    counts.trials = [float(n) for n in revealed]
+    assert probed == pytest.approx(counts.estimates())
+
+    engine.autok = None
+    engine.policy(None, SamplingParams(temperature=1.0))
+    for acceptance, want in (([1.0] * MAX_AUTO_K, MAX_AUTO_K), ([0.0] * MAX_AUTO_K, 0)):
+        monkeypatch.setattr(autok, "probe_acceptance", lambda *_, a=acceptance: a)
+        monkeypatch.setattr(autok, "seeded_k_path", lambda _, a=acceptance: tmp_path / f"{a}")
+        engine.autok.seeded = None
+        assert engine.autok.seeded_k(params) == want
 
 
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
