@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 
 
 def exp(x: mx.array) -> mx.array:
@@ -32,9 +31,3 @@ def sigmoid(x: mx.array) -> mx.array:
 
 def silu(x: mx.array) -> mx.array:
     return x / (1 + exp(-x))
-
-
-def gated_rms_norm(norm: nn.Module, x: mx.array, gate: mx.array) -> mx.array:
-    """mlx-lm's ``Qwen3NextRMSNormGated`` (RMS norm of x times silu(gate), in float32)."""
-    normed = mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)
-    return (silu(gate.astype(mx.float32)) * normed).astype(x.dtype)

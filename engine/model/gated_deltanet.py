@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from engine.model.activations import gated_rms_norm, silu
+from engine.model.activations import silu
 from engine.model.delta_rule import (
     L2_EPS,
     Capture,
@@ -20,6 +20,7 @@ from engine.model.delta_rule import (
     delta_rule_step,
     native_delta_rule,
 )
+from engine.model.norms import gated_rms_norm
 from engine.model.products import linear
 
 

@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.utils import load_model
 
-from engine.model import memory, products
+from engine.model import memory, norms, products
 from engine.model.location import resolve_model_dir
 from engine.model.mlx_products import product_parts
 from engine.model.mtp import MTPHead
@@ -284,6 +284,7 @@ def load(
     _materialise(net, chosen.needed)
     # one rank per machine's cores: ranks sharing a machine would each split across all of them
     products.prepare(net, product_parts() if ranks == 1 else 1)
+    norms.prepare(net)
     log.info("weights loaded in %.1fs; %s", time.perf_counter() - t0, products.description())
     if reason:
         log.warning("no MTP head: %s; serving plain decoding", reason)

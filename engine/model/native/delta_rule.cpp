@@ -12,10 +12,8 @@
 #include <vector>
 
 #include "kernels.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "primitive.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -28,35 +26,10 @@ namespace {
 // waking a worker costs more than it gives.
 constexpr int64_t kParallelWork = 1 << 17;
 
-// `a` as packed fp32, row-major (any strides, any float type); `exp` applies std::exp.
-void pack(const mx::array& a, std::vector<float>& dst, bool exp = false) {
-  const int64_t n = static_cast<int64_t>(a.size());
-  dst.resize(n);
-  if (n == 0) return;
-  const Real type = real_of(a.dtype());
-  const int nd = a.ndim();
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const char* base = a.data<char>();
-  const size_t item = a.itemsize();
-  const int64_t last = shape[nd - 1];
-  const int64_t step = strides[nd - 1];
-  for (int64_t r = 0; r < n / last; ++r) {
-    int64_t offset = 0;
-    int64_t rest = r;
-    for (int d = nd - 2; d >= 0; --d) {
-      offset += (rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
-    const char* p = base + offset * item;
-    float* out = dst.data() + r * last;
-    if (type == Real::f32 && step == 1)
-      std::memcpy(out, p, last * sizeof(float));
-    else
-      for (int64_t j = 0; j < last; ++j) out[j] = real_at(p, type, j * step);
-  }
-  if (exp)
-    for (float& x : dst) x = std::exp(x);
+// `a` as packed fp32 with std::exp applied (the decay from its log).
+void pack_exp(const mx::array& a, std::vector<float>& dst) {
+  pack(a, dst);
+  for (float& x : dst) x = std::exp(x);
 }
 
 const float* packed_state(const mx::array& state, std::vector<float>& scratch) {
@@ -84,12 +57,7 @@ void run_units(DeltaKernel kernel, const Kernels& kernels, const DeltaArgs& args
     kernel(args, 0, units);
     return;
   }
-  // units handed out in turn (ThreadPool::run: a late worker takes fewer or none)
-  std::atomic<int64_t> next{0};
-  kernels.pool->run([&](int) {
-    for (int64_t unit; (unit = next.fetch_add(1, std::memory_order_relaxed)) < units;)
-      kernel(args, unit, unit + 1);
-  });
+  kernels.pool->share(units, [&](int64_t unit) { kernel(args, unit, unit + 1); });
 }
 
 DeltaArgs shape_of(const mx::array& k, const mx::array& state) {
@@ -111,7 +79,7 @@ void forward(std::vector<mx::array>& in, std::vector<mx::array>& out, float eps)
   l2_normalize(q, args.Dk, eps, 1.0f / std::sqrt(static_cast<float>(args.Dk)));
   l2_normalize(k, args.Dk, eps, 1.0f);
   pack(in[2], v);
-  pack(in[3], g, true);
+  pack_exp(in[3], g);
   pack(in[4], beta);
   args.q = q.data();
   args.k = k.data();
@@ -133,7 +101,7 @@ void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   pack(in[1], k);
   l2_normalize(k, args.Dk, eps, 1.0f);
   pack(in[2], u);
-  pack(in[3], g, true);
+  pack_exp(in[3], g);
   const mx::array& kept = in[4];
   keep.resize(args.B);
   for (int64_t b = 0; b < args.B; ++b)  // clamped: a count out of range keeps what exists
@@ -147,25 +115,6 @@ void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   args.final = out.data<float>();
   const Kernels kernels = current_kernels();
   run_units(kernels.replay, kernels, args);
-}
-
-// Registers every input and output with the stream's encoder and runs `body` on its thread with
-// weak copies (mlx keeps the arrays alive until the task has run).
-template <class Body>
-void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
-              std::vector<mx::array>& outputs, Body body) {
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  std::vector<mx::array> in, out;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& a : outputs) {
-    a.set_data(mx::allocator::malloc(a.nbytes()));
-    encoder.set_output_array(a);
-    out.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
 }
 
 class DeltaRule : public mx::Primitive {
@@ -215,13 +164,6 @@ class DeltaReplay : public mx::UnaryPrimitive {
   float eps_;
 };
 
-mx::Stream cpu_stream() {
-  auto stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::cpu)
-    throw std::invalid_argument("the gated delta rule kernel runs on the CPU only");
-  return stream;
-}
-
 void check_float(const mx::array& a, const char* name) {
   try {
     real_of(a.dtype());
@@ -253,7 +195,7 @@ void check_shapes(const mx::array& k, const mx::array& values, const mx::array& 
 std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const mx::array& v,
                                   const mx::array& log_g, const mx::array& beta,
                                   const mx::array& state, float eps) {
-  auto stream = cpu_stream();
+  auto stream = cpu_stream("the gated delta rule kernel");
   check_shapes(k, v, log_g, state);
   if (q.shape() != k.shape()) throw std::invalid_argument("delta rule: q and k disagree");
   if (beta.shape() != log_g.shape()) throw std::invalid_argument("delta rule: beta [B, T, Hv]");
@@ -267,7 +209,7 @@ std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const 
 
 mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx::array& u,
                             const mx::array& log_g, const mx::array& keep, float eps) {
-  auto stream = cpu_stream();
+  auto stream = cpu_stream("the gated delta rule kernel");
   check_shapes(k, u, log_g, state);
   if (keep.dtype() != mx::int32 || keep.shape() != mx::Shape{k.shape(0)})
     throw std::invalid_argument("delta rule replay: keep must be int32 [B]");

@@ -32,4 +32,7 @@ Real real_of(mlx::core::Dtype t);
 // Adds delta_rule and delta_rule_replay to the module (delta_rule.cpp).
 void bind_delta_rule(nanobind::module_& m);
 
+// Adds rms_norm and gated_rms_norm to the module (norms.cpp).
+void bind_norms(nanobind::module_& m);
+
 }  // namespace mtpserve

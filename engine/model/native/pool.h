@@ -30,6 +30,16 @@ class ThreadPool {
   // calling thread alone.
   void run(const std::function<void(int)>& body);
 
+  // Runs part(p) for every p in [0, parts), handed out in turn to the calling thread and the
+  // workers that join (`run`: a late worker takes fewer or none).
+  template <class Part>
+  void share(int64_t parts, const Part& part) {
+    std::atomic<int64_t> next{0};
+    run([&](int) {
+      for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) part(p);
+    });
+  }
+
  private:
   void work(int index);
 

@@ -26,6 +26,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "kernels.h"
+#include "primitive.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -187,33 +188,6 @@ namespace {
 constexpr int64_t kParallelBytes = 64 << 10;
 
 
-// x widened to fp32, rows padded with zeros to a multiple of kPad (any strides, any float type).
-void widen_rows(const mx::array& x, int64_t rows, int64_t in, int64_t stride, float* dst) {
-  const Real type = real_of(x.dtype());
-  const auto* base = x.data<char>();
-  const size_t item = x.itemsize();
-  const int nd = x.ndim();
-  const auto& shape = x.shape();
-  const auto& strides = x.strides();
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t offset = 0;  // of row r, in elements
-    int64_t rest = r;
-    for (int d = nd - 2; d >= 0; --d) {
-      offset += (rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
-    float* row = dst + r * stride;
-    const int64_t step = strides[nd - 1];
-    if (type == Real::f32 && step == 1) {
-      std::memcpy(row, base + offset * item, in * sizeof(float));
-    } else {
-      const char* p = base + offset * item;
-      for (int64_t k = 0; k < in; ++k) row[k] = real_at(p, type, k * step);
-    }
-    std::memset(row + in, 0, (stride - in) * sizeof(float));
-  }
-}
-
 void compute(
     const mx::array& x,
     const std::vector<mx::array>& weight,
@@ -258,11 +232,8 @@ void compute(
   const int64_t per = (out + threads * 4 - 1) / (threads * 4);
   const int64_t block = std::min<int64_t>(4096, std::max<int64_t>(16, (per + 15) / 16 * 16));
   const int64_t blocks = (out + block - 1) / block;
-  std::atomic<int64_t> next{0};
-  pool->run([&](int) {
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;)
-      kernel(args, b * block, std::min(out, (b + 1) * block));
-  });
+  pool->share(blocks,
+              [&](int64_t b) { kernel(args, b * block, std::min(out, (b + 1) * block)); });
 }
 
 // -- the primitive ------------------------------------------------------------------------------
@@ -320,9 +291,7 @@ mx::array product(
     const std::optional<mx::array>& biases,
     int bits,
     int group_size) {
-  auto stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::cpu)
-    throw std::invalid_argument("product runs on the CPU only");
+  auto stream = cpu_stream("product");
   if (x.ndim() < 1 || w.ndim() != 2) throw std::invalid_argument("product: x [..., in], w [out, in]");
   real_of(x.dtype());
   const int64_t in = x.shape(-1);
@@ -401,14 +370,11 @@ double read_seconds(const mx::array& a) {
   const auto pool = current_kernels().pool;
   constexpr int64_t kBlock = 1 << 16;  // words: 512 KiB a block
   const int64_t blocks = (count + kBlock - 1) / kBlock;
-  std::atomic<int64_t> next{0};
   std::atomic<uint64_t> sink{0};
   const auto start = std::chrono::steady_clock::now();
-  pool->run([&](int) {
-    uint64_t acc = 0;
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;)
-      acc ^= read_block(words + b * kBlock, std::min(count, (b + 1) * kBlock) - b * kBlock);
-    sink.fetch_xor(acc);
+  pool->share(blocks, [&](int64_t b) {
+    sink.fetch_xor(read_block(words + b * kBlock, std::min(count, (b + 1) * kBlock) - b * kBlock),
+                   std::memory_order_relaxed);
   });
   const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start);
   if (sink.load() == 0x5eed) std::abort();  // keeps the reads
@@ -429,6 +395,7 @@ NB_MODULE(_products, m) {
   using namespace mtpserve;
   m.doc() = "mtpserve's CPU kernels for the few rows of decoding: products and the gated delta rule";
   bind_delta_rule(m);
+  bind_norms(m);
   m.def(
       "product",
       &product,

@@ -1,0 +1,44 @@
+// What every mlx primitive of the module shares: reading an operand as packed fp32 rows, the
+// CPU stream the primitives run on, and handing a primitive's work to that stream's thread.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+
+namespace mtpserve {
+
+// The rows of `x` along its last axis (`in` elements each; any strides, any float type) widened
+// to fp32: row r at dst + r * stride, zeros from column `in` to `stride`.
+void widen_rows(const mlx::core::array& x, int64_t rows, int64_t in, int64_t stride, float* dst);
+
+// `a` as packed fp32, row-major.
+void pack(const mlx::core::array& a, std::vector<float>& dst);
+
+// The default stream when it is the CPU's (invalid_argument naming `what` otherwise).
+mlx::core::Stream cpu_stream(const char* what);
+
+// Registers every input and output with the stream's encoder and runs `body(in, out)` on its
+// thread with weak copies (mlx keeps the arrays alive until the task has run).
+template <class Body>
+void dispatch(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
+              std::vector<mlx::core::array>& outputs, Body body) {
+  namespace mx = mlx::core;
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& a : outputs) {
+    a.set_data(mx::allocator::malloc(a.nbytes()));
+    encoder.set_output_array(a);
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
+}
+
+}  // namespace mtpserve
