@@ -148,6 +148,29 @@ _compiled_dense_rule = mx.compile(_dense_rule)
 _compiled_candidate_rule = mx.compile(_candidate_rule)
 
 
+def accept_drafts_rows(
+    draft_ids: mx.array,
+    q: mx.array,
+    q_ids: mx.array | None,
+    p: mx.array,
+    p_ids: mx.array | None,
+    accept_uniforms: mx.array,
+    emit_uniforms: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """``accept_drafts_with`` for B rows of one truncation setting at once: drafts ``[B, K]``
+    (K >= 1), their rows ``q`` ``[B, K, W]``, the targets ``p`` ``[B, K+1, W]`` (with their
+    candidates' ids ``[B, ., W]`` under top_k, else None), uniforms ``[B, K]`` and ``[B, K+1]``.
+    Returns the accepted counts and the emitted tokens, ``[B]`` each: row b is the rule on row
+    b's operands alone (the same ops, mapped over rows: one dispatch group instead of B)."""
+    if p_ids is None:
+        return _compiled_dense_rows(draft_ids, q, p, accept_uniforms, emit_uniforms)
+    return _compiled_candidate_rows(draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms)
+
+
+_compiled_dense_rows = mx.compile(mx.vmap(_dense_rule))
+_compiled_candidate_rows = mx.compile(mx.vmap(_candidate_rule))
+
+
 def accept_greedy(draft_ids: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.array]:
     """``accept_drafts`` specialised to point masses (temperature 0 / top_k 1).
 

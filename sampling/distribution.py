@@ -366,3 +366,15 @@ def keyed_uniform(seed: int, position: int, purpose: int) -> float:
 def keyed_uniforms(seed: int, positions: range, purpose: int) -> mx.array:
     """``keyed_uniform`` for each of ``positions``: float32 ``[len(positions)]``."""
     return mx.array([keyed_uniform(seed, p, purpose) for p in positions], dtype=mx.float32)
+
+
+def keyed_uniform_rows(seeds: list[int], firsts: list[int], count: int, purpose: int) -> mx.array:
+    """``keyed_uniforms`` of B rows at once: row b holds seed ``seeds[b]``'s uniforms at
+    positions ``firsts[b] .. firsts[b] + count - 1``; float32 ``[B, count]``."""
+    return mx.array(
+        [
+            [keyed_uniform(seed, p, purpose) for p in range(first, first + count)]
+            for seed, first in zip(seeds, firsts, strict=True)
+        ],
+        dtype=mx.float32,
+    )

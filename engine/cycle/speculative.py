@@ -45,7 +45,12 @@ import numpy as np
 from engine.cycle.sequence import Sequence, absorb_pending, absorb_pending_rows
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import leads_a_group, trunk_hidden, trunk_hidden_rows
-from sampling.acceptance import accept_drafts_with, accept_greedy, accept_greedy_rows
+from sampling.acceptance import (
+    accept_drafts_rows,
+    accept_drafts_with,
+    accept_greedy,
+    accept_greedy_rows,
+)
 from sampling.constraint import GrammarDeadEnd
 from sampling.distribution import (
     ACCEPT,
@@ -53,6 +58,7 @@ from sampling.distribution import (
     EMIT,
     Truncated,
     greedy_tokens,
+    keyed_uniform_rows,
     keyed_uniforms,
     truncate,
     truncate_and_sample,
@@ -132,6 +138,10 @@ def launch_cycles(
     # Rows that draw argmaxes of the raw logits (greedy, no bias, penalties or grammar) draw
     # and accept as one op over all rows: the same comparisons, row by row, in fewer ops.
     greedy_rows = rows > 1 and all(_plain_greedy(seq) for seq in seqs)
+    # Rows that sample with one truncation setting and nothing of their own before it (no
+    # bias, penalties or grammar) draw, truncate and accept as one op over all rows too, each
+    # row with its own keyed uniforms.
+    sampled_rows = rows > 1 and not greedy_rows and _shared_sampling(seqs)
     t0 = time.perf_counter()
 
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
@@ -141,7 +151,8 @@ def launch_cycles(
     # holds collectives (engine.distributed): mlx's async eval of one can block for good when a
     # rank dies, instead of raising.
     overlap = not profile and not leads_a_group(trunk)
-    draft_columns: list[mx.array] = []  # greedy rows: draft i of every row, ``[B]``
+    draft_columns: list[mx.array] = []  # greedy or sampled rows: draft i of every row, ``[B]``
+    draft_rows: list[Truncated] = []  # sampled rows: the rows q draft i was drawn from, [B, W]
     if k > 0:
         if rows == 1:
             state, logits = absorb_pending(trunk, head, seqs[0], keep_last=False)
@@ -153,6 +164,14 @@ def launch_cycles(
                 draft_columns.append(greedy_tokens(logits[:, -1], seqs[0].params))
                 if overlap:
                     mx.async_eval(draft_columns[-1])
+            elif sampled_rows:
+                positions = [row.position + i for row in drafts]
+                uniforms = keyed_uniform_rows([seq.seed for seq in seqs], positions, 1, DRAFT)
+                q, tokens = truncate_and_sample(logits[:, -1], seqs[0].params, uniforms[:, 0])
+                draft_rows.append(q)
+                draft_columns.append(tokens)
+                if overlap:
+                    mx.async_eval(tokens)
             else:
                 step_logits = [logits[b, -1:] for b in range(rows)]
                 for row, row_logits in zip(drafts, step_logits, strict=True):
@@ -164,7 +183,7 @@ def launch_cycles(
                 if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
                     break
             if i + 1 < k:
-                if greedy_rows:
+                if draft_columns:
                     tokens = draft_columns[-1][:, None]
                 else:
                     tokens = _stack([row.ids[-1][None] for row in drafts])
@@ -207,6 +226,10 @@ def launch_cycles(
     if greedy_rows:
         accepted = _accept_greedy_rows(
             logits, batch_drafts if draft_columns else None, seqs[0].params
+        )
+    elif sampled_rows:
+        accepted = _accept_sampled_rows(
+            logits, seqs, [row.position for row in drafts], draft_columns, draft_rows
         )
     else:
         accepted = [row.accept(logits[b]) for b, row in enumerate(drafts)]
@@ -253,6 +276,57 @@ def _accept_greedy_rows(
         return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(targets[:, 0], rows)]
     n_accepted, next_tokens = accept_greedy_rows(batch_drafts, targets)
     return list(zip(mx.split(n_accepted, rows), mx.split(next_tokens, rows), strict=True))
+
+
+def _shared_sampling(seqs: list[Sequence]) -> bool:
+    """Whether every row samples by one truncation setting and nothing else decides its
+    draws: no logit bias, penalties, grammar or confidence cut (``_accept_sampled_rows``)."""
+    first = seqs[0].params
+    setting = (first.temperature, first.top_k, first.top_p, first.min_p)
+    return all(
+        not seq.params.greedy
+        and not seq.params.logit_bias
+        and not seq.params.uses_history
+        and seq.constraint is None
+        and seq.draft_confidence is None
+        and (seq.params.temperature, seq.params.top_k, seq.params.top_p, seq.params.min_p)
+        == setting
+        for seq in seqs
+    )
+
+
+def _accept_sampled_rows(
+    logits: mx.array,
+    seqs: list[Sequence],
+    positions: list[int],
+    draft_columns: list[mx.array],
+    draft_rows: list[Truncated],
+) -> list[tuple[mx.array, mx.array]]:
+    """Every row's (accepted count, next token) from the verify logits ``[B, K+1, V]`` of
+    rows that ``_shared_sampling`` holds for: one truncation of every row's K+1 positions and
+    the acceptance rule mapped over rows (``accept_drafts_rows``), each row's uniforms keyed by
+    its own seed and positions, so row b gets what ``_RowDrafts.accept`` gives it alone."""
+    rows, width, vocab = logits.shape
+    params = seqs[0].params
+    seeds = [seq.seed for seq in seqs]
+    emit = keyed_uniform_rows(seeds, positions, width, EMIT)
+    if not draft_columns:  # plain cycles: one draw from each row's p_1
+        _, tokens = truncate_and_sample(logits[:, 0], params, emit[:, 0])
+        return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(tokens, rows)]
+    k = width - 1
+    p = truncate(logits.reshape(rows * width, vocab), params)
+    q_probs = mx.stack([q.probs for q in draft_rows], axis=1)
+    q_ids = None if p.ids is None else mx.stack([q.ids for q in draft_rows], axis=1)
+    n_accepted, tokens = accept_drafts_rows(
+        mx.stack(draft_columns, axis=1),
+        q_probs,
+        q_ids,
+        p.probs.reshape(rows, width, -1),
+        None if p.ids is None else p.ids.reshape(rows, width, -1),
+        keyed_uniform_rows(seeds, positions, k, ACCEPT),
+        emit,
+    )
+    return list(zip(mx.split(n_accepted, rows), mx.split(tokens, rows), strict=True))
 
 
 def _stack(parts: list[mx.array]) -> mx.array:

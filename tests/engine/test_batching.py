@@ -18,6 +18,7 @@ import pytest
 from test_sampling import ALPHA, SETTINGS, _first_tokens, _homogeneity_pvalue, counted_entropy
 
 from engine.api import MAX_DRAFT_TOKENS, GenerationRequest, RequestError
+from engine.cycle import speculative
 from engine.runtime import Engine
 from engine.scheduling import batching as batching_module
 from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
@@ -173,14 +174,25 @@ def test_seeded_auto_rows_equal_each_request_alone_at_any_seeded_k(
         assert got[i] == want, f"row {i} (K={ROWS[i][0]}, seeded K={seeded_k})"
 
 
-@pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded"])
-def test_rows_sharing_a_k_each_draft_from_their_own_head_position(engine: Engine, mix: str) -> None:
+@pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded", "seeded", "seeded-top-p"])
+def test_rows_sharing_a_k_each_draft_from_their_own_head_position(
+    engine: Engine, mix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four rows in every cycle at K=4: each draft step writes and rotates each row's head
     keys at that row's next position, so every row accepts the drafts it accepts alone (greedy
     rows: the same accepted-draft flags; seeded rows: the same draws, hence the same text).
-    All-greedy rows draw together (``accept_greedy_rows``), mixed rows one by one."""
-    seeded = sampled(7) if mix == "greedy-and-seeded" else GREEDY
-    params = [GREEDY, seeded] * 4
+    All-greedy rows draw together (``accept_greedy_rows``), rows sampling by one setting too
+    (``accept_drafts_rows``: top_k candidates, or the whole vocabulary), mixed rows one by
+    one."""
+    if mix == "greedy":
+        params = [GREEDY] * 4
+    elif mix == "greedy-and-seeded":
+        params = [GREEDY, sampled(7)] * 2
+    elif mix == "seeded":
+        params = [sampled(7 + i) for i in range(4)]
+    else:
+        params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i) for i in range(4)]
+    params += params
     reqs = [replace(r, draft_tokens=4, max_tokens=40) for r in requests(engine, params)[:4]]
 
     def flags(events: Any) -> tuple[list[int], list[bool]]:
@@ -189,6 +201,13 @@ def test_rows_sharing_a_k_each_draft_from_their_own_head_position(engine: Engine
         return tokens, [d for e in events for d in e.drafted or []]
 
     expected = [flags(engine.generate(r)) for r in reqs]
+    together = []  # cycles whose sampled rows were accepted as one op
+    accept_rows = speculative._accept_sampled_rows
+    monkeypatch.setattr(
+        speculative,
+        "_accept_sampled_rows",
+        lambda *args: together.append(1) or accept_rows(*args),
+    )
     batch = BatchDecoder(engine, len(reqs))
     for i, r in enumerate(reqs):
         batch.add(i, r)
@@ -198,6 +217,7 @@ def test_rows_sharing_a_k_each_draft_from_their_own_head_position(engine: Engine
             assert not isinstance(item, BaseException), item
             got[key].append(item)
     assert any(expected[0][1]), "the head's drafts are accepted at all"
+    assert bool(together) == mix.startswith("seeded")
     for i, want in enumerate(expected):
         assert flags(got[i]) == want, f"row {i}"
 

@@ -23,7 +23,13 @@ from scipy.stats import chi2 as chi2_dist
 from scipy.stats import chi2_contingency
 
 from engine.api import GenerationRequest
-from sampling.acceptance import accept_drafts, accept_greedy, accept_greedy_rows
+from sampling.acceptance import (
+    accept_drafts,
+    accept_drafts_rows,
+    accept_drafts_with,
+    accept_greedy,
+    accept_greedy_rows,
+)
 from sampling.distribution import (
     TOP_K_BLOCK,
     PenaltyHistory,
@@ -278,6 +284,48 @@ def test_greedy_acceptance_over_rows_is_each_rows_own() -> None:
             n_one, next_one = accept_greedy(mx.array(drafts[b]), mx.array(targets[b]))
             assert n_rows[b].item() == n_one.item() == n
             assert next_rows[b].item() == next_one.item() == targets[b, n]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("top_k", [0, 6])
+def test_sampled_acceptance_over_rows_is_each_rows_own(top_k: int) -> None:
+    """``accept_drafts_rows`` gives each row, bit for bit, what ``accept_drafts_with`` gives
+    it alone, at K = 1..4, with every count of accepted drafts 0..K met."""
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    rows, vocab = 32, 12
+    for k in (1, 2, 4):
+        sharp = np.where(rng.random((rows, 1, 1)) < 0.5, 1.0, 4.0)  # some rows accept all
+        base = rng.standard_normal((rows, 1, vocab)) * sharp
+        p_logits = (base + 0.3 * rng.standard_normal((rows, k + 1, vocab))).astype(np.float32)
+        q_logits = (base + 0.3 * rng.standard_normal((rows, k, vocab))).astype(np.float32)
+        p = truncate(mx.array(p_logits.reshape(-1, vocab)), params)
+        q = truncate(mx.array(q_logits.reshape(-1, vocab)), params)
+        width = p.probs.shape[-1]
+        drafts = mx.array(rng.integers(0, vocab, (rows, k)).astype(np.int32))
+        if q.ids is not None:  # drafts among q's candidates, as a draw makes them
+            pick = mx.array(rng.integers(0, top_k, (rows * k, 1)).astype(np.int32))
+            drafts = mx.take_along_axis(q.ids, pick, axis=-1).reshape(rows, k)
+        u_accept = mx.array(rng.random((rows, k)).astype(np.float32))
+        u_emit = mx.array(rng.random((rows, k + 1)).astype(np.float32))
+        n_rows, next_rows = accept_drafts_rows(
+            drafts,
+            q.probs.reshape(rows, k, width),
+            None if q.ids is None else q.ids.reshape(rows, k, width),
+            p.probs.reshape(rows, k + 1, width),
+            None if p.ids is None else p.ids.reshape(rows, k + 1, width),
+            u_accept,
+            u_emit,
+        )
+        seen = set()
+        for b in range(rows):
+            mine_q, mine_p = slice(b * k, (b + 1) * k), slice(b * (k + 1), (b + 1) * (k + 1))
+            one_q = Truncated(q.probs[mine_q], None if q.ids is None else q.ids[mine_q])
+            one_p = Truncated(p.probs[mine_p], None if p.ids is None else p.ids[mine_p])
+            n, token = accept_drafts_with(drafts[b], one_q, one_p, u_accept[b], u_emit[b])
+            assert (n_rows[b].item(), next_rows[b].item()) == (n.item(), token.item()), b
+            seen.add(n.item())
+        assert seen == set(range(k + 1)), f"K={k}: accepted counts met {sorted(seen)}"
 
 
 @pytest.mark.parametrize("candidates", [False, True])
