@@ -321,7 +321,7 @@ class EngineAutoK:
         draws that repeat whatever K runs accept less: at total-variation distance d between
         q and p at least (1-d)/(1+d) against rejection sampling's 1-d.) So it is decided once
         per build and machine: the K the sampled kind's cost table favours at the acceptance
-        the model shows on a fixed text (``probe_acceptance``), kept in the cost cache beside
+        the model shows on fixed texts (``probe_acceptance``), kept in the cost cache beside
         the table (``seeded_k_path``) and read back on every later start. (Deciding from the
         kind's prior instead, 0.6 and falling, picked K=1 on the demo model, whose sampled
         drafts are accepted ~0.79 at every position: 4-5% below K=2 and K=3.)"""
@@ -358,15 +358,17 @@ class EngineAutoK:
             self.saved_at[kind] = auto.timed_cycles
 
 
-#: drafting cycles ``probe_acceptance`` runs: ~0.2 s on the demo model, ~3.5 s at the 0.8B
-#: shape, once per build and machine; 32 trials of the first position put its estimate within
-#: ~0.07 (one standard error at 0.8)
-ACCEPTANCE_PROBE_CYCLES = 32
-#: the text ``probe_acceptance`` continues: code, the workload drafting is most used for, and
-#: what the demo model was trained on
-ACCEPTANCE_PROBE_TEXT = (
+#: drafting cycles ``probe_acceptance`` runs on each of its texts: 36 in all, ~0.3 s on the demo
+#: model, ~4 s at the 0.8B shape, once per build and machine
+ACCEPTANCE_PROBE_CYCLES = 12
+#: the texts ``probe_acceptance`` continues: code, prose and a question. On one text alone the
+#: estimate follows that text (the demo model's first-position acceptance: 0.92 on a
+#: docstring, 0.74 on prose, 0.77 on a question; 0.79 over the bench prompts)
+ACCEPTANCE_PROBE_TEXTS = (
     "def read_config(path):\n"
-    '    """Read a JSON configuration file and return its settings as a dict."""\n'
+    '    """Read a JSON configuration file and return its settings as a dict."""\n',
+    "The history of the city goes back to a small fishing village on the river.",
+    "Question: how does a hash table handle two keys that land in the same bucket?\nAnswer:",
 )
 
 
@@ -374,29 +376,33 @@ def probe_acceptance(
     engine: CostProbe, params: Any, cycles: int = ACCEPTANCE_PROBE_CYCLES
 ) -> list[float]:
     """Per-position acceptance estimates (a_i given 1..i-1 accepted, as ``AcceptanceCounts``)
-    from ``cycles`` cycles drafting ``MAX_AUTO_K`` under ``params`` on a fixed text. The
-    draws are keyed by ``params``' seed, so on one build and machine the probe, and what is
-    decided from it, comes out the same every time."""
-    prompt = list(engine.tokenizer.encode(ACCEPTANCE_PROBE_TEXT))
-    seq = engine.new_sequence(prompt, params, draft=True)
-    request = GenerationRequest(
-        seq.tokens, params, cycles * (MAX_AUTO_K + 1), draft_tokens=MAX_AUTO_K, ignore_eos=True
-    )
+    from ``cycles`` cycles drafting ``MAX_AUTO_K`` under ``params`` on each of
+    ``ACCEPTANCE_PROBE_TEXTS``, their counts pooled. The draws are keyed by ``params``' seed,
+    so on one build and machine the probe, and what is decided from it, comes out the same
+    every time."""
     counts = AcceptanceCounts()
-    seen = 0
-    for event in engine.decode(seq, request):
-        k = event.cycle_draft_tokens
-        if k:
-            accepted = sum(event.drafted or [])
-            for position in range(min(accepted + 1, k)):
-                counts.observe(position, position < accepted)
-            seen += 1
-        if seen == cycles:
-            break
+    for text in ACCEPTANCE_PROBE_TEXTS:
+        seq = engine.new_sequence(list(engine.tokenizer.encode(text)), params, draft=True)
+        request = GenerationRequest(
+            seq.tokens, params, cycles * (MAX_AUTO_K + 1), draft_tokens=MAX_AUTO_K, ignore_eos=True
+        )
+        events = engine.decode(seq, request)
+        seen = 0
+        for event in events:
+            k = event.cycle_draft_tokens
+            if k:
+                accepted = sum(event.drafted or [])
+                for position in range(min(accepted + 1, k)):
+                    counts.observe(position, position < accepted)
+                seen += 1
+            if seen == cycles:
+                break
+        events.close()
     estimates = counts.estimates()
     log.info(
-        "auto K: %d drafting cycles on a fixed text accept %s per position",
-        seen,
+        "auto K: %d drafting cycles on %d fixed texts accept %s per position",
+        cycles * len(ACCEPTANCE_PROBE_TEXTS),
+        len(ACCEPTANCE_PROBE_TEXTS),
         [round(a, 3) for a in estimates],
     )
     return estimates

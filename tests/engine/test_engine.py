@@ -315,23 +315,26 @@ def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
 
     engine = load_engine("dense-untied-sharded")
     params = SamplingParams(temperature=1.0, top_k=20, seed=0)
-    cycles = 12
+    cycles = 6
     probed = autok.probe_acceptance(engine, params, cycles)
     assert autok.probe_acceptance(engine, params, cycles) == probed
 
-    prompt = list(engine.tokenizer.encode(autok.ACCEPTANCE_PROBE_TEXT))
-    seq = engine.new_sequence(prompt, params, draft=True)
-    request = GenerationRequest(seq.tokens, params, 200, draft_tokens=MAX_AUTO_K, ignore_eos=True)
-    events = engine.decode(seq, request)
-    drafting = (e.stats for e in events if e.cycle_draft_tokens)
-    for _ in range(cycles):
-        stats = copy.deepcopy(next(drafting))  # a running request's stats change: a copy
-    events.close()
-    assert stats is not None and stats.k_histogram[MAX_AUTO_K] == cycles
     counts = autok.AcceptanceCounts()
-    revealed = [cycles, *stats.accepted_per_position[: MAX_AUTO_K - 1]]
-    counts.hits = [float(a) for a in stats.accepted_per_position[:MAX_AUTO_K]]
-    counts.trials = [float(n) for n in revealed]
+    for text in autok.ACCEPTANCE_PROBE_TEXTS:  # each text's stats after `cycles` cycles
+        seq = engine.new_sequence(list(engine.tokenizer.encode(text)), params, draft=True)
+        request = GenerationRequest(
+            seq.tokens, params, 200, draft_tokens=MAX_AUTO_K, ignore_eos=True
+        )
+        events = engine.decode(seq, request)
+        drafting = (e.stats for e in events if e.cycle_draft_tokens)
+        for _ in range(cycles):
+            stats = copy.deepcopy(next(drafting))  # a running request's stats change: a copy
+        events.close()
+        assert stats is not None and stats.k_histogram[MAX_AUTO_K] == cycles
+        revealed = [cycles, *stats.accepted_per_position[: MAX_AUTO_K - 1]]
+        for i in range(MAX_AUTO_K):
+            counts.hits[i] += stats.accepted_per_position[i]
+            counts.trials[i] += revealed[i]
     assert probed == pytest.approx(counts.estimates())
 
     engine.autok = None
