@@ -229,7 +229,11 @@ def launch_cycles(
         )
     elif sampled_rows:
         accepted = _accept_sampled_rows(
-            logits, seqs, [row.position for row in drafts], draft_columns, draft_rows
+            logits,
+            seqs,
+            [row.position for row in drafts],
+            batch_drafts if draft_columns else None,
+            draft_rows,
         )
     else:
         accepted = [row.accept(logits[b]) for b, row in enumerate(drafts)]
@@ -299,7 +303,7 @@ def _accept_sampled_rows(
     logits: mx.array,
     seqs: list[Sequence],
     positions: list[int],
-    draft_columns: list[mx.array],
+    batch_drafts: mx.array | None,
     draft_rows: list[Truncated],
 ) -> list[tuple[mx.array, mx.array]]:
     """Every row's (accepted count, next token) from the verify logits ``[B, K+1, V]`` of
@@ -310,7 +314,7 @@ def _accept_sampled_rows(
     params = seqs[0].params
     seeds = [seq.seed for seq in seqs]
     emit = keyed_uniform_rows(seeds, positions, width, EMIT)
-    if not draft_columns:  # plain cycles: one draw from each row's p_1
+    if batch_drafts is None:  # plain cycles: one draw from each row's p_1
         _, tokens = truncate_and_sample(logits[:, 0], params, emit[:, 0])
         return [(mx.array(0, dtype=mx.int32), t) for t in mx.split(tokens, rows)]
     k = width - 1
@@ -318,7 +322,7 @@ def _accept_sampled_rows(
     q_probs = mx.stack([q.probs for q in draft_rows], axis=1)
     q_ids = None if p.ids is None else mx.stack([q.ids for q in draft_rows], axis=1)
     n_accepted, tokens = accept_drafts_rows(
-        mx.stack(draft_columns, axis=1),
+        batch_drafts,
         q_probs,
         q_ids,
         p.probs.reshape(rows, width, -1),
