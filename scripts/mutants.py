@@ -42,6 +42,18 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "sampled-rows-share-a-seed",
+        "engine/cycle/speculative.py",
+        "    seeds = [seq.seed for seq in seqs]\n    emit = keyed_uniform_rows(",
+        "    seeds = [seqs[0].seed for seq in seqs]\n    emit = keyed_uniform_rows(",
+        (
+            "tests/engine/test_batching.py::"
+            "test_rows_sharing_a_k_each_draft_from_their_own_head_position",
+        ),
+        "batched sampled rows accept with the first row's uniforms: each row's text then "
+        "depends on its neighbours",
+    ),
+    Mutation(
         "gdn-replay-keeps-one-less",
         "engine/model/delta_rule.py",
         "return self._replay((last + 1).astype(mx.int32))",
