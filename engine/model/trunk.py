@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from engine.model import products
-from engine.model.activations import sigmoid, silu
+from engine.model.activations import sigmoid, swiglu
 from engine.model.attention import RowKVCache, attend_rows
 from engine.model.delta_rule import capture_of
 from engine.model.gated_deltanet import BatchCommit, GDNLayerState, gated_deltanet
@@ -197,7 +197,7 @@ def mlp(layer: nn.Module, x: mx.array) -> mx.array:
     if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
         return m(x)
     flat = x.reshape(-1, x.shape[-1])  # 2-D products: no flatten/unflatten around each
-    out = linear(m.down_proj, silu(linear(m.gate_proj, flat)) * linear(m.up_proj, flat))
+    out = linear(m.down_proj, swiglu(linear(m.gate_proj, flat), linear(m.up_proj, flat)))
     return out.reshape(x.shape)
 
 

@@ -43,6 +43,12 @@ void pack(const mx::array& a, std::vector<float>& dst) {
   widen_rows(a, static_cast<int64_t>(a.size()) / last, last, last, dst.data());
 }
 
+const float* packed(const mx::array& a, std::vector<float>& scratch) {
+  if (a.dtype() == mx::float32 && a.flags().row_contiguous) return a.data<float>();
+  pack(a, scratch);
+  return scratch.data();
+}
+
 mx::Stream cpu_stream(const char* what) {
   auto stream = mx::default_stream(mx::default_device());
   if (stream.device.type != mx::Device::cpu)

@@ -32,12 +32,6 @@ void pack_exp(const mx::array& a, std::vector<float>& dst) {
   for (float& x : dst) x = std::exp(x);
 }
 
-const float* packed_state(const mx::array& state, std::vector<float>& scratch) {
-  if (state.dtype() == mx::float32 && state.flags().row_contiguous) return state.data<float>();
-  pack(state, scratch);
-  return scratch.data();
-}
-
 // Each `dim`-vector of `x` scaled to unit length, x / sqrt(sum x^2 + eps), then times `scale`
 // (the layer's l2 norm of its query and key heads; the sum in a fixed order).
 void l2_normalize(std::vector<float>& x, int64_t dim, float eps, float scale) {
@@ -86,7 +80,7 @@ void forward(std::vector<mx::array>& in, std::vector<mx::array>& out, float eps)
   args.v = v.data();
   args.g = g.data();
   args.beta = beta.data();
-  args.state = packed_state(in[5], state);
+  args.state = packed(in[5], state);
   args.y = out[0].data<float>();
   args.u_out = out[1].data<float>();
   args.final = out[2].data<float>();
@@ -111,7 +105,7 @@ void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   args.u = u.data();
   args.g = g.data();
   args.keep = keep.data();
-  args.state = packed_state(in[0], state);
+  args.state = packed(in[0], state);
   args.final = out.data<float>();
   const Kernels kernels = current_kernels();
   run_units(kernels.replay, kernels, args);

@@ -6,9 +6,11 @@
 #include <nanobind/nanobind.h>
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
+#include "exp.h"
 #include "kernels.h"
 #include "mlx/primitives.h"
 #include "primitive.h"
@@ -35,31 +37,27 @@ float sum_of_squares(const float* x, int64_t n) {
   return lanes[0];
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w [* gate / (1 + exp(-gate))], row by row, in fp32.
+// y = x / sqrt(mean(x^2) + eps) * w [* silu(gate)], row by row, in fp32 (silu: exp.h's).
 void normalize(std::vector<mx::array>& in, mx::array& out, float eps, bool gated) {
-  thread_local std::vector<float> x, w, gate;
+  thread_local std::vector<float> x, w, gate, act;
   const mx::array& xs = in[0];
   const int64_t dim = xs.shape(-1);
   const int64_t rows = dim == 0 ? 0 : static_cast<int64_t>(xs.size()) / dim;
-  const float* xp;
-  if (xs.flags().row_contiguous && xs.dtype() == mx::float32) {
-    xp = xs.data<float>();
-  } else {
-    pack(xs, x);
-    xp = x.data();
-  }
-  pack(in[1], w);
-  if (gated) pack(in[2], gate);
+  const float* xp = packed(xs, x);
+  const float* wp = packed(in[1], w);
+  const float* gp = gated ? packed(in[2], gate) : nullptr;
+  if (gated) act.resize(dim);
   float* y = out.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = xp + r * dim;
     float* dst = y + r * dim;
     const float scale =
         1.0f / std::sqrt(sum_of_squares(row, dim) / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; ++j) dst[j] = row[j] * scale * w[j];
+    for (int64_t j = 0; j < dim; ++j) dst[j] = row[j] * scale * wp[j];
     if (gated) {
-      const float* g = gate.data() + r * dim;
-      for (int64_t j = 0; j < dim; ++j) dst[j] *= g[j] / (1.0f + std::exp(-g[j]));
+      std::memcpy(act.data(), gp + r * dim, dim * sizeof(float));
+      silu_in_place(act.data(), dim);
+      for (int64_t j = 0; j < dim; ++j) dst[j] = dst[j] * act[j];
     }
   }
 }

@@ -18,6 +18,9 @@ void widen_rows(const mlx::core::array& x, int64_t rows, int64_t in, int64_t str
 // `a` as packed fp32, row-major.
 void pack(const mlx::core::array& a, std::vector<float>& dst);
 
+// `a`'s floats, packed: its own buffer when it is row-contiguous fp32, else `scratch` filled.
+const float* packed(const mlx::core::array& a, std::vector<float>& scratch);
+
 // The default stream when it is the CPU's (invalid_argument naming `what` otherwise).
 mlx::core::Stream cpu_stream(const char* what);
 

@@ -396,6 +396,7 @@ NB_MODULE(_products, m) {
   m.doc() = "mtpserve's CPU kernels for the few rows of decoding: products and the gated delta rule";
   bind_delta_rule(m);
   bind_norms(m);
+  bind_elementwise(m);
   m.def(
       "product",
       &product,

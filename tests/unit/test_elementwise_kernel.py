@@ -1,0 +1,113 @@
+"""The native elementwise ops (engine/model/native/elementwise.cpp): the causal conv + silu
+and SwiGLU against numpy in float64 (silu's exp is a polynomial within ~2 ulp, mlx's path
+powf); the bit-identities decoding relies on — a position's conv output does not depend on
+how many positions are computed with it, and the 16-lane and one-at-a-time silu agree — for
+every length decoding and prefill use, taps of every float type, with and without a bias,
+strided inputs; one lazy primitive each; their errors."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.model import products
+from engine.model.activations import swiglu
+from engine.model.gated_deltanet import causal_conv_silu
+
+native = products.native()
+pytestmark = pytest.mark.skipif(native is None, reason="the native kernel is not built")
+
+
+def _conv(channels: int, bias: bool, dtype: mx.Dtype) -> nn.Conv1d:
+    mx.random.seed(channels)
+    conv = nn.Conv1d(channels, channels, 4, groups=channels, bias=bias)
+    conv.set_dtype(dtype)
+    mx.eval(conv.parameters())
+    return conv
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def _conv_reference(conv: nn.Conv1d, window: np.ndarray) -> np.ndarray:
+    taps = np.array(conv.weight.astype(mx.float32))[:, :, 0].T.astype(np.float64)  # [K, C]
+    k = taps.shape[0]
+    positions = window.shape[1] - k + 1
+    out = sum(window[:, j : j + positions].astype(np.float64) * taps[j] for j in range(k))
+    if "bias" in conv:
+        out = out + np.array(conv.bias.astype(mx.float32), dtype=np.float64)
+    return _silu(out)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_matches_numpy_and_each_position_is_its_own(bias: bool, dtype: mx.Dtype) -> None:
+    conv = _conv(37, bias, dtype)
+    window = 4 * mx.random.normal((2, 133, 37))
+    whole = causal_conv_silu(conv, window)
+    np.testing.assert_allclose(
+        np.array(whole), _conv_reference(conv, np.array(window)), rtol=1e-5, atol=1e-6
+    )
+    for positions in (1, 2, 5, 9, 64):
+        for first in (0, 7, 130 - positions):
+            part = causal_conv_silu(conv, window[:, first : first + positions + 3])
+            assert mx.array_equal(part, whole[:, first : first + positions]).item()
+
+
+def test_swiglu_matches_numpy_and_lanes_agree_with_the_tail() -> None:
+    rng = np.random.default_rng(2)
+    gate = (20 * rng.standard_normal((3, 53))).astype(np.float32)
+    up = rng.standard_normal((3, 53)).astype(np.float32)
+    got = np.array(swiglu(mx.array(gate), mx.array(up)))
+    np.testing.assert_allclose(got, _silu(gate.astype(np.float64)) * up, rtol=1e-6, atol=1e-30)
+    # element 16 + i is lane i of the second vector in the whole rows, a tail element here
+    shifted = np.array(swiglu(mx.array(gate[:, 16:20]), mx.array(up[:, 16:20])))
+    assert np.array_equal(got[:, 16:20], shifted)
+
+
+def test_strided_inputs_are_read_as_their_values() -> None:
+    conv = _conv(16, False, mx.bfloat16)
+    window = mx.random.normal((2, 8, 32))[:, :, ::2]  # a view mlx did not copy
+    assert mx.array_equal(
+        causal_conv_silu(conv, window), causal_conv_silu(conv, mx.contiguous(window))
+    ).item()
+    gate, up = mx.random.normal((6, 8)).T, mx.random.normal((8, 6))
+    assert mx.array_equal(swiglu(gate, up), swiglu(mx.contiguous(gate), up)).item()
+
+
+def test_one_lazy_primitive_each() -> None:
+    conv = _conv(16, True, mx.float32)
+    window, gate = mx.random.normal((1, 4, 16)), mx.random.normal((2, 16))
+    mx.eval(window, gate)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, causal_conv_silu(conv, window), swiglu(gate, gate))
+    assert sorted(re.findall(r'label ="([A-Za-z]+)', dot.getvalue())) == [
+        "CausalConvSilu",
+        "SwiGlu",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: native.causal_conv_silu(mx.ones((1, 4, 8), mx.bfloat16), mx.ones((4, 8))),
+            "float32",
+        ),
+        (lambda: native.causal_conv_silu(mx.ones((4, 8)), mx.ones((4, 8))), "float32"),
+        (lambda: native.causal_conv_silu(mx.ones((1, 4, 8)), mx.ones((4, 7))), "taps"),
+        (lambda: native.causal_conv_silu(mx.ones((1, 3, 8)), mx.ones((4, 8))), "taps"),
+        (lambda: native.causal_conv_silu(mx.ones((1, 4, 8)), mx.ones((4, 8), mx.int32)), "float"),
+        (lambda: native.swiglu(mx.ones((2, 8)), mx.ones((2, 7))), "one shape"),
+        (lambda: native.swiglu(mx.ones((2, 8), mx.bfloat16), mx.ones((2, 8))), "float32"),
+    ],
+)
+def test_bad_operands_are_refused(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
