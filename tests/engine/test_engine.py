@@ -311,7 +311,7 @@ def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
     repeats itself exactly (keyed draws), and the decision follows it: drafts always accepted
     favour the longest K, drafts never accepted K=0."""
     from engine.scheduling import autok
-    from engine.scheduling.costs import MAX_AUTO_K
+    from engine.scheduling.costs import MAX_AUTO_K, CostTable
 
     engine = load_engine("dense-untied-sharded")
     params = SamplingParams(temperature=1.0, top_k=20, seed=0)
@@ -339,6 +339,11 @@ def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
 
     engine.autok = None
     engine.policy(None, SamplingParams(temperature=1.0))
+    # A table where drafting is cheap (a tiny model's timed forwards, on a busy machine, can
+    # price any K above plain): the decision must then follow the acceptance alone.
+    engine.autok.kinds["sampled"].costs = CostTable(
+        cycle=[1.0, 1.1, 1.2, 1.3, 1.4], trunk=[1.0] * 5, head_step=0.01, absorb=[0.01] * 5
+    )
     for acceptance, want in (([1.0] * MAX_AUTO_K, MAX_AUTO_K), ([0.0] * MAX_AUTO_K, 0)):
         monkeypatch.setattr(autok, "probe_acceptance", lambda *_, a=acceptance: a)
         monkeypatch.setattr(autok, "seeded_k_path", lambda _, a=acceptance: tmp_path / f"{a}")
