@@ -127,8 +127,10 @@ def launch_cycles(
     Every row drafts the same ``k`` (0 when any row cannot draft): each draft depth runs the
     head once for all rows, the verify is one trunk pass over every row's K+1 positions
     (``engine.model.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
-    per row, with each row's own sampler, seed and penalty history. Rows accept different
-    lengths: each row's caches are committed on their own (``commit``).
+    per row, with each row's own sampler, seed and penalty history (rows that draw the same way
+    — all plain greedy, or all sampling by one setting — as one op over rows, each row's bits
+    unchanged). Rows accept different lengths: each row's caches are committed on their own
+    (``commit``).
     """
     rows = len(seqs)
     if not all(seq.can_draft for seq in seqs):
