@@ -10,15 +10,17 @@
 
 namespace mtpserve {
 
-// The same arithmetic on 16 lanes at once (GCC vector extensions: the compiler splits them into
-// the registers of the instruction set it targets; every lane is the scalar function's floats).
+// 16 lanes at once (GCC vector extensions: the compiler splits them into the registers of the
+// instruction set it targets). A tail shorter than 16 runs the same lanes, padded, so every
+// element gets the same floats wherever it falls.
 typedef float ExpLanes __attribute__((vector_size(64)));
 typedef int32_t ExpInts __attribute__((vector_size(64)));
 
 inline ExpLanes exp_poly(ExpLanes x) {
+  // |x| beyond these gives 0 or inf through 2^n; inside, n stays a normal exponent
   const ExpLanes lo = ExpLanes{} - 87.33654f, hi = ExpLanes{} + 88.37626f;
   x = x < lo ? lo : (x > hi ? hi : x);
-  const float magic = 12582912.0f;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const ExpLanes n = (x * 1.44269504088896341f + magic) - magic;
   const ExpLanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   const ExpLanes z = r * r;
@@ -35,39 +37,15 @@ inline ExpLanes exp_poly(ExpLanes x) {
   return y * scale;
 }
 
-inline float exp_poly(float x) {
-  // |x| beyond these gives 0 or inf through 2^n; inside, n stays a normal exponent
-  x = x < -87.33654f ? -87.33654f : (x > 88.37626f ? 88.37626f : x);
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504088896341f + magic) - magic;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  const float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * z + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
-// x * sigmoid(x), as x / (1 + exp(-x)).
-inline float silu(float x) { return x / (1.0f + exp_poly(-x)); }
-
-// silu of v[0..n) in place, 16 at a time (the same floats as one at a time).
+// silu (x / (1 + exp(-x))) of v[0..n) in place.
 inline void silu_in_place(float* v, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    ExpLanes x;
-    std::memcpy(&x, v + i, sizeof x);  // v is 4-byte aligned only
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t lanes = n - i < 16 ? n - i : 16;
+    ExpLanes x{};
+    std::memcpy(&x, v + i, lanes * sizeof(float));  // v is 4-byte aligned only
     x = x / (1.0f + exp_poly(-x));
-    std::memcpy(v + i, &x, sizeof x);
+    std::memcpy(v + i, &x, lanes * sizeof(float));
   }
-  for (; i < n; ++i) v[i] = silu(v[i]);
 }
 
 }  // namespace mtpserve
