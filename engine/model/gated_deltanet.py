@@ -165,8 +165,8 @@ def causal_conv_silu(conv: nn.Conv1d, window: mx.array) -> mx.array:
     products and sums in the same order; silu's exp a 16-lane polynomial within ~2 ulp), where
     mlx's compiled elementwise kernel, calling powf an element at a time, took ~55 us a 0.8B
     layer for one position and ~255 us for five (the op: ~20 / ~100 us)."""
-    if products.on_native() and window.dtype == mx.float32:
-        return products.native().causal_conv_silu(window, _taps(conv)[1], conv.get("bias"))
+    if native := products.native_for(window):
+        return native.causal_conv_silu(window, _taps(conv)[1], conv.get("bias"))
     return silu(causal_conv(conv, window))
 
 

@@ -21,15 +21,15 @@ from engine.model.activations import silu
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``x / sqrt(mean(x^2, -1) + eps) * weight``."""
-    if x.dtype == mx.float32 and products.on_native():
-        return products.native().rms_norm(x, weight, eps)
+    if native := products.native_for(x):
+        return native.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
 
 
 def gated_rms_norm(norm: nn.Module, x: mx.array, gate: mx.array) -> mx.array:
     """mlx-lm's ``Qwen3NextRMSNormGated``: the RMS norm of x times silu(gate), in float32."""
-    if x.dtype == mx.float32 and products.on_native():
-        return products.native().gated_rms_norm(x, norm.weight, gate, norm.eps)
+    if native := products.native_for(x):
+        return native.gated_rms_norm(x, norm.weight, gate, norm.eps)
     normed = mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)
     return (silu(gate.astype(mx.float32)) * normed).astype(x.dtype)
 

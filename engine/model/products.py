@@ -72,6 +72,14 @@ def on_native() -> bool:
     return _native is not None and mx.default_device().type == mx.DeviceType.cpu
 
 
+def native_for(*arrays: mx.array) -> ModuleType | None:
+    """The kernel's module when it runs here and every one of ``arrays`` is float32 (what its
+    norms and elementwise ops take), else None: the caller keeps mlx's formulation."""
+    if on_native() and all(a.dtype == mx.float32 for a in arrays):
+        return _native
+    return None
+
+
 def description() -> str:
     """One line for the server log: which products run, on what."""
     if mx.default_device().type != mx.DeviceType.cpu:
