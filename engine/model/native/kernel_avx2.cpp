@@ -2,6 +2,8 @@
 // registers).
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "products.h"
 
 #define KERNEL_NAMESPACE avx2
@@ -41,15 +43,42 @@ struct Avx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static reg broadcast(float v) { return _mm256_set1_ps(v); }
-  // 8 8-bit codes as floats
-  static reg codes8(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  // -- integers: 32 bytes a vector, 8 int32 lanes --
+  using ireg = __m256i;
+  static ireg izero() { return _mm256_setzero_si256(); }
+  static ireg bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static ireg bytes_partial(const void* p, int n) {
+    alignas(32) uint8_t part[32] = {};
+    std::memcpy(part, p, static_cast<size_t>(n));
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
   }
-  // of the 16 4-bit codes in 8 bytes, the low nibbles (half 0) or the high ones (half 1)
-  static reg codes4(const uint8_t* p, int half) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(bytes, 4)
-                                   : _mm256_and_si256(bytes, _mm256_set1_epi32(0xf)));
+  static ireg low_nibbles(ireg v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+  static ireg high_nibbles(ireg v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+  }
+  // lane i += sum of bytes 4i..4i+3 of u (unsigned, below 16) times those of s (signed); the
+  // pairs' 16-bit sums cannot saturate: 2 * 15 * 127 < 2^15
+  static ireg dot_u4(ireg acc, ireg u, ireg s) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  // the same for any unsigned byte u = 16 * high + low
+  static ireg dot_u8(ireg acc, ireg u, ireg s) {
+    const ireg lo = dot_u4(izero(), low_nibbles(u), s);
+    const ireg hi = dot_u4(izero(), high_nibbles(u), s);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
+  }
+  static reg to_float(ireg v) { return _mm256_cvtepi32_ps(v); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  // lane i: (i * codes_per_lane) / group, the group of lane i from a block's first
+  static ireg lane_groups(int codes_per_lane, int group) {
+    alignas(32) int32_t idx[8];
+    for (int i = 0; i < 8; ++i) idx[i] = i * codes_per_lane / group;
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  }
+  // lane i: s[idx[i]]
+  static reg expand(const float* s, ireg idx) {
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(s), idx);
   }
 };
 

@@ -1,10 +1,16 @@
-// AVX-512 (F, BW, VL, DQ) with FMA and F16C: 16 floats a vector, tiles of 3 rows by 8 columns
+// AVX-512 (F, BW, VL, DQ) with FMA and F16C, and VNNI where compiled with it: 16 floats a vector, tiles of 3 rows by 8 columns
 // (28 of the 32 registers; eight weight rows streamed at once read memory faster than four).
 #include <immintrin.h>
 
 #include "products.h"
 
-#define KERNEL_NAMESPACE avx512
+// kernel_avx512_vnni.cpp compiles this file again with VNNI under its own names.
+#ifndef AVX512_NAME
+#define AVX512_NAME avx512
+#endif
+#define KERNEL_NAMESPACE AVX512_NAME
+#define AVX512_JOIN2(a, b) a##_##b
+#define AVX512_JOIN(a, b) AVX512_JOIN2(a, b)
 #include "kernel_impl.h"
 #include "delta_rule_impl.h"
 
@@ -35,31 +41,64 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static reg broadcast(float v) { return _mm512_set1_ps(v); }
-  // 16 8-bit codes as floats
-  static reg codes8(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  // -- integers: 64 bytes a vector, 16 int32 lanes --
+  using ireg = __m512i;
+  static ireg izero() { return _mm512_setzero_si512(); }
+  static ireg bytes(const void* p) { return _mm512_loadu_si512(p); }
+  static ireg bytes_partial(const void* p, int n) {
+    return _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t{1} << n) - 1u), p);
   }
-  // of the 32 4-bit codes in 16 bytes, the low nibbles (codes 0, 2, ..., 30: half 0) or the high
-  // ones (half 1), as floats
-  static reg codes4(const uint8_t* p, int half) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtepi32_ps(half ? _mm512_srli_epi32(bytes, 4)
-                                   : _mm512_and_si512(bytes, _mm512_set1_epi32(0xf)));
+  static ireg low_nibbles(ireg v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+  static ireg high_nibbles(ireg v) {
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+  }
+  // lane i += sum of bytes 4i..4i+3 of u (unsigned, below 16) times those of s (signed)
+  static ireg dot_u4(ireg acc, ireg u, ireg s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    // the pairs' 16-bit sums cannot saturate: 2 * 15 * 127 < 2^15
+    return _mm512_add_epi32(
+        acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+  }
+  // the same for any unsigned byte u
+  static ireg dot_u8(ireg acc, ireg u, ireg s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    // u = 16 * high + low, each nibble's sums exact in 16 bits
+    const ireg lo = dot_u4(izero(), low_nibbles(u), s);
+    const ireg hi = dot_u4(izero(), high_nibbles(u), s);
+    return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_slli_epi32(hi, 4), lo));
+#endif
+  }
+  static reg to_float(ireg v) { return _mm512_cvtepi32_ps(v); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  // lane i: (i * codes_per_lane) / group, the group of lane i from a block's first
+  static ireg lane_groups(int codes_per_lane, int group) {
+    alignas(64) int32_t idx[16];
+    for (int i = 0; i < 16; ++i) idx[i] = i * codes_per_lane / group;
+    return _mm512_load_si512(idx);
+  }
+  // lane i: s[idx[i]]
+  static reg expand(const float* s, ireg idx) {
+    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(s));
   }
 };
 
 }  // namespace
 
-void columns_avx512(const ProductArgs& a, int64_t first, int64_t last) {
-  avx512::columns<Avx512>(a, first, last);
+void AVX512_JOIN(columns, AVX512_NAME)(const ProductArgs& a, int64_t first, int64_t last) {
+  AVX512_NAME::columns<Avx512>(a, first, last);
 }
 
-void delta_avx512(const DeltaArgs& a, int64_t first, int64_t last) {
-  avx512::rows<false>(a, first, last);
+void AVX512_JOIN(delta, AVX512_NAME)(const DeltaArgs& a, int64_t first, int64_t last) {
+  AVX512_NAME::rows<false>(a, first, last);
 }
 
-void replay_avx512(const DeltaArgs& a, int64_t first, int64_t last) {
-  avx512::rows<true>(a, first, last);
+void AVX512_JOIN(replay, AVX512_NAME)(const DeltaArgs& a, int64_t first, int64_t last) {
+  AVX512_NAME::rows<true>(a, first, last);
 }
 
 }  // namespace mtpserve

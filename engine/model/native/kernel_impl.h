@@ -7,17 +7,21 @@
 //   sum in one vector accumulator of its own;
 // - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
 //   registers: a tile's first row tile reads them from memory, the next ones from cache, and
-//   prefetches the next tile's); 4- and 8-bit affine rows are read in registers too, their
-//   codes summed per group and then scaled (affine_tile); other affine widths are dequantized
-//   per tile into a per-thread fp32 scratch that every row tile reads from cache;
+//   prefetches the next tile's); 4- and 8-bit affine codes are read in registers too, as
+//   integers multiplied by the activation quantized to 8 bits (code_tile: what llama.cpp's
+//   Q4_0 and Q8_0 products do, and 2-3x fewer instructions than decoding codes to fp32);
+//   other affine widths are dequantized per tile into a per-thread fp32 scratch that every
+//   row tile reads from cache;
 // - rows wider than kWholeRow go in chunks, the accumulators kept in a small buffer between
 //   chunks (stored and loaded exactly).
-// One output element's sum is the same sequence of vector FMAs over the same fp32 weight
-// values (a weight widened in registers is the same number as read in place; the one partial
-// vector at the end of a row is zero-filled either way) followed by the same horizontal sum,
-// whatever the number of rows, the tile it sits in or the thread that runs it.
+// One output element's sum is the same sequence of vector operations over the same values (a
+// weight widened in registers is the same number as read in place; the one partial vector at
+// the end of a row is zero-filled either way; an activation row is quantized alone) followed
+// by the same horizontal sum, whatever the number of rows, the tile it sits in or the thread
+// that runs it.
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -66,19 +70,6 @@ struct HalfRows {  // bf16 or fp16 rows, widened in registers
     for (int i = 0; i < n; ++i)
       part[i] = Bf16 ? bf16_to_float(row[j][k + i]) : half_to_float(row[j][k + i]);
     return V::load(part);
-  }
-};
-
-// 4- or 8-bit affine codes of one J-row tile, read in registers.
-template <class V, int Bits>
-struct AffineRows {
-  const uint8_t* codes[V::J];  // each row's codes from the chunk's first element
-  // the tile's scales and biases as fp32, group by group: J scales then J biases (one pointer
-  // for all rows, so that the row pointers and it fit the general registers)
-  const float* scale_bias;
-  int64_t ahead = 0;  // bytes from a row to the same row of the next tile
-  void prefetch(int j, int64_t k) const {
-    if ((k * Bits / 8) % 64 == 0) __builtin_prefetch(codes[j] + k * Bits / 8 + ahead, 0, 2);
   }
 };
 
@@ -200,54 +191,152 @@ inline void widen_strided(const void* src, Real type, int64_t first, int64_t n, 
   }
 }
 
-// One tile of RN activation rows by JN affine weight rows (from column `jb` of the J-row tile)
-// over [0, groups) groups of the chunk. Per group, the codes (as floats) times x are summed
-// from zero, then scaled: c += a * scale (the biases are added apart, by affine_biases). One
-// output's sum is that sequence whatever the tile.
-template <class V, int Bits, int RN, int JN>
-inline void affine_tile(const AffineRows<V, Bits>& w, int jb, int64_t groups, int group_steps,
-                        const float* x, int64_t xs, typename V::reg (*acc)[V::J]) {
-  using reg = typename V::reg;
-  constexpr int W = V::W;
-  constexpr int J = V::J;
-  reg c[RN][JN];
-  for (int r = 0; r < RN; ++r)
-    for (int j = 0; j < JN; ++j) c[r][j] = acc[r][jb + j];
-  for (int64_t g = 0; g < groups; ++g) {
-    reg a[RN][JN];
-    for (int r = 0; r < RN; ++r)
-      for (int j = 0; j < JN; ++j) a[r][j] = V::zero();
-    if constexpr (Bits == 8) {
-      for (int u = 0; u < group_steps; ++u) {
-        const int64_t k = (g * group_steps + u) * W;
-        reg xv[RN];
-        for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * xs + k);
-        for (int j = 0; j < JN; ++j) {
-          w.prefetch(jb + j, k);
-          const reg q = V::codes8(w.codes[jb + j] + k);
-          for (int r = 0; r < RN; ++r) a[r][j] = V::fma(q, xv[r], a[r][j]);
-        }
+// -- 4- and 8-bit affine weights: integer sums against 8-bit activations ------------------
+//
+// y[t, o] = sum over groups g of  scale[o, g] * xs[t, g] * sum_{i in g} code[o, i] * q[t, i]
+//                               + bias[o, g] * sum_{i in g} x[t, i]
+// Each activation row is quantized in runs of kRun elements, x ~ xs * q with q in [-127, 127]
+// and xs the run's largest |x| / 127 (quantize_rows; xs[t, g] above stands for the run's):
+// the code-times-q sums are exact integers (any instruction set gets the same ones), and the
+// bias term sums the same quantized x (xs * q) so that it cancels the codes' own mean: summing
+// the exact x there instead tripled the error, the codes' mean times every rounding of x.
+// A vector holds 4W code bytes; lane i sums bytes 4i..4i+3 of the codes times the same bytes
+// of q. A block is one vector of codes:
+//   8-bit: 4W codes, lane i codes 4i..4i+3;
+//   4-bit: 8W codes in 4W bytes (low nibble the even code, high nibble the odd), lane i codes
+//          8i..8i+7; q holds each block's 4W even positions, then its 4W odd ones.
+// Per block, lane sums become floats times (weight scale * activation scale) of the lane's
+// group and run: one fixed sequence of fp32 operations per output, whatever the row count or
+// thread.
+
+// Activation elements that share one scale: the smallest group mlx writes, so that a group of
+// any size holds whole runs and an outlier coarsens only its own 32 neighbours.
+constexpr int kRun = 32;
+
+template <int Bits, class V>
+constexpr int block_codes() {
+  return Bits == 4 ? 8 * V::W : 4 * V::W;
+}
+
+// Whether the integer path takes these affine weights: 4 or 8 bits, and groups that hold
+// whole lanes and either fill whole blocks or sit whole inside one.
+template <class V>
+inline bool integer_affine(const WeightView& wv) {
+  if (wv.kind != WeightKind::affine || (wv.bits != 4 && wv.bits != 8) || wv.group % 32) return false;
+  const int b = wv.bits == 4 ? block_codes<4, V>() : block_codes<8, V>();
+  return wv.group % b == 0 || b % wv.group == 0;
+}
+
+// Activation rows as 8-bit integers (laid out for `Bits`-bit codes) and one fp32 scale per
+// run, followed by V::W zero scales so that a block's lanes may read past the last run.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scales;
+  std::vector<int32_t> run_sums;  // each run's sum of q: rows x (in / kRun)
+  int64_t q_stride = 0;
+  int64_t scale_stride = 0;
+};
+
+template <class V, int Bits>
+inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
+                          QuantizedRows& out) {
+  constexpr int B = block_codes<Bits, V>();
+  constexpr int group = kRun;
+  const int64_t groups = in / group;
+  out.q_stride = round_up(in, B);
+  out.scale_stride = groups + V::W;
+  out.q.assign(static_cast<size_t>(rows * out.q_stride), 0);
+  out.scales.assign(static_cast<size_t>(rows * out.scale_stride), 0.0f);
+  out.run_sums.assign(static_cast<size_t>(rows * groups), 0);
+  for (int t = 0; t < rows; ++t) {
+    const float* xr = x + t * xs;
+    int8_t* qr = out.q.data() + t * out.q_stride;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = xr + g * group;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < group; ++i) {
+        finite = finite && std::isfinite(xg[i]);
+        amax = std::max(amax, std::fabs(xg[i]));
       }
-    } else {
-      // 2W codes at a time: the low nibbles (codes 0, 2, ...) then the high ones, against x
-      // laid out to match (x_for_nibbles)
-      for (int u = 0; u < group_steps; u += 2) {
-        const int64_t k = (g * group_steps + u) * W;
-        for (int half = 0; half < 2; ++half) {
-          reg xv[RN];
-          for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * xs + k + half * W);
-          for (int j = 0; j < JN; ++j) {
-            if (half == 0) w.prefetch(jb + j, k);
-            const reg q = V::codes4(w.codes[jb + j] + k / 2, half);
-            for (int r = 0; r < RN; ++r) a[r][j] = V::fma(q, xv[r], a[r][j]);
-          }
+      // a non-finite activation makes its outputs NaN, as a float product would
+      out.scales[t * out.scale_stride + g] = finite ? amax / 127.0f : std::nanf("");
+      const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int i = 0; i < group; ++i) {
+        const int64_t p = g * group + i;  // position in the row
+        const float v = std::nearbyint(xg[i] * inverse);
+        const int8_t code = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+        out.run_sums[t * groups + g] += code;
+        if constexpr (Bits == 4) {
+          const int64_t block = p / B;
+          const int64_t r = p % B;
+          qr[block * B + (r & 1) * (B / 2) + r / 2] = code;
+        } else {
+          qr[p] = code;
         }
       }
     }
-    const float* sb = w.scale_bias + g * 2 * J;
-    for (int j = 0; j < JN; ++j) {
-      const reg scale = V::broadcast(sb[jb + j]);
-      for (int r = 0; r < RN; ++r) c[r][j] = V::fma(a[r][j], scale, c[r][j]);
+  }
+}
+
+// The codes of one J-row tile over a chunk, and each row's fp32 scales from the chunk's first
+// group (followed by V::W zeros).
+template <class V>
+struct CodeRows {
+  const uint8_t* codes[V::J];
+  const float* scales[V::J];
+  int64_t ahead = 0;  // bytes from a row to the same row of the next tile
+};
+
+// RN activation rows by JN weight rows (from column `jb` of the J-row tile) over `blocks`
+// whole blocks and `tail_bytes` of one partial block.
+template <class V, int Bits, int RN, int JN>
+inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_bytes, int group,
+                      const int8_t* q, int64_t qs, const float* xscale, int64_t xss,
+                      typename V::ireg lanes, typename V::ireg runs, typename V::reg (*acc)[V::J]) {
+  using reg = typename V::reg;
+  using ireg = typename V::ireg;
+  constexpr int B = block_codes<Bits, V>();
+  constexpr int BB = 4 * V::W;  // code bytes a block
+  reg c[RN][JN];
+  for (int r = 0; r < RN; ++r)
+    for (int j = 0; j < JN; ++j) c[r][j] = acc[r][jb + j];
+  const int64_t n = blocks + (tail_bytes ? 1 : 0);
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t g = m * B / group;  // the group of the block's first lane
+    reg xsc[RN];
+    for (int r = 0; r < RN; ++r) xsc[r] = V::expand(xscale + r * xss + m * B / kRun, runs);
+    if constexpr (Bits == 4) {
+      ireg even[RN], odd[RN];
+      for (int r = 0; r < RN; ++r) {
+        even[r] = V::bytes(q + r * qs + m * B);
+        odd[r] = V::bytes(q + r * qs + m * B + BB);
+      }
+      for (int j = 0; j < JN; ++j) {
+        const uint8_t* p = w.codes[jb + j] + m * BB;
+        if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
+        const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
+        const ireg lo = V::low_nibbles(v);
+        const ireg hi = V::high_nibbles(v);
+        const reg ws = V::expand(w.scales[jb + j] + g, lanes);
+        for (int r = 0; r < RN; ++r) {
+          const ireg d = V::dot_u4(V::dot_u4(V::izero(), lo, even[r]), hi, odd[r]);
+          c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
+        }
+      }
+    } else {
+      ireg xq[RN];
+      for (int r = 0; r < RN; ++r) xq[r] = V::bytes(q + r * qs + m * B);
+      for (int j = 0; j < JN; ++j) {
+        const uint8_t* p = w.codes[jb + j] + m * BB;
+        if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
+        const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
+        const reg ws = V::expand(w.scales[jb + j] + g, lanes);
+        for (int r = 0; r < RN; ++r) {
+          const ireg d = V::dot_u8(V::izero(), v, xq[r]);
+          c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
+        }
+      }
     }
   }
   for (int r = 0; r < RN; ++r)
@@ -255,84 +344,123 @@ inline void affine_tile(const AffineRows<V, Bits>& w, int jb, int64_t groups, in
 }
 
 template <class V, int Bits, int RN, int JN>
-inline void affine_tile_jn(int jn, const AffineRows<V, Bits>& w, int jb, int64_t groups,
-                           int group_steps, const float* x, int64_t xs,
-                           typename V::reg (*acc)[V::J]) {
+inline void code_tile_jn(int jn, const CodeRows<V>& w, int jb, int64_t blocks, int tail_bytes,
+                         int group, const int8_t* q, int64_t qs, const float* xscale, int64_t xss,
+                         typename V::ireg lanes, typename V::ireg runs,
+                         typename V::reg (*acc)[V::J]) {
   if constexpr (JN > 1) {
     if (jn < JN)
-      return affine_tile_jn<V, Bits, RN, JN - 1>(jn, w, jb, groups, group_steps, x, xs, acc);
+      return code_tile_jn<V, Bits, RN, JN - 1>(jn, w, jb, blocks, tail_bytes, group, q, qs,
+                                                xscale, xss, lanes, runs, acc);
   }
-  affine_tile<V, Bits, RN, JN>(w, jb, groups, group_steps, x, xs, acc);
+  code_tile<V, Bits, RN, JN>(w, jb, blocks, tail_bytes, group, q, qs, xscale, xss, lanes, runs, acc);
 }
 
 // RN rows of one J-row tile: one row takes the J columns at once; more rows take them
-// V::AJ at a time (each row's and column's accumulators twice over must fit the registers).
+// V::AJ at a time (so that the accumulators and the rows' activations fit the registers).
 template <class V, int Bits, int RN = V::AR>
-inline void affine_rows(int rn, int jn, const AffineRows<V, Bits>& w, int64_t groups,
-                        int group_steps, const float* x, int64_t xs, typename V::reg (*acc)[V::J]) {
+inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int tail_bytes,
+                      int group, const int8_t* q, int64_t qs, const float* xscale, int64_t xss,
+                      typename V::ireg lanes, typename V::ireg runs, typename V::reg (*acc)[V::J]) {
   if constexpr (RN > 1) {
     if (rn < RN)
-      return affine_rows<V, Bits, RN - 1>(rn, jn, w, groups, group_steps, x, xs, acc);
+      return code_rows<V, Bits, RN - 1>(rn, jn, w, blocks, tail_bytes, group, q, qs, xscale,
+                                         xss, lanes, runs, acc);
     for (int jb = 0; jb < jn; jb += V::AJ)
-      affine_tile_jn<V, Bits, RN, V::AJ>(std::min(V::AJ, jn - jb), w, jb, groups, group_steps,
-                                          x, xs, acc);
+      code_tile_jn<V, Bits, RN, V::AJ>(std::min(V::AJ, jn - jb), w, jb, blocks, tail_bytes,
+                                        group, q, qs, xscale, xss, lanes, runs, acc);
   } else {
-    affine_tile_jn<V, Bits, 1, V::J>(jn, w, 0, groups, group_steps, x, xs, acc);
+    code_tile_jn<V, Bits, 1, V::J>(jn, w, 0, blocks, tail_bytes, group, q, qs, xscale, xss,
+                                    lanes, runs, acc);
   }
 }
 
-// Every row tile of one J-row tile of affine weights over [k0, k0 + kn).
+// Every row tile of one J-row tile of 4- or 8-bit weights over [k0, k0 + kn).
+// n reals of `type` from element `first` of `src` as fp32 in `dst`, then zeros up to `padded`.
+template <class V>
+inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, float* dst,
+                         int64_t padded) {
+  constexpr int W = V::W;
+  int64_t i = 0;
+  if (type == Real::f32) {
+    const float* p = static_cast<const float*>(src) + first;
+    for (; i + W <= n; i += W) V::store(dst + i, V::load(p + i));
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
+    for (; i + W <= n; i += W)
+      V::store(dst + i, type == Real::bf16 ? V::load_bf16(p + i) : V::load_f16(p + i));
+  }
+  widen_strided(src, type, first + i, n - i, dst + i, 1);
+  std::fill(dst + n, dst + padded, 0.0f);
+}
+
+// The dot product of n fp32 values, a vector at a time then one horizontal sum.
+template <class V>
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int W = V::W;
+  typename V::reg s = V::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) s = V::fma(V::load(a + i), V::load(b + i), s);
+  if (i < n) {
+    const int tail = static_cast<int>(n - i);
+    s = V::fma(V::load_partial(a + i, tail), V::load_partial(b + i, tail), s);
+  }
+  return V::sum(s);
+}
+
+// Every row tile of one J-row tile of 4- or 8-bit weights over [k0, k0 + kn).
+// `tile_scales` and `tile_biases` each hold J rows of (chunk groups + W) floats.
 template <class V, int Bits>
-inline void affine_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int64_t kn,
-                         int tn, const float* x, int64_t xs, const float* group_sums,
-                         int64_t gs_stride, float* scale_bias, typename V::reg (*acc)[V::J],
-                         float (*bias_acc)[V::J]) {
+inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int64_t kn, int tn,
+                       const QuantizedRows& xq, int t_begin, const float* group_sums,
+                       int64_t gs_stride, float* tile_scales, float* tile_biases,
+                       typename V::reg (*acc)[V::J], float (*bias_acc)[V::J]) {
+  constexpr int B = block_codes<Bits, V>();
   const int64_t groups_per_row = wv.in / wv.group;
   const int64_t groups = kn / wv.group;
-  AffineRows<V, Bits> rows{};
+  const int64_t stride = groups + V::W;
+  CodeRows<V> rows{};
   rows.ahead = V::J * wv.in * Bits / 8;
-  rows.scale_bias = scale_bias;
   for (int j = 0; j < jn; ++j) {
     const int64_t row = j0 + j;
     rows.codes[j] = static_cast<const uint8_t*>(wv.data) + row * (wv.in * Bits / 8) + k0 * Bits / 8;
     const int64_t g0 = row * groups_per_row + k0 / wv.group;
-    widen_strided(wv.scales, wv.scale_type, g0, groups, scale_bias + j, 2 * V::J);
-    widen_strided(wv.biases, wv.scale_type, g0, groups, scale_bias + V::J + j, 2 * V::J);
+    widen_padded<V>(wv.scales, wv.scale_type, g0, groups, tile_scales + j * stride, stride);
+    widen_padded<V>(wv.biases, wv.scale_type, g0, groups, tile_biases + j * stride, stride);
+    rows.scales[j] = tile_scales + j * stride;
   }
-  const int group_steps = static_cast<int>(wv.group / V::W);
+  const int64_t blocks = kn / B;
+  const int tail_bytes = static_cast<int>((kn % B) * Bits / 8);
+  const int codes_per_lane = Bits == 4 ? 8 : 4;
+  const typename V::ireg lanes = V::lane_groups(codes_per_lane, wv.group);
+  const typename V::ireg runs = V::lane_groups(codes_per_lane, kRun);
+  const int8_t* q = xq.q.data() + t_begin * xq.q_stride + k0;
+  const float* xscale = xq.scales.data() + t_begin * xq.scale_stride + k0 / kRun;
   for (int t0 = 0; t0 < tn; t0 += V::AR)
-    affine_rows<V, Bits>(std::min(V::AR, tn - t0), jn, rows, groups, group_steps, x + t0 * xs,
-                         xs, acc + t0);
-  // the biases: sum over groups of (group's sum of x) * bias, every column of the tile at once
+    code_rows<V, Bits>(std::min(V::AR, tn - t0), jn, rows, blocks, tail_bytes, wv.group,
+                       q + t0 * xq.q_stride, xq.q_stride, xscale + t0 * xq.scale_stride,
+                       xq.scale_stride, lanes, runs, acc + t0);
+  // the biases: each row's group sums of x against each column's biases
   const float* gs = group_sums + k0 / wv.group;
   for (int t = 0; t < tn; ++t)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float sum = gs[t * gs_stride + g];
-      const float* bias = scale_bias + g * 2 * V::J + V::J;
-      for (int j = 0; j < V::J; ++j) bias_acc[t][j] = __builtin_fmaf(sum, bias[j], bias_acc[t][j]);
-    }
+    for (int j = 0; j < jn; ++j)
+      bias_acc[t][j] += dot<V>(gs + t * gs_stride, tile_biases + j * stride, groups);
 }
 
-// x laid out for 4-bit codes: in each block of 2W elements, the even ones then the odd ones
-// (the order in which a vector's low and high nibbles hold them).
-template <class V>
-inline void x_for_nibbles(const float* x, int64_t xs, int rows, int64_t in, float* dst) {
-  constexpr int W = V::W;
-  for (int t = 0; t < rows; ++t)
-    for (int64_t b = 0; b < in; b += 2 * W)
-      for (int l = 0; l < W; ++l) {
-        dst[t * xs + b + l] = x[t * xs + b + 2 * l];
-        dst[t * xs + b + W + l] = x[t * xs + b + 2 * l + 1];
-      }
-}
-
-// Each row's sum of x over each group, in order: sums[t * (in / group) + g].
-inline void group_sums(const float* x, int64_t xs, int rows, int64_t in, int group, float* sums) {
+// Each row's sum of its quantized x over each group, run by run in order:
+// sums[t * (in / group) + g].
+inline void group_sums(const QuantizedRows& xq, int rows, int64_t in, int group, float* sums) {
   const int64_t groups = in / group;
+  const int64_t runs = in / kRun;
+  const int per_group = group / kRun;
   for (int t = 0; t < rows; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       float v = 0.0f;
-      for (int i = 0; i < group; ++i) v += x[t * xs + g * group + i];
+      for (int i = 0; i < per_group; ++i) {
+        const int64_t run = g * per_group + i;
+        v = __builtin_fmaf(xq.scales[t * xq.scale_stride + run],
+                           static_cast<float>(xq.run_sums[t * runs + run]), v);
+      }
       sums[t * groups + g] = v;
     }
 }
@@ -348,31 +476,32 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t chunk = in <= kWholeRow ? in : kChunk;
   // Every row count reads the weights the same way (so rows stay bit-identical across counts):
   // floats in place or widened in registers (widening once per tile into a scratch instead
-  // made bf16 products of 24 rows 3x slower), 4- and 8-bit affine codes in whole vectors per
-  // group in registers, other affine widths through the scratch.
-  const bool affine_in_registers = wv.kind == WeightKind::affine &&
-      (wv.bits == 4 || wv.bits == 8) && wv.group % V::W == 0;
-  const bool in_registers = wv.kind != WeightKind::affine || affine_in_registers;
+  // made bf16 products of 24 rows 3x slower), 4- and 8-bit affine codes as integers against
+  // 8-bit activations, other affine widths through the scratch.
+  const bool integer = integer_affine<V>(wv);
+  const bool in_registers = wv.kind != WeightKind::affine || integer;
   thread_local std::vector<float> scratch;  // J rows of one chunk, widened
   const int64_t scratch_stride = round_up(chunk, 16);
   if (!in_registers && scratch.size() < static_cast<size_t>(J * scratch_stride))
     scratch.resize(J * scratch_stride);
-  thread_local std::vector<float> scale_bias;  // a tile's scales and biases of one chunk
-  thread_local std::vector<float> sums;        // every row's sums of x over each group
+  thread_local std::vector<float> tile_scales;  // integer path: a tile's scales of one chunk
+  thread_local std::vector<float> tile_biases;  // and its biases, laid out alike
+  thread_local std::vector<float> sums;         // every row's sums of x over each group
+  thread_local QuantizedRows quantized;         // the activation rows as 8-bit integers
   int64_t gs_stride = 0;
-  if (affine_in_registers) {
-    const size_t sb = 2 * J * (chunk / wv.group);
-    if (scale_bias.size() < sb) scale_bias.resize(sb);
+  if (integer) {
+    const int64_t groups = chunk / wv.group;
+    if (tile_scales.size() < static_cast<size_t>(J * (groups + V::W)))
+      tile_scales.resize(J * (groups + V::W));
+    if (tile_biases.size() < static_cast<size_t>(J * (groups + V::W)))
+      tile_biases.resize(J * (groups + V::W));
     gs_stride = in / wv.group;
     if (sums.size() < static_cast<size_t>(a.rows * gs_stride)) sums.resize(a.rows * gs_stride);
-    group_sums(a.x, a.x_stride, a.rows, in, wv.group, sums.data());
-  }
-  const float* x = a.x;
-  thread_local std::vector<float> nibble_x;
-  if (affine_in_registers && wv.bits == 4) {
-    if (nibble_x.size() < static_cast<size_t>(a.rows * a.x_stride)) nibble_x.resize(a.rows * a.x_stride);
-    x_for_nibbles<V>(a.x, a.x_stride, a.rows, in, nibble_x.data());
-    x = nibble_x.data();
+    if (wv.bits == 4)
+      quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, quantized);
+    else
+      quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, quantized);
+    group_sums(quantized, a.rows, in, wv.group, sums.data());
   }
   alignas(64) reg acc[kBlockRows][J];
   float bias_acc[kBlockRows][J];  // affine: each output's sum of group sums times biases
@@ -397,15 +526,14 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
             rows.row[j] = row;
           }
           row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
-        } else if (affine_in_registers) {
+        } else if (integer) {
           const float* gs = sums.data() + t_begin * gs_stride;
-          const float* xa = x + t_begin * a.x_stride + k0;
           if (wv.bits == 8)
-            affine_tiles<V, 8>(wv, j0, jn, k0, kn, tn, xa, a.x_stride, gs, gs_stride,
-                               scale_bias.data(), acc, bias_acc);
+            code_tiles<V, 8>(wv, j0, jn, k0, kn, tn, quantized, t_begin, gs, gs_stride,
+                             tile_scales.data(), tile_biases.data(), acc, bias_acc);
           else
-            affine_tiles<V, 4>(wv, j0, jn, k0, kn, tn, xa, a.x_stride, gs, gs_stride,
-                               scale_bias.data(), acc, bias_acc);
+            code_tiles<V, 4>(wv, j0, jn, k0, kn, tn, quantized, t_begin, gs, gs_stride,
+                             tile_scales.data(), tile_biases.data(), acc, bias_acc);
         } else if (wv.kind == WeightKind::f32) {
           F32Rows<V> rows{};
           rows.ahead = J * in * 4;

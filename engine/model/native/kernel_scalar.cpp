@@ -1,6 +1,7 @@
 // The portable kernel: one float a "vector", four independent column sums per row. Used where
 // no vector kernel fits the CPU (and on arm64, which has no NEON kernel yet).
 #include <cmath>
+#include <cstring>
 
 #include "products.h"
 
@@ -27,10 +28,36 @@ struct Scalar {
   static reg load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static reg load_f16(const uint16_t* p) { return half_to_float(*p); }
   static reg broadcast(float v) { return v; }
-  static reg codes8(const uint8_t* p) { return static_cast<float>(*p); }
-  static reg codes4(const uint8_t* p, int half) {
-    return static_cast<float>(half ? *p >> 4 : *p & 0xf);
+  // -- integers: a "vector" of 4 bytes, one int32 lane (the sum kept in the same 32 bits) --
+  using ireg = uint32_t;
+  static ireg izero() { return 0; }
+  static ireg bytes(const void* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
   }
+  static ireg bytes_partial(const void* p, int n) {
+    uint32_t v = 0;
+    std::memcpy(&v, p, static_cast<size_t>(n));
+    return v;
+  }
+  static ireg low_nibbles(ireg v) { return v & 0x0f0f0f0fu; }
+  static ireg high_nibbles(ireg v) { return (v >> 4) & 0x0f0f0f0fu; }
+  // acc + the sum of u's bytes (unsigned) times s's (signed), in memory order
+  static ireg dot_u8(ireg acc, ireg u, ireg s) {
+    uint8_t ub[4];
+    int8_t sb[4];
+    std::memcpy(ub, &u, 4);
+    std::memcpy(sb, &s, 4);
+    int32_t sum = static_cast<int32_t>(acc);
+    for (int b = 0; b < 4; ++b) sum += static_cast<int32_t>(ub[b]) * sb[b];
+    return static_cast<uint32_t>(sum);
+  }
+  static ireg dot_u4(ireg acc, ireg u, ireg s) { return dot_u8(acc, u, s); }
+  static reg to_float(ireg v) { return static_cast<float>(static_cast<int32_t>(v)); }
+  static reg mul(reg a, reg b) { return a * b; }
+  static ireg lane_groups(int, int) { return 0; }
+  static reg expand(const float* s, ireg idx) { return s[idx]; }
 };
 
 }  // namespace

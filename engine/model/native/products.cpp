@@ -105,11 +105,15 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
+bool has_avx512_vnni() {
+  return has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
 #endif
 
 // Best first.
 const Isa kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
+    {"avx512-vnni", columns_avx512_vnni, delta_avx512_vnni, replay_avx512_vnni, has_avx512_vnni},
     {"avx512", columns_avx512, delta_avx512, replay_avx512, has_avx512},
     {"avx2", columns_avx2, delta_avx2, replay_avx2, has_avx2},
 #endif

@@ -52,6 +52,7 @@ void columns_scalar(const ProductArgs&, int64_t first, int64_t last);
 #if defined(__x86_64__) || defined(_M_X64)
 void columns_avx2(const ProductArgs&, int64_t first, int64_t last);
 void columns_avx512(const ProductArgs&, int64_t first, int64_t last);
+void columns_avx512_vnni(const ProductArgs&, int64_t first, int64_t last);
 #endif
 #if defined(__aarch64__)
 void columns_neon(const ProductArgs&, int64_t first, int64_t last);
