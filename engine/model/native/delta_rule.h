@@ -48,8 +48,6 @@ void delta_avx512(const DeltaArgs&, int64_t, int64_t);
 void replay_avx512(const DeltaArgs&, int64_t, int64_t);
 void delta_avx512_vnni(const DeltaArgs&, int64_t, int64_t);
 void replay_avx512_vnni(const DeltaArgs&, int64_t, int64_t);
-void delta_avx512_bf16(const DeltaArgs&, int64_t, int64_t);
-void replay_avx512_bf16(const DeltaArgs&, int64_t, int64_t);
 #endif
 
 }  // namespace mtpserve

@@ -41,22 +41,6 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static reg broadcast(float v) { return _mm512_set1_ps(v); }
-  // -- bf16 pairs: 32 bf16 numbers a vector --
-#ifdef __AVX512BF16__
-  static constexpr bool kPairs = true;
-  // pair tiles: 5 rows by 4 columns (20 accumulators, 5 activation vectors)
-  static constexpr int PR = 5;
-  static constexpr int PJ = 4;
-  using pairs = __m512bh;
-  static pairs load_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static pairs load_pairs_partial(const uint16_t* p, int n) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(_cvtu32_mask32((uint32_t{1} << n) - 1u), p);
-  }
-  // lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1]
-  static reg dot_pairs(reg c, pairs a, pairs b) { return _mm512_dpbf16_ps(c, a, b); }
-#else
-  static constexpr bool kPairs = false;
-#endif
   // -- integers: 64 bytes a vector, 16 int32 lanes --
   using ireg = __m512i;
   static ireg izero() { return _mm512_setzero_si512(); }

@@ -39,28 +39,10 @@ inline int64_t round_up(int64_t n, int64_t m) {
   return (n + m - 1) / m * m;
 }
 
-// -- weight rows: fp32 vectors where they lie or widened in registers, or bf16 pairs ---------
-//
-// A `Rows` type says how a tile steps along k: `kStep` elements a step, the activation's
-// element type `X` and vector `xreg`, `mac` (one step's multiply-add into an fp32 sum), and
-// the tile's shape (kRows activation rows by kColumns of the V::J weight rows at a time).
+// -- weight rows as fp32 vectors: where they lie, or widened in registers --------------------
 
 template <class V>
-struct FloatSteps {  // fp32 activations against weights as fp32 vectors
-  using X = float;
-  using xreg = typename V::reg;
-  static constexpr int kStep = V::W;
-  // a tile: kRows activation rows by kColumns weight rows
-  static constexpr int kRows = V::R;
-  static constexpr int kColumns = V::J;
-  static xreg load_x(const float* p) { return V::load(p); }
-  static typename V::reg mac(typename V::reg w, xreg x, typename V::reg c) {
-    return V::fma(w, x, c);
-  }
-};
-
-template <class V>
-struct F32Rows : FloatSteps<V> {  // fp32 rows in memory (the weight itself, or the scratch)
+struct F32Rows {  // fp32 rows in memory (the weight itself, or the scratch)
   const float* row[V::J];
   int64_t ahead = 0;  // bytes from a row to the same row of the next tile (0: no prefetch)
   void prefetch(int j, int64_t k) const {
@@ -73,7 +55,7 @@ struct F32Rows : FloatSteps<V> {  // fp32 rows in memory (the weight itself, or 
 };
 
 template <class V, bool Bf16>
-struct HalfRows : FloatSteps<V> {  // bf16 or fp16 rows, widened in registers
+struct HalfRows {  // bf16 or fp16 rows, widened in registers
   const uint16_t* row[V::J];
   int64_t ahead = 0;
   void prefetch(int j, int64_t k) const {
@@ -91,82 +73,58 @@ struct HalfRows : FloatSteps<V> {  // bf16 or fp16 rows, widened in registers
   }
 };
 
-// bf16 rows against bf16 activations, two products summed into each fp32 lane a step
-// (AVX512-BF16's vdpbf16ps: products of bf16 numbers are exact in fp32; the instruction
-// treats subnormal inputs and results as zero). Half the multiply-adds of widening the weight,
-// and no widening at all.
-template <class V>
-struct PairRows {
-  using X = uint16_t;
-  using xreg = typename V::pairs;
-  static constexpr int kStep = 2 * V::W;
-  // a multiply-add is cheap enough here that a verify's 5 rows fit one pass over the weights
-  static constexpr int kRows = V::PR;
-  static constexpr int kColumns = V::PJ;
-  static xreg load_x(const uint16_t* p) { return V::load_pairs(p); }
-  static typename V::reg mac(xreg w, xreg x, typename V::reg c) { return V::dot_pairs(c, w, x); }
-  const uint16_t* row[V::J];
-  int64_t ahead = 0;
-  void prefetch(int j, int64_t k) const {
-    if (ahead) __builtin_prefetch(reinterpret_cast<const char*>(row[j] + k) + ahead, 0, 2);
-  }
-  xreg load(int j, int64_t k) const { return V::load_pairs(row[j] + k); }
-  xreg load_tail(int j, int64_t k, int n) const { return V::load_pairs_partial(row[j] + k, n); }
-};
-
 template <class V, int RN, int JN, class Rows>
 inline void tile(
     const Rows& w,
     int64_t steps,
     int tail,
-    const typename Rows::X* x,
+    const float* x,
     int64_t x_stride,
-    typename V::reg* acc) {  // acc[r * V::J + j]
+    typename V::reg (*acc)[V::J]) {
   using reg = typename V::reg;
-  using xreg = typename Rows::xreg;
-  constexpr int S = Rows::kStep;
+  constexpr int W = V::W;
   reg c[RN][JN];
   for (int r = 0; r < RN; ++r)
-    for (int j = 0; j < JN; ++j) c[r][j] = acc[r * V::J + j];
+    for (int j = 0; j < JN; ++j) c[r][j] = acc[r][j];
   // the RN activation vectors stay in registers while each weight vector is loaded and used
   // once: RN + 1 + RN * JN registers
   for (int64_t s = 0; s < steps; ++s) {
-    const int64_t k = s * S;
-    xreg xv[RN];
-    for (int r = 0; r < RN; ++r) xv[r] = Rows::load_x(x + r * x_stride + k);
+    const int64_t k = s * W;
+    reg xv[RN];
+    for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);
     for (int j = 0; j < JN; ++j) {
       w.prefetch(j, k);
-      const auto wj = w.load(j, k);
-      for (int r = 0; r < RN; ++r) c[r][j] = Rows::mac(wj, xv[r], c[r][j]);
+      const reg wj = w.load(j, k);
+      for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
   if (tail) {
-    const int64_t k = steps * S;
-    xreg xv[RN];
-    for (int r = 0; r < RN; ++r) xv[r] = Rows::load_x(x + r * x_stride + k);  // zero past the end
+    const int64_t k = steps * W;
+    reg xv[RN];
+    for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);  // zero past the end
     for (int j = 0; j < JN; ++j) {
-      const auto wj = w.load_tail(j, k, tail);
-      for (int r = 0; r < RN; ++r) c[r][j] = Rows::mac(wj, xv[r], c[r][j]);
+      const reg wj = w.load_tail(j, k, tail);
+      for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
   for (int r = 0; r < RN; ++r)
-    for (int j = 0; j < JN; ++j) acc[r * V::J + j] = c[r][j];
+    for (int j = 0; j < JN; ++j) acc[r][j] = c[r][j];
 }
 
-template <class V, int RN, class Rows, int JN = Rows::kColumns>
-inline void tile_jn(int jn, const Rows& w, int64_t steps, int tail, const typename Rows::X* x,
-                    int64_t xs, typename V::reg* acc) {
+template <class V, int RN, int JN = V::J, class Rows>
+inline void tile_jn(int jn, const Rows& w, int64_t steps, int tail, const float* x, int64_t xs,
+                    typename V::reg (*acc)[V::J]) {
   if constexpr (JN > 1) {
-    if (jn < JN) return tile_jn<V, RN, Rows, JN - 1>(jn, w, steps, tail, x, xs, acc);
+    if (jn < JN) return tile_jn<V, RN, JN - 1>(jn, w, steps, tail, x, xs, acc);
   }
   tile<V, RN, JN>(w, steps, tail, x, xs, acc);
 }
 
-template <class V, class Rows, int RN = Rows::kRows>
-inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail,
-                    const typename Rows::X* x, int64_t xs, typename V::reg* acc) {
+template <class V, int RN = V::R, class Rows>
+inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, const float* x,
+                    int64_t xs, typename V::reg (*acc)[V::J]) {
   if constexpr (RN > 1) {
-    if (rn < RN) return tile_rn<V, Rows, RN - 1>(rn, jn, w, steps, tail, x, xs, acc);
+    if (rn < RN) return tile_rn<V, RN - 1>(rn, jn, w, steps, tail, x, xs, acc);
   }
   tile_jn<V, RN>(jn, w, steps, tail, x, xs, acc);
 }
@@ -198,25 +156,18 @@ inline void decode_row(const WeightView& wv, int64_t row, int64_t k0, int64_t n,
   for (int64_t i = n, e = round_up(n, V::W); i < e; ++i) dst[i] = 0.0f;
 }
 
-// Runs every row tile of one J-row weight tile over [k0, k0 + kn): kColumns of its weight
-// rows at a time, each first by a row tile that streams them from memory, then by the other
-// row tiles from cache.
+// Runs every row tile of one J-row weight tile over [k0, k0 + kn).
 template <class V, class Rows>
-inline void row_tiles(const Rows& w, int jn, int tn, int64_t kn, const typename Rows::X* x,
-                      int64_t xs, typename V::reg (*acc)[V::J]) {
-  constexpr int RT = Rows::kRows;
-  constexpr int JT = Rows::kColumns;
-  const int64_t steps = kn / Rows::kStep;
-  const int tail = static_cast<int>(kn % Rows::kStep);
-  for (int jb = 0; jb < jn; jb += JT) {
-    Rows part = w;
-    for (int j = 0; j + jb < jn && j < JT; ++j) part.row[j] = w.row[jb + j];
-    const int pn = std::min(JT, jn - jb);
-    tile_rn<V>(std::min(RT, tn), pn, part, steps, tail, x, xs, &acc[0][jb]);
-    part.ahead = 0;  // the first row tile brought these rows in: no more prefetching
-    for (int t0 = RT; t0 < tn; t0 += RT)
-      tile_rn<V>(std::min(RT, tn - t0), pn, part, steps, tail, x + t0 * xs, xs, &acc[t0][jb]);
-  }
+inline void row_tiles(const Rows& w, int jn, int tn, int64_t kn, const float* x, int64_t xs,
+                      typename V::reg (*acc)[V::J]) {
+  const int64_t steps = kn / V::W;
+  const int tail = static_cast<int>(kn % V::W);
+  tile_rn<V>(std::min(V::R, tn), jn, w, steps, tail, x, xs, acc);
+  if (tn <= V::R) return;
+  Rows cached = w;  // the first row tile brought these rows in: no more prefetching
+  cached.ahead = 0;
+  for (int t0 = V::R; t0 < tn; t0 += V::R)
+    tile_rn<V>(std::min(V::R, tn - t0), jn, cached, steps, tail, x + t0 * xs, xs, acc + t0);
 }
 
 // n reals of `type` from element `first` of `src` as fp32 at dst[0], dst[stride], ...
@@ -537,24 +488,6 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   thread_local std::vector<float> tile_biases;  // and its biases, laid out alike
   thread_local std::vector<float> sums;         // every row's sums of x over each group
   thread_local QuantizedRows quantized;         // the activation rows as 8-bit integers
-  // bf16 weights and activations where the CPU multiplies bf16 pairs: x narrowed back to bf16
-  // (exact: it was bf16), rows padded with zeros to whole steps
-  bool pairs = false;
-  thread_local std::vector<uint16_t> x_pairs;
-  int64_t pairs_stride = 0;
-  if constexpr (V::kPairs) {
-    pairs = wv.kind == WeightKind::bf16 && a.x_type == Real::bf16;
-    if (pairs) {
-      pairs_stride = round_up(in, 2 * V::W);
-      x_pairs.assign(static_cast<size_t>(a.rows * pairs_stride), 0);
-      for (int t = 0; t < a.rows; ++t)
-        for (int64_t i = 0; i < in; ++i) {
-          uint32_t bits;
-          std::memcpy(&bits, a.x + t * a.x_stride + i, 4);
-          x_pairs[t * pairs_stride + i] = static_cast<uint16_t>(bits >> 16);
-        }
-    }
-  }
   int64_t gs_stride = 0;
   if (integer) {
     const int64_t groups = chunk / wv.group;
@@ -609,16 +542,6 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
           row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
         } else {
           const auto* base = static_cast<const uint16_t*>(wv.data);
-          if constexpr (V::kPairs) {
-            if (pairs) {
-              PairRows<V> rows{};
-              rows.ahead = J * in * 2;
-              for (int j = 0; j < jn; ++j) rows.row[j] = base + (j0 + j) * in + k0;
-              row_tiles<V>(rows, jn, tn, kn, x_pairs.data() + t_begin * pairs_stride + k0,
-                           pairs_stride, acc);
-              continue;
-            }
-          }
           if (wv.kind == WeightKind::bf16) {
             HalfRows<V, true> rows{};
             rows.ahead = J * in * 2;

@@ -108,15 +108,11 @@ bool has_avx512() {
 bool has_avx512_vnni() {
   return has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
-bool has_avx512_bf16() {
-  return has_avx512_vnni() && __builtin_cpu_supports("avx512bf16");
-}
 #endif
 
 // Best first.
 const Isa kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512-bf16", columns_avx512_bf16, delta_avx512_bf16, replay_avx512_bf16, has_avx512_bf16},
     {"avx512-vnni", columns_avx512_vnni, delta_avx512_vnni, replay_avx512_vnni, has_avx512_vnni},
     {"avx512", columns_avx512, delta_avx512, replay_avx512, has_avx512},
     {"avx2", columns_avx2, delta_avx2, replay_avx2, has_avx2},
@@ -225,8 +221,8 @@ void compute(
   thread_local std::vector<float> widened;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
   widen_rows(x, rows, in, stride, widened.data());
-  ProductArgs args{widened.data(), stride, static_cast<int>(rows), real_of(x.dtype()), view,
-                   y.data<void>(), real_of(y.dtype())};
+  ProductArgs args{widened.data(), stride, static_cast<int>(rows), view, y.data<void>(),
+                   real_of(y.dtype())};
   const Kernels kernels = current_kernels();
   const ColumnsKernel kernel = kernels.columns;
   const auto& pool = kernels.pool;

@@ -33,7 +33,6 @@ struct ProductArgs {
   const float* x;
   int64_t x_stride;
   int rows;
-  Real x_type;  // the activation's own type (bf16 activations may be multiplied as bf16)
   WeightView w;
   void* y;  // [rows, out] of `y_type`, row-major
   Real y_type;
@@ -54,7 +53,6 @@ void columns_scalar(const ProductArgs&, int64_t first, int64_t last);
 void columns_avx2(const ProductArgs&, int64_t first, int64_t last);
 void columns_avx512(const ProductArgs&, int64_t first, int64_t last);
 void columns_avx512_vnni(const ProductArgs&, int64_t first, int64_t last);
-void columns_avx512_bf16(const ProductArgs&, int64_t first, int64_t last);
 #endif
 #if defined(__aarch64__)
 void columns_neon(const ProductArgs&, int64_t first, int64_t last);
