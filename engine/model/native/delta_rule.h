@@ -49,5 +49,9 @@ void replay_avx512(const DeltaArgs&, int64_t, int64_t);
 void delta_avx512_vnni(const DeltaArgs&, int64_t, int64_t);
 void replay_avx512_vnni(const DeltaArgs&, int64_t, int64_t);
 #endif
+#if defined(__aarch64__)
+void delta_neon(const DeltaArgs&, int64_t, int64_t);
+void replay_neon(const DeltaArgs&, int64_t, int64_t);
+#endif
 
 }  // namespace mtpserve

@@ -1,5 +1,5 @@
 // The portable kernel: one float a "vector", four independent column sums per row. Used where
-// no vector kernel fits the CPU (and on arm64, which has no NEON kernel yet).
+// no vector kernel fits the CPU (arm64 runs kernel_neon.cpp).
 #include <cmath>
 #include <cstring>
 

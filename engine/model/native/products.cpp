@@ -117,6 +117,9 @@ const Isa kIsas[] = {
     {"avx512", columns_avx512, delta_avx512, replay_avx512, has_avx512},
     {"avx2", columns_avx2, delta_avx2, replay_avx2, has_avx2},
 #endif
+#if defined(__aarch64__)
+    {"neon", columns_neon, delta_neon, replay_neon, always},
+#endif
     {"scalar", columns_scalar, delta_scalar, replay_scalar, always},
 };
 
