@@ -123,6 +123,12 @@ class Engine:
             engine.autok = EngineAutoK(engine)
             # Measure greedy costs now (start-up, not the first request); sampled on first use.
             engine.autok.for_request(resolve(SamplingOverrides(temperature=0.0)))
+            # Decide the K of seeded sampled requests now too (its acceptance probe took ~4 s
+            # of the first seeded request at the 0.8B shape), where the checkpoint's own
+            # sampler is what they measure it with; a cached decision costs nothing.
+            defaults = resolve(engine.sampling_defaults)
+            if not defaults.greedy:
+                engine.autok.seeded_k(defaults)
         return engine
 
     @classmethod

@@ -351,6 +351,27 @@ def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
         assert engine.autok.seeded_k(params) == want
 
 
+def test_the_seeded_k_is_decided_when_the_engine_loads(
+    make_checkpoint, monkeypatch, tmp_path
+) -> None:
+    """A checkpoint that samples by default gets its seeded K (the acceptance probe) at load, so
+    the first seeded request waits no longer than the second; an empty cost cache makes the
+    probe run."""
+    from engine.scheduling import autok, costs
+
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
+    probes: list[object] = []
+    probe = autok.probe_acceptance
+    monkeypatch.setattr(autok, "probe_acceptance", lambda *a: probes.append(a) or probe(*a))
+    engine = Engine.load(str(make_checkpoint(VARIANTS["dense-tied"])))
+    assert len(probes) == 1 and engine.autok.seeded is not None
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=1.0, seed=5)
+    tokens, event = run(engine, GenerationRequest(prompt, params, 12, ignore_eos=True))
+    assert len(probes) == 1 and len(tokens) == 12
+    assert sum(event.stats.k_histogram[engine.autok.seeded + 1 :]) == 0
+
+
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
     """After MAX_CATCH_UP + 30 plain cycles the head runs only the latest MAX_CATCH_UP pending
     pairs (at their true positions); the output stays exactly plain greedy decoding and drafts
