@@ -194,7 +194,7 @@ inline void widen_strided(const void* src, Real type, int64_t first, int64_t n, 
 // -- 4- and 8-bit affine weights: integer sums against 8-bit activations ------------------
 //
 // y[t, o] = sum over groups g of  scale[o, g] * xs[t, g] * sum_{i in g} code[o, i] * q[t, i]
-//                               + bias[o, g] * sum_{i in g} x[t, i]
+//                               + bias[o, g] * sum_{i in g} xs[t, g] * q[t, i]
 // Each activation row is quantized in runs of kRun elements, x ~ xs * q with q in [-127, 127]
 // and xs the run's largest |x| / 127 (quantize_rows; xs[t, g] above stands for the run's):
 // the code-times-q sums are exact integers (any instruction set gets the same ones), and the
@@ -219,10 +219,11 @@ constexpr int block_codes() {
 }
 
 // Whether the integer path takes these affine weights: 4 or 8 bits, and groups that hold
-// whole lanes and either fill whole blocks or sit whole inside one.
+// whole runs and either fill whole blocks or sit whole inside one.
 template <class V>
 inline bool integer_affine(const WeightView& wv) {
-  if (wv.kind != WeightKind::affine || (wv.bits != 4 && wv.bits != 8) || wv.group % 32) return false;
+  if (wv.kind != WeightKind::affine || (wv.bits != 4 && wv.bits != 8) || wv.group % kRun)
+    return false;
   const int b = wv.bits == 4 ? block_codes<4, V>() : block_codes<8, V>();
   return wv.group % b == 0 || b % wv.group == 0;
 }
@@ -241,32 +242,31 @@ template <class V, int Bits>
 inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
                           QuantizedRows& out) {
   constexpr int B = block_codes<Bits, V>();
-  constexpr int group = kRun;
-  const int64_t groups = in / group;
+  const int64_t runs = in / kRun;
   out.q_stride = round_up(in, B);
-  out.scale_stride = groups + V::W;
+  out.scale_stride = runs + V::W;
   out.q.assign(static_cast<size_t>(rows * out.q_stride), 0);
   out.scales.assign(static_cast<size_t>(rows * out.scale_stride), 0.0f);
-  out.run_sums.assign(static_cast<size_t>(rows * groups), 0);
+  out.run_sums.assign(static_cast<size_t>(rows * runs), 0);
   for (int t = 0; t < rows; ++t) {
     const float* xr = x + t * xs;
     int8_t* qr = out.q.data() + t * out.q_stride;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = xr + g * group;
+    for (int64_t run = 0; run < runs; ++run) {
+      const float* xg = xr + run * kRun;
       float amax = 0.0f;
       bool finite = true;
-      for (int i = 0; i < group; ++i) {
+      for (int i = 0; i < kRun; ++i) {
         finite = finite && std::isfinite(xg[i]);
         amax = std::max(amax, std::fabs(xg[i]));
       }
       // a non-finite activation makes its outputs NaN, as a float product would
-      out.scales[t * out.scale_stride + g] = finite ? amax / 127.0f : std::nanf("");
+      out.scales[t * out.scale_stride + run] = finite ? amax / 127.0f : std::nanf("");
       const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int i = 0; i < group; ++i) {
-        const int64_t p = g * group + i;  // position in the row
+      for (int i = 0; i < kRun; ++i) {
+        const int64_t p = run * kRun + i;  // position in the row
         const float v = std::nearbyint(xg[i] * inverse);
         const int8_t code = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-        out.run_sums[t * groups + g] += code;
+        out.run_sums[t * runs + run] += code;
         if constexpr (Bits == 4) {
           const int64_t block = p / B;
           const int64_t r = p % B;
