@@ -320,7 +320,10 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
     monkeypatch.setattr(autok, "estimate_costs", counted)
     model = str(make_checkpoint(VARIANTS["dense-tied"]))
     engine = Engine.load(model)
-    assert estimates == [1] and set(engine.autok.kinds) == {"greedy"}
+    # the seeded K, decided at load (the checkpoint samples), started the sampled kind's table
+    # from the greedy one: still one estimate
+    assert estimates == [1] and set(engine.autok.kinds) == {"greedy", "sampled"}
+    assert engine.autok.seeded is not None
     sampled = SamplingParams(temperature=1.0, top_k=20)
     for _ in range(2):
         request = GenerationRequest([5, 6, 7], sampled, 80, draft_tokens=None, ignore_eos=True)
