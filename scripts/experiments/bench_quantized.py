@@ -233,6 +233,18 @@ def main() -> int:
 
     import mlx.core as mx
 
+    from engine.model import products
+
+    if mx.default_device() == mx.cpu and products.on_native():
+        loading_note = (
+            "On CPU the weights load as stored (bf16 stays bf16, packed quantized weights stay"
+            " packed) and the engine carries float32 activations."
+        )
+    else:
+        loading_note = (
+            "On CPU the engine computes in float32 (`--dtype auto`): bf16 parts are widened when"
+            " loaded, packed quantized weights stay packed (their scales and biases become float32)."
+        )
     command = (
         f".venv/bin/python scripts/experiments/bench_quantized.py --model {args.model} --limit {args.limit} "
         f"--max-tokens {args.max_tokens} --draft-tokens {args.draft_tokens}"
@@ -258,9 +270,8 @@ first {args.limit} prompts of `configs/bench_prompts.jsonl`; every row converted
 `mtpserve convert --bits T --head-bits H --group-size {args.group_size}` (fc, norms and
 everything not quantized stored in bfloat16) and measured in its own process. Machine:
 {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on
-{mx.default_device()}, BLAS `{blas_in_use() or "bundled reference BLAS"}`. On CPU the engine
-computes in float32 (`--dtype auto`): bf16 parts are widened when loaded, packed quantized
-weights stay packed (their scales and biases become float32).
+{mx.default_device()}, BLAS `{blas_in_use() or "bundled reference BLAS"}`; {products.description()}.
+{loading_note}
 
 - In every row {vocab_note}.
 - *acceptance a1*: greedy acceptance of the first draft at K=1; *vs bf16*: that divided by the
@@ -277,7 +288,16 @@ Per K (decode tok/s, overall acceptance):
 
 {per_k_table(results, ks)}
 """
-    if mx.default_device() == mx.cpu:
+    if mx.default_device() == mx.cpu and products.on_native():
+        doc += """
+**Speed on this machine.** Every product runs on mtpserve's native kernel: 4- and 8-bit weights
+multiply their codes as integers by activations quantized to 8 bits (a scale per 32), bf16
+weights are widened in registers. On this small model a step is mostly mlx dispatching small
+ops rather than reading weights, so the trunks decode at about the same speed whatever their
+bits; at full size the bytes read per token set it (docs/BENCHMARKS.md, "The native product
+kernel"). Acceptance and memory are what these rows show.
+"""
+    elif mx.default_device() == mx.cpu:
         doc += """
 **Speed on this machine.** mlx's CPU quantized matmul is several times slower than a float32
 BLAS matmul here and its cost grows linearly with the number of rows, so the quantized
