@@ -20,7 +20,8 @@ int failures = 0;
 
 void run(ColumnsKernel k, WeightView w, const std::vector<float>& x, int rows, int64_t stride, std::vector<float>& y) {
   y.assign(rows * w.out, 0.f);
-  ProductArgs a{x.data(), stride, rows, w, y.data(), Real::f32};
+  QuantizedRows quantized;
+  ProductArgs a{x.data(), stride, rows, w, y.data(), Real::f32, &quantized};
   k(a, 0, w.out);
 }
 

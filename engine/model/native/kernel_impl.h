@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace mtpserve {
@@ -228,16 +229,9 @@ inline bool integer_affine(const WeightView& wv) {
   return wv.group % b == 0 || b % wv.group == 0;
 }
 
-// Activation rows as 8-bit integers (laid out for `Bits`-bit codes) and one fp32 scale per
-// run, followed by V::W zero scales so that a block's lanes may read past the last run.
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scales;
-  std::vector<int32_t> run_sums;  // each run's sum of q: rows x (in / kRun)
-  int64_t q_stride = 0;
-  int64_t scale_stride = 0;
-};
-
+// Fills `out` (products.h) from the activation rows: 8-bit integers laid out for `Bits`-bit
+// codes, one fp32 scale per run followed by V::W zero scales (a block's lanes may read past
+// the last run), each run's sum of q.
 template <class V, int Bits>
 inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
                           QuantizedRows& out) {
@@ -375,7 +369,6 @@ inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int 
   }
 }
 
-// Every row tile of one J-row tile of 4- or 8-bit weights over [k0, k0 + kn).
 // n reals of `type` from element `first` of `src` as fp32 in `dst`, then zeros up to `padded`.
 template <class V>
 inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, float* dst,
@@ -486,8 +479,6 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
     scratch.resize(J * scratch_stride);
   thread_local std::vector<float> tile_scales;  // integer path: a tile's scales of one chunk
   thread_local std::vector<float> tile_biases;  // and its biases, laid out alike
-  thread_local std::vector<float> sums;         // every row's sums of x over each group
-  thread_local QuantizedRows quantized;         // the activation rows as 8-bit integers
   int64_t gs_stride = 0;
   if (integer) {
     const int64_t groups = chunk / wv.group;
@@ -496,13 +487,18 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
     if (tile_biases.size() < static_cast<size_t>(J * (groups + V::W)))
       tile_biases.resize(J * (groups + V::W));
     gs_stride = in / wv.group;
-    if (sums.size() < static_cast<size_t>(a.rows * gs_stride)) sums.resize(a.rows * gs_stride);
-    if (wv.bits == 4)
-      quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, quantized);
-    else
-      quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, quantized);
-    group_sums(quantized, a.rows, in, wv.group, sums.data());
+    // once a product, by whichever of its column blocks starts first
+    std::call_once(a.quantized->once, [&] {
+      QuantizedRows& xq = *a.quantized;
+      if (wv.bits == 4)
+        quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, xq);
+      else
+        quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, xq);
+      xq.group_sums.resize(static_cast<size_t>(a.rows * gs_stride));
+      group_sums(xq, a.rows, in, wv.group, xq.group_sums.data());
+    });
   }
+  const QuantizedRows* quantized = a.quantized;
   alignas(64) reg acc[kBlockRows][J];
   float bias_acc[kBlockRows][J];  // affine: each output's sum of group sums times biases
   for (int t_begin = 0; t_begin < a.rows; t_begin += kBlockRows) {
@@ -527,12 +523,12 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
           }
           row_tiles<V>(rows, jn, tn, kn, xk, a.x_stride, acc);
         } else if (integer) {
-          const float* gs = sums.data() + t_begin * gs_stride;
+          const float* gs = quantized->group_sums.data() + t_begin * gs_stride;
           if (wv.bits == 8)
-            code_tiles<V, 8>(wv, j0, jn, k0, kn, tn, quantized, t_begin, gs, gs_stride,
+            code_tiles<V, 8>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
                              tile_scales.data(), tile_biases.data(), acc, bias_acc);
           else
-            code_tiles<V, 4>(wv, j0, jn, k0, kn, tn, quantized, t_begin, gs, gs_stride,
+            code_tiles<V, 4>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
                              tile_scales.data(), tile_biases.data(), acc, bias_acc);
         } else if (wv.kind == WeightKind::f32) {
           F32Rows<V> rows{};

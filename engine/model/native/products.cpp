@@ -224,8 +224,9 @@ void compute(
   thread_local std::vector<float> widened;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
   widen_rows(x, rows, in, stride, widened.data());
+  QuantizedRows quantized;
   ProductArgs args{widened.data(), stride, static_cast<int>(rows), view, y.data<void>(),
-                   real_of(y.dtype())};
+                   real_of(y.dtype()), &quantized};
   const Kernels kernels = current_kernels();
   const ColumnsKernel kernel = kernels.columns;
   const auto& pool = kernels.pool;
