@@ -235,7 +235,8 @@ def main() -> int:
 
     from engine.model import products
 
-    if mx.default_device() == mx.cpu and products.on_native():
+    on_kernel = mx.default_device() == mx.cpu and products.on_native()
+    if on_kernel:
         loading_note = (
             "On CPU the weights load as stored (bf16 stays bf16, packed quantized weights stay"
             " packed) and the engine carries float32 activations."
@@ -288,7 +289,7 @@ Per K (decode tok/s, overall acceptance):
 
 {per_k_table(results, ks)}
 """
-    if mx.default_device() == mx.cpu and products.on_native():
+    if on_kernel:
         doc += """
 **Speed on this machine.** Every product runs on mtpserve's native kernel: 4- and 8-bit weights
 multiply their codes as integers by activations quantized to 8 bits (a scale per 32), bf16
