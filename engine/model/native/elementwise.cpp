@@ -30,7 +30,7 @@ using namespace nb::literals;
 namespace mtpserve {
 namespace {
 
-void convolve(std::vector<mx::array>& in, mx::array& out, bool has_bias) {
+MTPSERVE_VECTOR_CLONES void convolve(std::vector<mx::array>& in, mx::array& out, bool has_bias) {
   thread_local std::vector<float> window_scratch, taps_scratch, bias_scratch;
   const float* window = packed(in[0], window_scratch);  // [B, T + K - 1, C]
   const float* taps = packed(in[1], taps_scratch);      // [K, C]: tap j of every channel
@@ -103,7 +103,7 @@ mx::array causal_conv_silu(const mx::array& window, const mx::array& taps,
 }
 
 // silu(gate) * up over packed rows.
-void swiglu_rows(std::vector<mx::array>& in, mx::array& out) {
+MTPSERVE_VECTOR_CLONES void swiglu_rows(std::vector<mx::array>& in, mx::array& out) {
   thread_local std::vector<float> gate_scratch, up_scratch;
   const float* gate = packed(in[0], gate_scratch);
   const float* up = packed(in[1], up_scratch);

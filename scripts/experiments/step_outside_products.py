@@ -1,0 +1,81 @@
+"""One trunk forward of N positions with every product replaced by zeros: what a decode step
+(N = 1) or a verify (N = K + 1) costs outside its products, and what a verify that keeps fewer
+positions than it ran adds (the Gated-DeltaNet states replayed to the kept position). The same
+forward ``engine.scheduling.costs.estimate_costs`` times, with the vocabulary projection;
+lowest and mean milliseconds over ``--iterations`` after three warm-ups::
+
+    python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B --positions 5
+    python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B --positions 5 --keep 1
+
+Run it under ``perf record -g`` to see where those milliseconds go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from engine import blas  # noqa: E402  (preloads the fast BLAS before mlx)
+
+blas.use_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+import engine.model.products as products  # noqa: E402
+from engine.model.mtp import project_to_vocab  # noqa: E402
+from engine.model.trunk import trunk_hidden  # noqa: E402
+from engine.runtime import Engine  # noqa: E402
+from sampling.params import SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--positions", type=int, default=1)
+    parser.add_argument("--keep", type=int, help="positions the commit keeps (default: all)")
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--products", action="store_true", help="keep the real products")
+    args = parser.parse_args()
+    n, keep = args.positions, args.keep or args.positions
+
+    engine = Engine.load(args.model, draft_tokens=0, dtype="auto")
+    if not args.products:
+
+        def zeros_of(module: nn.Module, x: mx.array) -> mx.array:
+            return mx.zeros(x.shape[:-1] + (module.get("weight").shape[0],), dtype=x.dtype)
+
+        def zeros_times(x: mx.array, weight: mx.array) -> mx.array:
+            return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
+
+        products._on_kernel, products.multiply = zeros_of, zeros_times
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(n)]
+    seq = engine.new_sequence(ids[:1], SamplingParams(temperature=0.0), draft=True)
+
+    def forward() -> None:
+        hidden = trunk_hidden(engine.trunk, mx.array([ids]), seq.trunk_cache, capture=True)
+        mx.eval(hidden, project_to_vocab(engine.trunk, hidden), seq.trunk_cache.arrays())
+        seq.trunk_cache.commit(keep, n)
+
+    for _ in range(3):
+        forward()
+    best, start = float("inf"), time.perf_counter()
+    for _ in range(args.iterations):
+        t = time.perf_counter()
+        forward()
+        best = min(best, time.perf_counter() - t)
+    mean = (time.perf_counter() - start) / args.iterations
+    what = "with products" if args.products else "products as zeros"
+    print(
+        f"{n} positions, keeping {keep}, {what}: lowest {1e3 * best:.2f} ms, mean {1e3 * mean:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
