@@ -274,11 +274,15 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
 }
 
 // The codes of one J-row tile over a chunk, and each row's fp32 scales from the chunk's first
-// group (followed by V::W zeros).
+// group (followed by V::W zeros): row j's codes at codes + j * row_bytes, its scales at
+// scales + j * scale_stride (two registers address every row, where eight pointers each left
+// the loop too few for its own work).
 template <class V>
 struct CodeRows {
-  const uint8_t* codes[V::J];
-  const float* scales[V::J];
+  const uint8_t* codes = nullptr;
+  int64_t row_bytes = 0;
+  const float* scales = nullptr;
+  int64_t scale_stride = 0;
   int64_t ahead = 0;  // bytes from a row to the same row of the next tile
 };
 
@@ -296,8 +300,11 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
   for (int r = 0; r < RN; ++r)
     for (int j = 0; j < JN; ++j) c[r][j] = acc[r][jb + j];
   const int64_t n = blocks + (tail_bytes ? 1 : 0);
+  // the group of each block's first lane, m * B / group, without a division a block
+  const int64_t groups_a_block = B >= group ? B / group : 0;
+  const int64_t blocks_a_group = B >= group ? 1 : group / B;
+  int64_t g = 0, blocks_left = blocks_a_group;
   for (int64_t m = 0; m < n; ++m) {
-    const int64_t g = m * B / group;  // the group of the block's first lane
     reg xsc[RN];
     for (int r = 0; r < RN; ++r) xsc[r] = V::expand(xscale + r * xss + m * B / kRun, runs);
     if constexpr (Bits == 4) {
@@ -307,12 +314,12 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
         odd[r] = V::bytes(q + r * qs + m * B + BB);
       }
       for (int j = 0; j < JN; ++j) {
-        const uint8_t* p = w.codes[jb + j] + m * BB;
+        const uint8_t* p = w.codes + (jb + j) * w.row_bytes + m * BB;
         if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
         const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
         const ireg lo = V::low_nibbles(v);
         const ireg hi = V::high_nibbles(v);
-        const reg ws = V::expand(w.scales[jb + j] + g, lanes);
+        const reg ws = V::expand(w.scales + (jb + j) * w.scale_stride + g, lanes);
         for (int r = 0; r < RN; ++r) {
           const ireg d = V::dot_u4(V::dot_u4(V::izero(), lo, even[r]), hi, odd[r]);
           c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
@@ -322,15 +329,21 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
       ireg xq[RN];
       for (int r = 0; r < RN; ++r) xq[r] = V::bytes(q + r * qs + m * B);
       for (int j = 0; j < JN; ++j) {
-        const uint8_t* p = w.codes[jb + j] + m * BB;
+        const uint8_t* p = w.codes + (jb + j) * w.row_bytes + m * BB;
         if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
         const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
-        const reg ws = V::expand(w.scales[jb + j] + g, lanes);
+        const reg ws = V::expand(w.scales + (jb + j) * w.scale_stride + g, lanes);
         for (int r = 0; r < RN; ++r) {
           const ireg d = V::dot_u8(V::izero(), v, xq[r]);
           c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
         }
       }
+    }
+    if (groups_a_block) {
+      g += groups_a_block;
+    } else if (--blocks_left == 0) {
+      ++g;
+      blocks_left = blocks_a_group;
     }
   }
   for (int r = 0; r < RN; ++r)
@@ -413,14 +426,15 @@ inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int
   const int64_t groups = kn / wv.group;
   const int64_t stride = groups + V::W;
   CodeRows<V> rows{};
-  rows.ahead = V::J * wv.in * Bits / 8;
+  rows.row_bytes = wv.in * Bits / 8;
+  rows.codes = static_cast<const uint8_t*>(wv.data) + j0 * rows.row_bytes + k0 * Bits / 8;
+  rows.scales = tile_scales;
+  rows.scale_stride = stride;
+  rows.ahead = V::J * rows.row_bytes;
   for (int j = 0; j < jn; ++j) {
-    const int64_t row = j0 + j;
-    rows.codes[j] = static_cast<const uint8_t*>(wv.data) + row * (wv.in * Bits / 8) + k0 * Bits / 8;
-    const int64_t g0 = row * groups_per_row + k0 / wv.group;
+    const int64_t g0 = (j0 + j) * groups_per_row + k0 / wv.group;
     widen_padded<V>(wv.scales, wv.scale_type, g0, groups, tile_scales + j * stride, stride);
     widen_padded<V>(wv.biases, wv.scale_type, g0, groups, tile_biases + j * stride, stride);
-    rows.scales[j] = tile_scales + j * stride;
   }
   const int64_t blocks = kn / B;
   const int tail_bytes = static_cast<int>((kn % B) * Bits / 8);
