@@ -403,18 +403,17 @@ inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, f
   V::store(dst + n, V::zero());
 }
 
-// The dot product of n fp32 values, a vector at a time then one horizontal sum.
+// acc + a[i] * b[i] lane by lane over n fp32 values (b readable a whole vector past n).
 template <class V>
-inline float dot(const float* a, const float* b, int64_t n) {
+inline typename V::reg fma_lanes(const float* a, const float* b, int64_t n, typename V::reg acc) {
   constexpr int W = V::W;
-  typename V::reg s = V::zero();
   int64_t i = 0;
-  for (; i + W <= n; i += W) s = V::fma(V::load(a + i), V::load(b + i), s);
+  for (; i + W <= n; i += W) acc = V::fma(V::load(a + i), V::load(b + i), acc);
   if (i < n) {
     const int tail = static_cast<int>(n - i);
-    s = V::fma(V::load_partial(a + i, tail), V::load_partial(b + i, tail), s);
+    acc = V::fma(V::load_partial(a + i, tail), V::load_partial(b + i, tail), acc);
   }
-  return V::sum(s);
+  return acc;
 }
 
 // Every row tile of one J-row tile of 4- or 8-bit weights over [k0, k0 + kn).
@@ -423,7 +422,7 @@ template <class V, int Bits>
 inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int64_t kn, int tn,
                        const QuantizedRows& xq, int t_begin, const float* group_sums,
                        int64_t gs_stride, float* tile_scales, float* tile_biases,
-                       typename V::reg (*acc)[V::J], float (*bias_acc)[V::J]) {
+                       typename V::reg (*acc)[V::J]) {
   constexpr int B = block_codes<Bits, V>();
   const int64_t groups_per_row = wv.in / wv.group;
   const int64_t groups = kn / wv.group;
@@ -450,11 +449,12 @@ inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int
     code_rows<V, Bits>(std::min(V::AR, tn - t0), jn, rows, blocks, tail_bytes, wv.group,
                        q + t0 * xq.q_stride, xq.q_stride, xscale + t0 * xq.scale_stride,
                        xq.scale_stride, lanes, runs, acc + t0);
-  // the biases: each row's group sums of x against each column's biases
+  // the biases: each row's group sums of x against each column's biases, lane by lane into
+  // the same accumulators (one horizontal sum an output, not two)
   const float* gs = group_sums + k0 / wv.group;
   for (int t = 0; t < tn; ++t)
     for (int j = 0; j < jn; ++j)
-      bias_acc[t][j] += dot<V>(gs + t * gs_stride, tile_biases + j * stride, groups);
+      acc[t][j] = fma_lanes<V>(gs + t * gs_stride, tile_biases + j * stride, groups, acc[t][j]);
 }
 
 // Each row's sum of its quantized x over each group, run by run in order:
@@ -517,17 +517,13 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   }
   const QuantizedRows* quantized = a.quantized;
   alignas(64) reg acc[kBlockRows][J];
-  float bias_acc[kBlockRows][J];  // affine: each output's sum of group sums times biases
   for (int t_begin = 0; t_begin < a.rows; t_begin += kBlockRows) {
     const int tn = std::min(kBlockRows, a.rows - t_begin);
     const float* xb = a.x + t_begin * a.x_stride;
     for (int64_t j0 = first; j0 < last; j0 += J) {
       const int jn = static_cast<int>(std::min<int64_t>(J, last - j0));
       for (int t = 0; t < tn; ++t)
-        for (int j = 0; j < J; ++j) {
-          acc[t][j] = V::zero();
-          bias_acc[t][j] = 0.0f;
-        }
+        for (int j = 0; j < J; ++j) acc[t][j] = V::zero();
       for (int64_t k0 = 0; k0 < in; k0 += chunk) {
         const int64_t kn = std::min(chunk, in - k0);
         const float* xk = xb + k0;
@@ -543,10 +539,10 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
           const float* gs = quantized->group_sums.data() + t_begin * gs_stride;
           if (wv.bits == 8)
             code_tiles<V, 8>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
-                             tile_scales.data(), tile_biases.data(), acc, bias_acc);
+                             tile_scales.data(), tile_biases.data(), acc);
           else
             code_tiles<V, 4>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
-                             tile_scales.data(), tile_biases.data(), acc, bias_acc);
+                             tile_scales.data(), tile_biases.data(), acc);
         } else if (wv.kind == WeightKind::f32) {
           F32Rows<V> rows{};
           rows.ahead = J * in * 4;
@@ -571,7 +567,7 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
       for (int t = 0; t < tn; ++t)
         for (int j = 0; j < jn; ++j)
           store_real(a.y, a.y_type, (t_begin + t) * out + j0 + j,
-                     V::sum(acc[t][j]) + bias_acc[t][j]);
+                     V::sum(acc[t][j]));
     }
   }
 }
