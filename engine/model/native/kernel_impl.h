@@ -382,9 +382,9 @@ inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int 
   }
 }
 
-// n reals of `type` from element `first` of `src` as fp32 in `dst`, then V::W zeros (a tile
-// widens two short runs a row, 16 floats at the 0.8B shape: anything but the vector loop and
-// one store of zeros cost as much as the tile's products).
+// n reals of `type` from element `first` of `src` as fp32 in `dst`, then V::W zeros (two short
+// runs for each row of a tile, 16 floats at the 0.8B shape: with a fill and a scalar tail call
+// they took a quarter of a 4-bit product's samples).
 template <class V>
 inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, float* dst) {
   constexpr int W = V::W;
