@@ -161,8 +161,9 @@ def summary(results: dict) -> str:
         k0 = [results[(trunk, h)]["rows"]["0"]["tps"] for h in HEADS]
         lines.append(
             f"K=0 of the {name(trunk)} trunk (identical in its three rows) measured "
-            f"{min(k0):.0f}-{max(k0):.0f} tok/s: differences below ~"
-            f"{(max(k0) - min(k0)) / min(k0):.0%} are noise on this shared machine."
+            f"{min(k0):.0f}-{max(k0):.0f} tok/s, {(max(k0) - min(k0)) / min(k0):.1%} apart: "
+            "the same weights, so that much of a difference between rows is this shared "
+            "machine's noise."
         )
     return "\n".join(f"- {line}" for line in lines)
 
