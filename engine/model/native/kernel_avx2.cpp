@@ -42,7 +42,6 @@ struct Avx2 {
   static reg load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static reg broadcast(float v) { return _mm256_set1_ps(v); }
   // -- integers: 32 bytes a vector, 8 int32 lanes --
   using ireg = __m256i;
   static ireg izero() { return _mm256_setzero_si256(); }

@@ -40,7 +40,6 @@ struct Avx512 {
   static reg load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static reg broadcast(float v) { return _mm512_set1_ps(v); }
   // -- integers: 64 bytes a vector, 16 int32 lanes --
   using ireg = __m512i;
   static ireg izero() { return _mm512_setzero_si512(); }

@@ -231,17 +231,20 @@ inline bool integer_affine(const WeightView& wv) {
 
 // Fills `out` (products.h) from the activation rows: 8-bit integers laid out for `Bits`-bit
 // codes, one fp32 scale per run followed by V::W zero scales (a block's lanes may read past
-// the last run), each run's sum of q.
+// the last run), and each group's sum of the quantized x, scale times the run's sum of q run
+// by run in order: group_sums[t * (in / group) + g].
 template <class V, int Bits>
-inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
+inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in, int group,
                           QuantizedRows& out) {
   constexpr int B = block_codes<Bits, V>();
   const int64_t runs = in / kRun;
+  const int64_t groups = in / group;
+  const int runs_a_group = group / kRun;
   out.q_stride = round_up(in, B);
   out.scale_stride = runs + V::W;
   out.q.assign(static_cast<size_t>(rows * out.q_stride), 0);
   out.scales.assign(static_cast<size_t>(rows * out.scale_stride), 0.0f);
-  out.run_sums.assign(static_cast<size_t>(rows * runs), 0);
+  out.group_sums.assign(static_cast<size_t>(rows * groups), 0.0f);
   for (int t = 0; t < rows; ++t) {
     const float* xr = x + t * xs;
     int8_t* qr = out.q.data() + t * out.q_stride;
@@ -254,13 +257,15 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
         amax = std::max(amax, std::fabs(xg[i]));
       }
       // a non-finite activation makes its outputs NaN, as a float product would
-      out.scales[t * out.scale_stride + run] = finite ? amax / 127.0f : std::nanf("");
+      const float scale = finite ? amax / 127.0f : std::nanf("");
+      out.scales[t * out.scale_stride + run] = scale;
       const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t run_sum = 0;
       for (int i = 0; i < kRun; ++i) {
         const int64_t p = run * kRun + i;  // position in the row
         const float v = std::nearbyint(xg[i] * inverse);
         const int8_t code = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-        out.run_sums[t * runs + run] += code;
+        run_sum += code;
         if constexpr (Bits == 4) {
           const int64_t block = p / B;
           const int64_t r = p % B;
@@ -269,6 +274,8 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in,
           qr[p] = code;
         }
       }
+      float& sum = out.group_sums[t * groups + run / runs_a_group];
+      sum = __builtin_fmaf(scale, static_cast<float>(run_sum), sum);
     }
   }
 }
@@ -403,7 +410,7 @@ inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, f
   V::store(dst + n, V::zero());
 }
 
-// acc + a[i] * b[i] lane by lane over n fp32 values (b readable a whole vector past n).
+// acc + a[i] * b[i] lane by lane over n fp32 values.
 template <class V>
 inline typename V::reg fma_lanes(const float* a, const float* b, int64_t n, typename V::reg acc) {
   constexpr int W = V::W;
@@ -457,24 +464,6 @@ inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int
       acc[t][j] = fma_lanes<V>(gs + t * gs_stride, tile_biases + j * stride, groups, acc[t][j]);
 }
 
-// Each row's sum of its quantized x over each group, run by run in order:
-// sums[t * (in / group) + g].
-inline void group_sums(const QuantizedRows& xq, int rows, int64_t in, int group, float* sums) {
-  const int64_t groups = in / group;
-  const int64_t runs = in / kRun;
-  const int per_group = group / kRun;
-  for (int t = 0; t < rows; ++t)
-    for (int64_t g = 0; g < groups; ++g) {
-      float v = 0.0f;
-      for (int i = 0; i < per_group; ++i) {
-        const int64_t run = g * per_group + i;
-        v = __builtin_fmaf(xq.scales[t * xq.scale_stride + run],
-                           static_cast<float>(xq.run_sums[t * runs + run]), v);
-      }
-      sums[t * groups + g] = v;
-    }
-}
-
 template <class V>
 void columns(const ProductArgs& a, int64_t first, int64_t last) {
   using reg = typename V::reg;
@@ -508,11 +497,9 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
     std::call_once(a.quantized->once, [&] {
       QuantizedRows& xq = *a.quantized;
       if (wv.bits == 4)
-        quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, xq);
+        quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, wv.group, xq);
       else
-        quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, xq);
-      xq.group_sums.resize(static_cast<size_t>(a.rows * gs_stride));
-      group_sums(xq, a.rows, in, wv.group, xq.group_sums.data());
+        quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, wv.group, xq);
     });
   }
   const QuantizedRows* quantized = a.quantized;

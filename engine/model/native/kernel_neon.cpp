@@ -38,7 +38,6 @@ struct Neon {
   static reg load_f16(const uint16_t* p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
   }
-  static reg broadcast(float v) { return vdupq_n_f32(v); }
   // -- integers: 16 bytes a vector, 4 int32 lanes --
   using ireg = int32x4_t;
   static ireg izero() { return vdupq_n_s32(0); }

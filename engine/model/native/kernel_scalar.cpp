@@ -27,7 +27,6 @@ struct Scalar {
   static float sum(reg v) { return v; }
   static reg load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static reg load_f16(const uint16_t* p) { return half_to_float(*p); }
-  static reg broadcast(float v) { return v; }
   // -- integers: a "vector" of 4 bytes, one int32 lane (the sum kept in the same 32 bits) --
   using ireg = uint32_t;
   static ireg izero() { return 0; }

@@ -28,23 +28,22 @@ struct WeightView {
   int64_t in;
 };
 
-// One product's operands, as every kernel sees them. `x` is the activation widened to fp32,
-// `rows` rows of `x_stride` floats each, zero from column `in` to the end of the row (so that
-// a kernel may read whole vectors past the end of a row).
 // The activation rows as the 4- and 8-bit path multiplies them (kernel_impl.h,
 // quantize_rows): 8-bit integers laid out for the codes, one fp32 scale per run of 32 (then
-// zero scales a vector wide), each run's integer sum and each group's sum of the quantized x.
-// One product's column blocks share them: the first block to start fills them (`once`).
+// zero scales a vector wide) and each group's sum of the quantized x. One product's column
+// blocks share them: the first block to start fills them (`once`).
 struct QuantizedRows {
   std::once_flag once;
   std::vector<int8_t> q;
   std::vector<float> scales;
-  std::vector<int32_t> run_sums;
   std::vector<float> group_sums;
   int64_t q_stride = 0;
   int64_t scale_stride = 0;
 };
 
+// One product's operands, as every kernel sees them. `x` is the activation widened to fp32,
+// `rows` rows of `x_stride` floats each, zero from column `in` to the end of the row (so that
+// a kernel may read whole vectors past the end of a row).
 struct ProductArgs {
   const float* x;
   int64_t x_stride;
