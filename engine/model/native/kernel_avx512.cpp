@@ -1,5 +1,6 @@
-// AVX-512 (F, BW, VL, DQ) with FMA and F16C, and VNNI where compiled with it: 16 floats a vector, tiles of 3 rows by 8 columns
-// (28 of the 32 registers; eight weight rows streamed at once read memory faster than four).
+// AVX-512 (F, BW, VL, DQ) with FMA and F16C, and VNNI where compiled with it: 16 floats a
+// vector, tiles of up to 3 rows by 8 columns (28 of the 32 registers; eight weight rows streamed
+// at once read memory faster than four) or of 4-5 rows by 4 columns.
 #include <immintrin.h>
 
 #include "products.h"
@@ -20,8 +21,12 @@ namespace {
 struct Avx512 {
   using reg = __m512;
   static constexpr int W = 16;
-  static constexpr int R = 3;
+  static constexpr int R = 5;
   static constexpr int J = 8;
+  // weight rows a tile of `rows` activation rows: all eight up to three rows, four beyond
+  // (RN + 1 + RN * JN registers), so that a verify's five rows stream the weights from memory
+  // together rather than as a tile of three and a tile of two that reads them from cache
+  static constexpr int columns(int rows) { return rows <= 3 ? J : J / 2; }
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 3;
   static constexpr int AJ = 4;

@@ -77,6 +77,7 @@ struct HalfRows {  // bf16 or fp16 rows, widened in registers
 template <class V, int RN, int JN, class Rows>
 inline void tile(
     const Rows& w,
+    int jb,  // the tile's first column within the J-row tile
     int64_t steps,
     int tail,
     const float* x,
@@ -86,7 +87,7 @@ inline void tile(
   constexpr int W = V::W;
   reg c[RN][JN];
   for (int r = 0; r < RN; ++r)
-    for (int j = 0; j < JN; ++j) c[r][j] = acc[r][j];
+    for (int j = 0; j < JN; ++j) c[r][j] = acc[r][jb + j];
   // the RN activation vectors stay in registers while each weight vector is loaded and used
   // once: RN + 1 + RN * JN registers
   for (int64_t s = 0; s < steps; ++s) {
@@ -94,8 +95,8 @@ inline void tile(
     reg xv[RN];
     for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);
     for (int j = 0; j < JN; ++j) {
-      w.prefetch(j, k);
-      const reg wj = w.load(j, k);
+      w.prefetch(jb + j, k);
+      const reg wj = w.load(jb + j, k);
       for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
@@ -104,30 +105,33 @@ inline void tile(
     reg xv[RN];
     for (int r = 0; r < RN; ++r) xv[r] = V::load(x + r * x_stride + k);  // zero past the end
     for (int j = 0; j < JN; ++j) {
-      const reg wj = w.load_tail(j, k, tail);
+      const reg wj = w.load_tail(jb + j, k, tail);
       for (int r = 0; r < RN; ++r) c[r][j] = V::fma(wj, xv[r], c[r][j]);
     }
   }
   for (int r = 0; r < RN; ++r)
-    for (int j = 0; j < JN; ++j) acc[r][j] = c[r][j];
+    for (int j = 0; j < JN; ++j) acc[r][jb + j] = c[r][j];
 }
 
-template <class V, int RN, int JN = V::J, class Rows>
-inline void tile_jn(int jn, const Rows& w, int64_t steps, int tail, const float* x, int64_t xs,
-                    typename V::reg (*acc)[V::J]) {
+template <class V, int RN, int JN, class Rows>
+inline void tile_jn(int jn, const Rows& w, int jb, int64_t steps, int tail, const float* x,
+                    int64_t xs, typename V::reg (*acc)[V::J]) {
   if constexpr (JN > 1) {
-    if (jn < JN) return tile_jn<V, RN, JN - 1>(jn, w, steps, tail, x, xs, acc);
+    if (jn < JN) return tile_jn<V, RN, JN - 1>(jn, w, jb, steps, tail, x, xs, acc);
   }
-  tile<V, RN, JN>(w, steps, tail, x, xs, acc);
+  tile<V, RN, JN>(w, jb, steps, tail, x, xs, acc);
 }
 
+// RN rows of one J-row tile, V::columns(RN) of its columns at a time.
 template <class V, int RN = V::R, class Rows>
 inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, const float* x,
                     int64_t xs, typename V::reg (*acc)[V::J]) {
   if constexpr (RN > 1) {
     if (rn < RN) return tile_rn<V, RN - 1>(rn, jn, w, steps, tail, x, xs, acc);
   }
-  tile_jn<V, RN>(jn, w, steps, tail, x, xs, acc);
+  constexpr int JN = V::columns(RN);
+  for (int jb = 0; jb < jn; jb += JN)
+    tile_jn<V, RN, JN>(std::min(JN, jn - jb), w, jb, steps, tail, x, xs, acc);
 }
 
 // Decodes codes [k0, k0 + n) of one affine-quantized row to fp32 in `dst` (k0 a multiple of

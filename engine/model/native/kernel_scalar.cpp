@@ -17,6 +17,8 @@ struct Scalar {
   static constexpr int W = 1;
   static constexpr int R = 1;
   static constexpr int J = 4;
+  // weight rows a tile of `rows` activation rows
+  static constexpr int columns(int /*rows*/) { return J; }
   static constexpr int AR = 1;
   static constexpr int AJ = 4;
   static reg zero() { return 0.0f; }
