@@ -10,8 +10,10 @@ vocabulary projection, each a weight of its own (random values: speed does not d
 all evaluated together as one step evaluates them. For each dtype and row count T it reports
 ms per token, the bytes of weights read per second (T=1) against ``read`` — every byte of the
 same weight arrays read once on the kernel's threads (the same memory: a fresh array's pages
-read slower than ones the kernel has been reading for a while), best of the runs before and
-after the dtype's products — and the T-row time as a multiple of one row's. mlx's own product
+read slower than ones the kernel has been reading for a while) — and the T-row time as a
+multiple of one row's; the read and every row count take turns, repeat by repeat, best of each
+(this machine's bandwidth wanders by a third over minutes: timed one after the other, a ratio
+measured the drift). mlx's own product
 of the same weights is timed at T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and
 quantized weights). ``--crossover`` times fp32 products of many rows (prefill) on the kernel and
 on BLIS with every core, to place ``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds
@@ -225,14 +227,26 @@ def main() -> int:
         weights = make_weights(dtype)
         size = nbytes(weights)
         entry: dict = {"bytes": size, "native_ms": {}, "mlx_ms": {}}
-        read_before = read_gbps(weights, args.repeats)
+        # every row count and the read measurement take turns, repeat by repeat (best of
+        # each), so that the machine's drift (its bandwidth wanders by a third over minutes)
+        # hits them alike and their ratios mean something
+        xs = {t: inputs(t, dtype) for t in rows}
+        runs = {t: (lambda x=xs[t], w=weights, d=dtype: native_token(w, x, d)) for t in rows}
+        for run in runs.values():
+            mx.eval(run())  # warm: first-call allocations
+        best = dict.fromkeys(rows, float("inf"))
+        read = 0.0
+        for _ in range(args.repeats):
+            read = max(read, read_gbps(weights, 1))
+            for t, run in runs.items():
+                start = time.perf_counter()
+                mx.eval(run())
+                best[t] = min(best[t], time.perf_counter() - start)
         for t in rows:
-            x = inputs(t, dtype)
-            entry["native_ms"][t] = (
-                seconds(lambda x=x, w=weights, d=dtype: native_token(w, x, d), args.repeats) * 1e3
-            )
+            entry["native_ms"][t] = best[t] * 1e3
             if t in mlx_rows:
                 n = args.repeats if dtype == "f32" else 1
+                x = inputs(t, dtype)
                 entry["mlx_ms"][t] = (
                     seconds(lambda x=x, w=weights, d=dtype: mlx_token(w, x, d), n) * 1e3
                 )
@@ -242,7 +256,7 @@ def main() -> int:
                 flush=True,
             )
         one = entry["native_ms"][rows[0]]
-        entry["read_gbps"] = max(read_before, read_gbps(weights, args.repeats))
+        entry["read_gbps"] = read
         entry["gbps_t1"] = size / (one / 1e3) / 1e9
         entry["of_read"] = entry["gbps_t1"] / entry["read_gbps"]
         print(f"{dtype}: read {entry['read_gbps']:.1f} GB/s", flush=True)
