@@ -2,10 +2,15 @@
 (N = 1) or a verify (N = K + 1) costs outside its products, and what a verify that keeps fewer
 positions than it ran adds (the Gated-DeltaNet states replayed to the kept position). The same
 forward ``engine.scheduling.costs.estimate_costs`` times, with the vocabulary projection;
-lowest and mean milliseconds over ``--iterations`` after three warm-ups::
+lowest, mean and median milliseconds over ``--iterations`` after three warm-ups. Several
+position counts take turns, one forward each an iteration, so that the VM's drifting memory
+speed hits them alike, and each is also given over the first (with ``--products``: a verify
+over a plain step)::
 
     python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B --positions 5
     python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B --positions 5 --keep 1
+    python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B \
+        --positions 1,2,3,4,5 --products --iterations 20
 
 Run it under ``perf record -g`` to see where those milliseconds go.
 """
@@ -13,6 +18,7 @@ Run it under ``perf record -g`` to see where those milliseconds go.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,12 +43,12 @@ from sampling.params import SamplingParams  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--positions", type=int, default=1)
-    parser.add_argument("--keep", type=int, help="positions the commit keeps (default: all)")
+    parser.add_argument("--positions", default="1", help="one count, or several to take turns")
+    parser.add_argument("--keep", type=int, help="positions each commit keeps (default: all)")
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--products", action="store_true", help="keep the real products")
     args = parser.parse_args()
-    n, keep = args.positions, args.keep or args.positions
+    counts = [int(n) for n in args.positions.split(",")]
 
     engine = Engine.load(args.model, draft_tokens=0, dtype="auto")
     if not args.products:
@@ -54,26 +60,38 @@ def main() -> int:
             return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
 
         products._on_kernel, products.multiply = zeros_of, zeros_times
-    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(n)]
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max(counts))]
     seq = engine.new_sequence(ids[:1], SamplingParams(temperature=0.0), draft=True)
 
-    def forward() -> None:
-        hidden = trunk_hidden(engine.trunk, mx.array([ids]), seq.trunk_cache, capture=True)
+    def forward(n: int) -> float:
+        # a commit that keeps fewer positions replays the states lazily, inside the next forward
+        start = time.perf_counter()
+        hidden = trunk_hidden(engine.trunk, mx.array([ids[:n]]), seq.trunk_cache, capture=True)
         mx.eval(hidden, project_to_vocab(engine.trunk, hidden), seq.trunk_cache.arrays())
-        seq.trunk_cache.commit(keep, n)
+        seq.trunk_cache.commit(min(args.keep or n, n), n)
+        return time.perf_counter() - start
 
-    for _ in range(3):
-        forward()
-    best, start = float("inf"), time.perf_counter()
-    for _ in range(args.iterations):
-        t = time.perf_counter()
-        forward()
-        best = min(best, time.perf_counter() - t)
-    mean = (time.perf_counter() - start) / args.iterations
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for iteration in range(args.iterations + 3):
+        for n in counts:
+            seconds = forward(n)
+            if iteration >= 3:
+                times[n].append(seconds)
     what = "with products" if args.products else "products as zeros"
-    print(
-        f"{n} positions, keeping {keep}, {what}: lowest {1e3 * best:.2f} ms, mean {1e3 * mean:.2f}"
-    )
+    first = times[counts[0]]
+    for n in counts:
+        low, mean, mid = min(times[n]), statistics.mean(times[n]), statistics.median(times[n])
+        over = (
+            f"; over {counts[0]}: lowest {low / min(first):.2f}, median "
+            f"{mid / statistics.median(first):.2f}"
+            if len(counts) > 1
+            else ""
+        )
+        keep = min(args.keep or n, n)
+        print(
+            f"{n} positions, keeping {keep}, {what}: lowest {1e3 * low:.2f} ms, mean "
+            f"{1e3 * mean:.2f}, median {1e3 * mid:.2f}{over}"
+        )
     return 0
 
 
