@@ -246,9 +246,8 @@ def main() -> int:
             entry["native_ms"][t] = best[t] * 1e3
             if t in mlx_rows:
                 n = args.repeats if dtype == "f32" else 1
-                x = inputs(t, dtype)
                 entry["mlx_ms"][t] = (
-                    seconds(lambda x=x, w=weights, d=dtype: mlx_token(w, x, d), n) * 1e3
+                    seconds(lambda x=xs[t], w=weights, d=dtype: mlx_token(w, x, d), n) * 1e3
                 )
             print(
                 f"{dtype} T={t}: kernel {entry['native_ms'][t]:.2f} ms"

@@ -3,8 +3,9 @@
 // flags).
 //
 // Layout of the work, for output columns [first, last):
-// - tiles of V::J weight rows (output columns) by V::R activation rows, every (row, column)
-//   sum in one vector accumulator of its own;
+// - tiles of V::J weight rows (output columns) by up to V::R activation rows, taken
+//   V::columns(rows) weight rows at a time, every (row, column) sum in one vector accumulator
+//   of its own;
 // - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
 //   registers: a tile's first row tile reads them from memory, the next ones from cache, and
 //   prefetches the next tile's); 4- and 8-bit affine codes are read in registers too, as

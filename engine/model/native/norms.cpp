@@ -38,7 +38,8 @@ float sum_of_squares(const float* x, int64_t n) {
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w [* silu(gate)], row by row, in fp32 (silu: exp.h's).
-MTPSERVE_VECTOR_CLONES void normalize(std::vector<mx::array>& in, mx::array& out, float eps, bool gated) {
+MTPSERVE_VECTOR_CLONES void normalize(std::vector<mx::array>& in, mx::array& out, float eps,
+                                      bool gated) {
   thread_local std::vector<float> x, w, gate, act;
   const mx::array& xs = in[0];
   const int64_t dim = xs.shape(-1);
