@@ -22,7 +22,7 @@ from engine.model.delta_rule import (
     native_delta_rule,
 )
 from engine.model.norms import gated_rms_norm
-from engine.model.products import linear
+from engine.model.products import linear, linears
 
 
 class GDNLayerState:
@@ -201,11 +201,8 @@ def gated_deltanet(
     capture (prefill) it is ``delta_rule_prefill``'s closed-form blocks on CPUs and mlx-lm's
     elsewhere (its kernel on Metal)."""
     B, T, _ = x.shape
-    flat = x.reshape(B * T, -1)  # 2-D products: no flatten/unflatten around each of them
-    qkv = linear(m.in_proj_qkv, flat).reshape(B, T, -1)
-    z = linear(m.in_proj_z, flat).reshape(B, T, m.num_v_heads, m.head_v_dim)
-    b = linear(m.in_proj_b, flat).reshape(B, T, -1)
-    a = linear(m.in_proj_a, flat).reshape(B, T, -1)
+    qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x)
+    z = z.reshape(B, T, m.num_v_heads, m.head_v_dim)
 
     conv_state = state.conv
     if conv_state is None:
@@ -247,7 +244,7 @@ def gated_deltanet(
     else:
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B * T, -1)).reshape(B, T, -1)
+    out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B, T, -1))
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
         out = mx.distributed.all_sum(out, group=m.sharding_group)

@@ -21,6 +21,7 @@ widened to float32 for it, one weight at a time: mlx has no fast CPU product for
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import mlx.core as mx
@@ -134,43 +135,96 @@ def linear(module: nn.Module, x: mx.array) -> mx.array:
     return mlx_products.linear(module, x) if out is None else out
 
 
-def _on_kernel(module: nn.Module, x: mx.array) -> mx.array | None:
-    """``x @ module.weight.T`` (plus the bias) by the kernel, for an ``nn.Linear``,
-    ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection;
-    None where the kernel does not take it (not on a CPU, not built, a type mlx would promote
-    differently). A product of more than ``NATIVE_MAX_ROWS`` rows is BLAS's, by float32 weights.
-    """
+def linears(modules: Sequence[nn.Module], x: mx.array) -> list[mx.array]:
+    """``[linear(m, x) for m in modules]``: on the kernel one op for them all (a layer's
+    projections of one normed input), where it takes every one of them. mlx evaluates each op
+    of a decode step as its own task on its stream's thread (a few microseconds each, and a
+    small model's step is several hundred of them), so the projections of a Gated-DeltaNet
+    layer's input (four), an MLP's gate and up and an attention layer's queries, keys and
+    values each take one op instead of one a weight: the outputs are bit for bit the same."""
+    outs = _on_kernel_together(modules, x) if len(modules) > 1 else None
+    return [linear(module, x) for module in modules] if outs is None else outs
+
+
+def _on_kernel_together(modules: Sequence[nn.Module], x: mx.array) -> list[mx.array] | None:
+    """``linears`` by one op of the kernel; None unless the kernel takes every product."""
+    operands = [_operand(module, x) for module in modules]
+    if any(operand is None for operand in operands):
+        return None
+    outs = _native.products(x, operands)
+    return [
+        out if (bias := module.get("bias")) is None else out + bias
+        for out, module in zip(outs, modules, strict=True)
+    ]
+
+
+#: a weight as the kernel takes it: (w, scales, biases, bits, group size)
+_Operand = tuple[mx.array, mx.array | None, mx.array | None, int, int]
+
+
+def _operand(module: nn.Module, x: mx.array) -> _Operand | None:
+    """``module``'s weight as the kernel multiplies ``x`` by it, for an ``nn.Linear``,
+    ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection
+    of at most ``NATIVE_MAX_ROWS`` rows; None where the kernel does not take it (not on a CPU,
+    not built, more rows, a type mlx would promote differently)."""
+    weight = _kernel_weight(module, x)
+    if weight is None or x.size // x.shape[-1] > NATIVE_MAX_ROWS:
+        return None
+    if weight.dtype == mx.uint32:
+        quantized = _quantized(module)
+        if quantized is None:
+            return None
+        return weight, module["scales"], module["biases"], *quantized
+    if weight.dtype in _FLOATS and (x.dtype == weight.dtype or x.dtype == mx.float32):
+        return weight, None, None, 0, 0
+    return None
+
+
+def _kernel_weight(module: nn.Module, x: mx.array) -> mx.array | None:
+    """The weight of a layer whose product with ``x`` the kernel's path takes (on a CPU with
+    the kernel, a float ``x``, a layer type it knows); None otherwise."""
     if not on_native() or x.dtype not in _FLOATS or type(module) not in _PROJECTIONS:
         return None
-    weight = module.get("weight")
-    if weight is None:
+    return module.get("weight")
+
+
+def _on_kernel(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ module.weight.T`` (plus the bias) by the kernel (``_operand``); a product of more
+    than ``NATIVE_MAX_ROWS`` rows is BLAS's, by float32 weights; None where neither takes it."""
+    operand = _operand(module, x)
+    if operand is not None:
+        weight, scales, biases, bits, group = operand
+        out = _native.product(x, weight, scales, biases, bits=bits, group_size=group)
+    else:
+        out = _many_rows(module, x)
+        if out is None:
+            return None
+    bias = module.get("bias")
+    return out if bias is None else out + bias
+
+
+def _many_rows(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ module.weight.T`` by BLAS for a product of more than ``NATIVE_MAX_ROWS`` rows on a
+    CPU with the kernel (half-precision and quantized weights widened to float32 for it); None
+    where the kernel's products do not apply."""
+    weight = _kernel_weight(module, x)
+    if weight is None or x.size // x.shape[-1] <= NATIVE_MAX_ROWS:
         return None
-    many = x.size // x.shape[-1] > NATIVE_MAX_ROWS
     if weight.dtype == mx.uint32:
         quantized = _quantized(module)
         if quantized is None:
             return None
         bits, group = quantized
         scales, biases = module["scales"], module["biases"]
-        if many:
-            wide = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
-            out = x @ wide.astype(x.dtype).T
-        else:
-            out = _native.product(x, weight, scales, biases, bits=bits, group_size=group)
-    elif weight.dtype in _FLOATS:
-        out = _dense(x, weight, many)
-        if out is None:
-            return None
-    else:
-        return None
-    bias = module.get("bias")
-    return out if bias is None else out + bias
+        wide = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+        return x @ wide.astype(x.dtype).T
+    return _dense(x, weight, True)
 
 
 def _dense(x: mx.array, weight: mx.array, many: bool) -> mx.array | None:
     """``x @ weight.T`` for a float weight on a CPU with the kernel: BLAS for ``many`` rows;
     None where mlx would promote x to a wider weight type (the kernel returns x's type)."""
-    if x.dtype != weight.dtype and x.dtype != mx.float32:
+    if weight.dtype not in _FLOATS or (x.dtype != weight.dtype and x.dtype != mx.float32):
         return None
     return x @ weight.astype(x.dtype).T if many else _native.product(x, weight)
 

@@ -30,7 +30,7 @@ from engine.model.activations import sigmoid, swiglu
 from engine.model.attention import RowKVCache, attend_rows
 from engine.model.delta_rule import capture_of
 from engine.model.gated_deltanet import BatchCommit, GDNLayerState, gated_deltanet
-from engine.model.products import linear
+from engine.model.products import linear, linears
 
 
 class TrunkCache:
@@ -196,9 +196,8 @@ def mlp(layer: nn.Module, x: mx.array) -> mx.array:
     m = layer.mlp
     if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
         return m(x)
-    flat = x.reshape(-1, x.shape[-1])  # 2-D products: no flatten/unflatten around each
-    out = linear(m.down_proj, swiglu(linear(m.gate_proj, flat), linear(m.up_proj, flat)))
-    return out.reshape(x.shape)
+    gate, up = linears([m.gate_proj, m.up_proj], x)
+    return linear(m.down_proj, swiglu(gate, up))
 
 
 def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
@@ -255,11 +254,12 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
 
     def block(x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         B, L, _ = x.shape
-        normed = layer.input_layernorm(x).reshape(B * L, -1)  # 2-D products
-        queries = linear(a.q_proj, normed).reshape(B, L, a.num_attention_heads, -1)
+        normed = layer.input_layernorm(x)
+        queries, keys, values = linears([a.q_proj, a.k_proj, a.v_proj], normed)
+        queries = queries.reshape(B, L, a.num_attention_heads, -1)
         queries, gate = mx.split(queries, 2, -1)
-        keys = linear(a.k_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
-        values = linear(a.v_proj, normed).reshape(B, L, a.num_key_value_heads, -1)
+        keys = keys.reshape(B, L, a.num_key_value_heads, -1)
+        values = values.reshape(B, L, a.num_key_value_heads, -1)
         queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset) * a.scale
         keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
@@ -271,10 +271,9 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     a = layer.self_attn
 
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
-        B, L, H = x.shape
-        attended = attended.transpose(0, 2, 1, 3).reshape(B * L, -1)
-        out = linear(a.o_proj, attended * sigmoid(gate.reshape(B * L, -1)))
-        h = x + out.reshape(B, L, H)
+        B, L, _ = x.shape
+        attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        h = x + linear(a.o_proj, attended * sigmoid(gate))
         return h + mlp(layer, layer.post_attention_layernorm(h))
 
     return block

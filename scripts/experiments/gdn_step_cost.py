@@ -47,13 +47,21 @@ def main() -> int:
     args = parser.parse_args()
 
     engine = Engine.load(args.model, draft_tokens=0, dtype="auto")
-    real = (products._on_kernel, products.multiply, gated_deltanet.causal_conv)
+    real = (
+        products._on_kernel,
+        products.multiply,
+        gated_deltanet.causal_conv,
+        products._on_kernel_together,
+    )
 
     def zeros_of(module, x):  # a projection's output shape, no product
         return mx.zeros(x.shape[:-1] + (module.get("weight").shape[0],), dtype=x.dtype)
 
     def zeros_times(x, weight):
         return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
+
+    def zeros_together(modules, x):
+        return [zeros_of(module, x) for module in modules]
 
     def use(setting: str, zeros: bool) -> None:
         native = setting != "mlx"
@@ -62,6 +70,7 @@ def main() -> int:
             real[2] if setting == "native" else (lambda conv, window: conv(window))
         )
         products._on_kernel, products.multiply = (zeros_of, zeros_times) if zeros else real[:2]
+        products._on_kernel_together = zeros_together if zeros else real[3]
         for _, module in engine.trunk.named_modules():
             module.__dict__.pop("_mtpserve_compiled", None)
 

@@ -59,7 +59,11 @@ def main() -> int:
         def zeros_times(x: mx.array, weight: mx.array) -> mx.array:
             return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
 
+        def zeros_together(modules: list[nn.Module], x: mx.array) -> list[mx.array]:
+            return [zeros_of(module, x) for module in modules]
+
         products._on_kernel, products.multiply = zeros_of, zeros_times
+        products._on_kernel_together = zeros_together
     ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max(counts))]
     seq = engine.new_sequence(ids[:1], SamplingParams(temperature=0.0), draft=True)
 

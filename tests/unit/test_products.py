@@ -223,3 +223,49 @@ def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
         assert np.array_equal(together, alone), name
         reference = layer.as_linear(x) if name == "table" else layer(x)
         assert np.allclose(together, np.array(reference.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
+def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> None:
+    """``products`` (a layer's projections of one input in one op) gives every weight bit for bit
+    its own ``product``, whatever mix of kinds and sizes shares the op and whatever the thread
+    count; ``products.linears`` takes it for layers the kernel takes, one layer at a time
+    otherwise."""
+    import mlx.nn as nn
+
+    x = mx.array(_random((2, 3, 128), 21))
+    packed4 = mx.quantize(mx.array(_random((48, 128), 22)), group_size=64, bits=4)
+    packed8 = mx.quantize(mx.array(_random((8, 128), 23)), group_size=32, bits=8)
+    weights = [
+        (mx.array(_random((1000, 128), 24)), None, None, 0, 0),
+        (mx.array(_random((3, 128), 25)).astype(mx.bfloat16), None, None, 0, 0),
+        (*packed4, 4, 64),
+        (mx.array(_random((16, 128), 26)).astype(mx.float16), None, None, 0, 0),
+        (*packed8, 8, 32),
+    ]
+    before = native.threads()
+    try:
+        for threads in (1, 2, 3):
+            native.set_threads(threads)
+            together = native.products(x, weights)
+            for out, (w, scales, biases, bits, group) in zip(together, weights, strict=True):
+                alone = native.product(x, w, scales, biases, bits=bits, group_size=group)
+                assert out.shape == (2, 3, w.shape[0])
+                assert np.array_equal(np.array(out), np.array(alone)), (threads, bits, w.dtype)
+    finally:
+        native.set_threads(before)
+    with pytest.raises(ValueError):
+        native.products(x, [])
+    with pytest.raises(ValueError):
+        native.products(x, [(mx.zeros((4, 127)), None, None, 0, 0)])
+
+    class Sharded(nn.Linear):  # another type (a tensor-parallel layer): its own product
+        pass
+
+    mx.random.seed(4)
+    layers = [nn.Linear(128, 40, bias=True), nn.QuantizedLinear(128, 64, group_size=64, bits=4)]
+    layers.append(Sharded(128, 24))
+    mx.eval([layer.parameters() for layer in layers])
+    for modules in (layers[:2], layers):
+        got = products.linears(modules, x)
+        for out, layer in zip(got, modules, strict=True):
+            assert np.array_equal(np.array(out), np.array(products.linear(layer, x)))

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <sched.h>
@@ -195,102 +196,175 @@ namespace {
 constexpr int64_t kParallelBytes = 64 << 10;
 
 
-void compute(
-    const mx::array& x,
-    const std::vector<mx::array>& weight,
-    int bits,
-    int group,
-    mx::array& y) {
-  const mx::array& w = weight[0];
-  const int64_t in = x.shape(-1);
-  const int64_t rows = in == 0 ? 0 : x.size() / in;
-  const int64_t out = y.shape(-1);
-  if (rows == 0 || out == 0) return;
+// How one weight of a product is stored: dense (`bits` 0) or affine-quantized; `inputs` is
+// how many of the primitive's inputs it takes (1, or 3 with its scales and biases).
+struct WeightSpec {
+  int bits;
+  int group;
+  int inputs() const { return bits > 0 ? 3 : 1; }
+  bool operator==(const WeightSpec&) const = default;
+};
+
+WeightView view_of(const mx::array* weight, const WeightSpec& spec, int64_t in, int64_t out) {
   WeightView view{};
-  if (bits > 0) {
+  const mx::array& w = weight[0];
+  if (spec.bits > 0) {
     view.kind = WeightKind::affine;
     view.scales = weight[1].data<void>();
     view.biases = weight[2].data<void>();
     view.scale_type = real_of(weight[1].dtype());
-    view.bits = bits;
-    view.group = group;
+    view.bits = spec.bits;
+    view.group = spec.group;
   } else {
     view.kind = static_cast<WeightKind>(static_cast<int>(real_of(w.dtype())));
   }
   view.data = w.data<void>();
   view.out = out;
   view.in = in;
+  return view;
+}
+
+// y_i = x @ W_i^T for every weight W_i of `weights` (laid out as `specs` say), x widened once
+// and every product's column blocks shared out together on the pool: the outputs are bit for
+// bit those of one product per weight.
+void compute(const mx::array& x, const std::vector<mx::array>& weights,
+             const std::vector<WeightSpec>& specs, std::vector<mx::array>& ys) {
+  const int64_t in = x.shape(-1);
+  const int64_t rows = in == 0 ? 0 : x.size() / in;
+  if (rows == 0) return;
   const int64_t stride = (in + kPad - 1) / kPad * kPad;
   thread_local std::vector<float> widened;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
   widen_rows(x, rows, in, stride, widened.data());
-  QuantizedRows quantized;
-  ProductArgs args{widened.data(), stride, static_cast<int>(rows), view, y.data<void>(),
-                   real_of(y.dtype()), &quantized};
+  const size_t n = specs.size();
+  std::vector<QuantizedRows> quantized(n);
+  std::vector<ProductArgs> args;
+  args.reserve(n);
+  int64_t bytes = 0;
+  const mx::array* weight = weights.data();
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t out = ys[i].shape(-1);
+    args.push_back({widened.data(), stride, static_cast<int>(rows),
+                    view_of(weight, specs[i], in, out), ys[i].data<void>(),
+                    real_of(ys[i].dtype()), &quantized[i]});
+    bytes += static_cast<int64_t>(weight->nbytes());
+    weight += specs[i].inputs();
+  }
   const Kernels kernels = current_kernels();
   const ColumnsKernel kernel = kernels.columns;
   const auto& pool = kernels.pool;
   const int threads = pool->threads();
-  if (threads == 1 || static_cast<int64_t>(w.nbytes()) < kParallelBytes) {
-    kernel(args, 0, out);
+  if (threads == 1 || bytes < kParallelBytes) {
+    for (const auto& a : args) kernel(a, 0, a.w.out);
     return;
   }
-  // columns in blocks handed out in turn: a thread that the OS delays takes fewer of them, and
-  // one that has not started by the time the blocks run out takes none
-  const int64_t per = (out + threads * 4 - 1) / (threads * 4);
-  const int64_t block = std::min<int64_t>(4096, std::max<int64_t>(16, (per + 15) / 16 * 16));
-  const int64_t blocks = (out + block - 1) / block;
-  pool->share(blocks,
-              [&](int64_t b) { kernel(args, b * block, std::min(out, (b + 1) * block)); });
+  // each product's columns in blocks, all products' blocks handed out in turn: a thread that
+  // the OS delays takes fewer of them, and one that has not started by the time the blocks run
+  // out takes none
+  std::vector<int64_t> block(n), first_block(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t out = args[i].w.out;
+    const int64_t per = (out + threads * 4 - 1) / (threads * 4);
+    block[i] = std::min<int64_t>(4096, std::max<int64_t>(16, (per + 15) / 16 * 16));
+    first_block[i + 1] = first_block[i] + (out + block[i] - 1) / block[i];
+  }
+  pool->share(first_block[n], [&](int64_t b) {
+    size_t i = 0;
+    while (b >= first_block[i + 1]) ++i;
+    const int64_t first = (b - first_block[i]) * block[i];
+    kernel(args[i], first, std::min(args[i].w.out, first + block[i]));
+  });
 }
 
 // -- the primitive ------------------------------------------------------------------------------
 
-class RowsProduct : public mx::UnaryPrimitive {
+// x @ W_i^T for one or several weights W_i that share the input x (a layer's projections of
+// one normed input): inputs x, then each weight as `specs` lays it out; one output a weight.
+class RowsProduct : public mx::Primitive {
  public:
-  RowsProduct(mx::Stream stream, int bits, int group)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_(group) {}
+  RowsProduct(mx::Stream stream, std::vector<WeightSpec> specs)
+      : mx::Primitive(stream), specs_(std::move(specs)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (size_t i = 1; i < inputs.size(); ++i)
       if (!inputs[i].flags().row_contiguous)
         throw std::invalid_argument("RowsProduct: weights must be row-contiguous");
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> weight;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      encoder.set_input_array(inputs[i]);
-      if (i > 0) weight.push_back(mx::array::unsafe_weak_copy(inputs[i]));
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                      weight = std::move(weight),
-                      y = mx::array::unsafe_weak_copy(out),
-                      bits = bits_,
-                      group = group_]() mutable { compute(x, weight, bits, group, y); });
+    dispatch(stream(), inputs, outputs, [specs = specs_](auto& in, auto& out) {
+      std::vector<mx::array> weights(in.begin() + 1, in.end());
+      compute(in[0], weights, specs, out);
+    });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("RowsProduct runs on the CPU only");
   }
 
   const char* name() const override { return "RowsProduct"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const RowsProduct&>(other);
-    return bits_ == o.bits_ && group_ == o.group_;
+    return specs_ == static_cast<const RowsProduct&>(other).specs_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    mx::Shape shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
-    return {shape};
+    std::vector<mx::Shape> shapes;
+    size_t w = 1;
+    for (const auto& spec : specs_) {
+      mx::Shape shape = inputs[0].shape();
+      shape.back() = inputs[w].shape(0);
+      shapes.push_back(std::move(shape));
+      w += spec.inputs();
+    }
+    return shapes;
   }
 
  private:
-  int bits_;
-  int group_;
+  std::vector<WeightSpec> specs_;
 };
+
+// One weight's operands checked against `in`, appended to `inputs`; its spec.
+WeightSpec add_weight(std::vector<mx::array>& inputs, int64_t in, const mx::array& w,
+                      const std::optional<mx::array>& scales,
+                      const std::optional<mx::array>& biases, int bits, int group_size) {
+  if (w.ndim() != 2) throw std::invalid_argument("product: x [..., in], w [out, in]");
+  inputs.push_back(w);
+  if (bits == 0) {
+    real_of(w.dtype());
+    if (w.shape(1) != in) throw std::invalid_argument("product: x and w disagree on `in`");
+    return {0, 0};
+  }
+  if (!(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8))
+    throw std::invalid_argument("product: bits must be 2, 3, 4, 5, 6 or 8");
+  if (!scales || !biases) throw std::invalid_argument("product: quantized w needs scales and biases");
+  if (w.dtype() != mx::uint32) throw std::invalid_argument("product: packed w must be uint32");
+  if (group_size <= 0 || in % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != in * bits)
+    throw std::invalid_argument("product: packed w does not match in, bits and group_size");
+  const mx::Shape expected{w.shape(0), static_cast<int>(in / group_size)};
+  if (scales->shape() != expected || biases->shape() != expected)
+    throw std::invalid_argument("product: scales and biases must be [out, in / group_size]");
+  real_of(scales->dtype());
+  if (biases->dtype() != scales->dtype()) throw std::invalid_argument("product: biases' type");
+  inputs.push_back(*scales);
+  inputs.push_back(*biases);
+  return {bits, group_size};
+}
+
+std::vector<mx::array> products_of(const mx::array& x, std::vector<mx::array> inputs,
+                                   std::vector<WeightSpec> specs) {
+  auto stream = cpu_stream("product");
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  size_t w = 1;
+  for (const auto& spec : specs) {
+    mx::Shape shape = x.shape();
+    shape.back() = inputs[w].shape(0);
+    shapes.push_back(std::move(shape));
+    dtypes.push_back(x.dtype());
+    w += spec.inputs();
+  }
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<RowsProduct>(stream, std::move(specs)),
+                                std::move(inputs));
+}
 
 mx::array product(
     const mx::array& x,
@@ -299,34 +373,26 @@ mx::array product(
     const std::optional<mx::array>& biases,
     int bits,
     int group_size) {
-  auto stream = cpu_stream("product");
-  if (x.ndim() < 1 || w.ndim() != 2) throw std::invalid_argument("product: x [..., in], w [out, in]");
+  if (x.ndim() < 1) throw std::invalid_argument("product: x [..., in], w [out, in]");
   real_of(x.dtype());
-  const int64_t in = x.shape(-1);
-  std::vector<mx::array> inputs{x, w};
-  if (bits == 0) {
-    real_of(w.dtype());
-    if (w.shape(1) != in) throw std::invalid_argument("product: x and w disagree on `in`");
-  } else {
-    if (!(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8))
-      throw std::invalid_argument("product: bits must be 2, 3, 4, 5, 6 or 8");
-    if (!scales || !biases) throw std::invalid_argument("product: quantized w needs scales and biases");
-    if (w.dtype() != mx::uint32) throw std::invalid_argument("product: packed w must be uint32");
-    if (group_size <= 0 || in % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != in * bits)
-      throw std::invalid_argument("product: packed w does not match in, bits and group_size");
-    const mx::Shape expected{w.shape(0), static_cast<int>(in / group_size)};
-    if (scales->shape() != expected || biases->shape() != expected)
-      throw std::invalid_argument("product: scales and biases must be [out, in / group_size]");
-    real_of(scales->dtype());
-    if (biases->dtype() != scales->dtype()) throw std::invalid_argument("product: biases' type");
-    inputs.push_back(*scales);
-    inputs.push_back(*biases);
-  }
-  mx::Shape shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(
-      std::move(shape), x.dtype(), std::make_shared<RowsProduct>(stream, bits, group_size),
-      std::move(inputs));
+  std::vector<mx::array> inputs{x};
+  std::vector<WeightSpec> specs{add_weight(inputs, x.shape(-1), w, scales, biases, bits, group_size)};
+  return products_of(x, std::move(inputs), std::move(specs))[0];
+}
+
+// A weight as Python hands it to `products`: (w, scales, biases, bits, group_size).
+using WeightArgs =
+    std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, int, int>;
+
+std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights) {
+  if (x.ndim() < 1 || weights.empty())
+    throw std::invalid_argument("products: x [..., in] and at least one weight");
+  real_of(x.dtype());
+  std::vector<mx::array> inputs{x};
+  std::vector<WeightSpec> specs;
+  for (const auto& [w, scales, biases, bits, group] : weights)
+    specs.push_back(add_weight(inputs, x.shape(-1), w, scales, biases, bits, group));
+  return products_of(x, std::move(inputs), std::move(specs));
 }
 
 // Seconds to read every byte of `a` once on the pool's threads (each reading its own slices):
@@ -416,6 +482,14 @@ NB_MODULE(_products, m) {
       "group_size"_a = 0,
       "x @ w.T for w [out, in] in float32/bfloat16/float16, or mlx's affine-quantized layout "
       "(packed uint32 codes with scales and biases, as mx.quantize writes); lazy, like any op.");
+  m.def(
+      "products",
+      &products,
+      "x"_a,
+      "weights"_a,
+      "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
+      "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
+      "are bit for bit `product`'s.");
   m.def("isa", [] {
     std::lock_guard<std::mutex> guard(state_lock);
     ensure_state();
