@@ -260,11 +260,24 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
         queries, gate = mx.split(queries, 2, -1)
         keys = keys.reshape(B, L, a.num_key_value_heads, -1)
         values = values.reshape(B, L, a.num_key_value_heads, -1)
-        queries = a.rope(a.q_norm(queries).transpose(0, 2, 1, 3), offset=offset) * a.scale
-        keys = a.rope(a.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        queries = rotated(a.rope, a.q_norm(queries), offset, a.scale)
+        keys = rotated(a.rope, a.k_norm(keys), offset)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
 
     return block
+
+
+def rotated(rope: nn.Module, x: mx.array, offset: mx.array, factor: float = 1.0) -> mx.array:
+    """``rope(x.transpose(0, 2, 1, 3), offset=offset) * factor`` for ``x [B, L, H, D]``: on a CPU
+    with the native kernel one op (``Rope``) for mlx-lm's plain ``nn.RoPE``, where mlx has no
+    CPU kernel for ``mx.fast.rope`` and evaluates it as ~13 ops of its own, plus the transpose
+    and the scale (the same formulas in float32: a few ulp apart; every path of an engine runs
+    the same op, so exactness between them is unchanged). Other RoPE variants keep mlx-lm's."""
+    native = products.native_for(x)
+    if native is not None and type(rope) is nn.RoPE and offset.dtype == mx.int32:
+        return native.rope(x, offset, rope.dims, rope.base, rope.scale, rope.traditional, factor)
+    out = rope(x.transpose(0, 2, 1, 3), offset=offset)
+    return out if factor == 1.0 else out * factor
 
 
 def _attention_out(layer: nn.Module) -> Callable[..., Any]:

@@ -1,9 +1,9 @@
-"""The native elementwise ops (engine/model/native/elementwise.cpp): the causal conv + silu
-and SwiGLU against numpy in float64 (silu's exp is a polynomial within ~2 ulp, mlx's path
-powf); the bit-identities decoding relies on — a position's conv output does not depend on
-how many positions are computed with it, and the 16-lane and one-at-a-time silu agree — for
-every length decoding and prefill use, taps of every float type, with and without a bias,
-strided inputs; one lazy primitive each; their errors."""
+"""The native elementwise ops (engine/model/native/elementwise.cpp): the causal conv + silu,
+SwiGLU and the rotary embedding against numpy in float64 (silu's exp is a polynomial within
+~2 ulp, mlx's path powf); the bit-identities decoding relies on — a position's conv or rotary
+output does not depend on how many positions are computed with it, and the 16-lane and
+one-at-a-time silu agree — for every length decoding and prefill use, taps of every float
+type, with and without a bias, strided inputs; one lazy primitive each; their errors."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from engine.model import products
 from engine.model.activations import swiglu
 from engine.model.gated_deltanet import causal_conv_silu
+from engine.model.trunk import rotated
 
 native = products.native()
 pytestmark = pytest.mark.skipif(native is None, reason="the native kernel is not built")
@@ -112,3 +113,43 @@ def test_one_lazy_primitive_each() -> None:
 def test_bad_operands_are_refused(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def _rope_reference(x: np.ndarray, offsets: list[int], dims: int, base: float) -> np.ndarray:
+    """mlx's rotary embedding (non-traditional) in float64, [B, L, H, D] -> [B, H, L, D]."""
+    half = dims // 2
+    frequency = np.exp(-np.arange(half) * (np.log(base) / half))
+    out = x.astype(np.float64).copy()
+    for b, offset in enumerate(offsets):
+        theta = (np.arange(x.shape[1]) + offset)[:, None, None] * frequency  # [L, 1, half]
+        x1, x2 = out[b, ..., :half].copy(), out[b, ..., half:dims].copy()
+        out[b, ..., :half] = x1 * np.cos(theta) - x2 * np.sin(theta)
+        out[b, ..., half:dims] = x1 * np.sin(theta) + x2 * np.cos(theta)
+    return out.transpose(0, 2, 1, 3)
+
+
+def test_rope_matches_numpy_and_mlx_and_each_position_is_its_own() -> None:
+    """The rotary embedding of queries or keys, transposed and scaled in one op: within float32
+    rounding of the float64 formula and of mlx's own ``mx.fast.rope``, per-row offsets for a
+    batch, and a position's output the same bits whichever positions share the op."""
+    rope = nn.RoPE(64, base=1e7)
+    x = mx.random.normal((3, 5, 4, 256), key=mx.random.key(5))
+    offsets = [0, 17, 300]
+    got = rotated(rope, x, mx.array(offsets), 0.5)
+    assert got.shape == (3, 4, 5, 256)
+    want = _rope_reference(np.array(x), offsets, 64, 1e7) * 0.5
+    assert np.abs(np.array(got) - want).max() < 1e-5
+    for b, offset in enumerate(offsets):
+        theirs = rope(x[b : b + 1].transpose(0, 2, 1, 3), offset=offset) * 0.5
+        assert np.abs(np.array(got[b : b + 1]) - np.array(theirs)).max() < 1e-5
+        for t in range(5):  # position t alone, at its own offset
+            alone = rotated(rope, x[b : b + 1, t : t + 1], mx.array(offset + t), 0.5)
+            assert np.array_equal(np.array(alone), np.array(got[b : b + 1, :, t : t + 1]))
+    traditional = nn.RoPE(64, traditional=True, base=1e7)
+    theirs = traditional(x[:1].transpose(0, 2, 1, 3), offset=9)
+    ours = rotated(traditional, x[:1], mx.array(9))
+    assert np.abs(np.array(ours) - np.array(theirs)).max() < 1e-5
+    with pytest.raises(ValueError, match="offset"):
+        native.rope(x, mx.array([1, 2]), 64, 1e7, 1.0, False)
+    with pytest.raises(ValueError, match="dims"):
+        native.rope(x, mx.array(1), 63, 1e7, 1.0, False)

@@ -1,6 +1,7 @@
 // Elementwise mlx primitives of a decode step, on the CPU: `CausalConvSilu` (a Gated-DeltaNet
 // layer's depthwise causal conv over the window of its last K - 1 inputs and the T new ones,
-// then silu) and `SwiGlu` (an MLP's silu(gate) * up). mlx runs each as one compiled
+// then silu), `SwiGlu` (an MLP's silu(gate) * up) and `Rope` (an attention layer's rotary
+// embedding of its queries or keys). mlx runs each of the first two as one compiled
 // elementwise kernel that evaluates exp through glibc's powf one element at a time (~10 ns an
 // element: ~55 us a 0.8B layer's conv for one position, ~255 us for five); here silu is
 // exp.h's 16-lane polynomial.
@@ -140,9 +141,114 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(stream), {gate, up});
 }
 
+// The rotary embedding of x [B, L, H, D] at positions offset_b + l, written as [B, H, L, D]
+// (the layout attention takes) and times `factor`: what mlx's mx.fast.rope computes on a CPU,
+// where it has no kernel and runs as ~13 ops of its own (positions, frequencies, cos, sin, the
+// two rotated halves and their concatenation) plus the transpose and the scale around it. The
+// same formulas in float32: frequency i is exp(-i * (log(base) / (dims / 2))), the angle
+// ((l + offset) * scale) * frequency, each rotated half x1 cos - x2 sin and x1 sin + x2 cos with
+// every product rounded; element by element, so a position's output does not depend on how
+// many positions share the op.
+void rotate(std::vector<mx::array>& in, mx::array& out, int dims, float base, float scale,
+            bool traditional, float factor) {
+  thread_local std::vector<float> x_scratch;
+  const float* x = packed(in[0], x_scratch);
+  const int64_t B = in[0].shape(0), L = in[0].shape(1), H = in[0].shape(2), D = in[0].shape(3);
+  const mx::array& offsets = in[1];
+  const int64_t half = dims / 2;
+  const float step = static_cast<float>(std::log(base) / static_cast<double>(half));
+  std::vector<float> frequency(half), cosine(half), sine(half);
+  for (int64_t i = 0; i < half; ++i) frequency[i] = std::exp(static_cast<float>(-i) * step);
+  float* y = out.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t at = offsets.size() == 1 ? 0 : b * offsets.strides()[0];
+    const float offset = static_cast<float>(offsets.data<int32_t>()[at]);
+    for (int64_t l = 0; l < L; ++l) {
+      const float position = (static_cast<float>(l) + offset) * scale;
+      for (int64_t i = 0; i < half; ++i) {
+        const float theta = position * frequency[i];
+        cosine[i] = std::cos(theta);
+        sine[i] = std::sin(theta);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = x + ((b * L + l) * H + h) * D;
+        float* dst = y + ((b * H + h) * L + l) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t first = traditional ? 2 * i : i;
+          const int64_t second = traditional ? 2 * i + 1 : i + half;
+          const float x1 = src[first], x2 = src[second];
+          dst[first] = (x1 * cosine[i] - x2 * sine[i]) * factor;
+          dst[second] = (x1 * sine[i] + x2 * cosine[i]) * factor;
+        }
+        for (int64_t j = 2 * half; j < D; ++j) dst[j] = src[j] * factor;
+      }
+    }
+  }
+}
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream stream, int dims, float base, float scale, bool traditional, float factor)
+      : mx::UnaryPrimitive(stream),
+        dims_(dims),
+        base_(base),
+        scale_(scale),
+        traditional_(traditional),
+        factor_(factor) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    std::vector<mx::array> outputs{output};
+    dispatch(stream(), inputs, outputs,
+             [dims = dims_, base = base_, scale = scale_, traditional = traditional_,
+              factor = factor_](auto& in, auto& out) {
+               rotate(in, out[0], dims, base, scale, traditional, factor);
+             });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("Rope runs on the CPU only");
+  }
+  const char* name() const override { return "Rope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && base_ == o.base_ && scale_ == o.scale_ &&
+        traditional_ == o.traditional_ && factor_ == o.factor_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& x = inputs[0];
+    return {{x.shape(0), x.shape(2), x.shape(1), x.shape(3)}};
+  }
+
+ private:
+  int dims_;
+  float base_;
+  float scale_;
+  bool traditional_;
+  float factor_;
+};
+
+mx::array rope(const mx::array& x, const mx::array& offset, int dims, float base, float scale,
+               bool traditional, float factor) {
+  auto stream = cpu_stream("rope");
+  if (x.dtype() != mx::float32 || x.ndim() != 4)
+    throw std::invalid_argument("rope: x must be float32 [B, L, H, D]");
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
+    throw std::invalid_argument("rope: dims must be even and at most the head's size");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
+      (offset.size() != 1 && static_cast<int64_t>(offset.size()) != x.shape(0)))
+    throw std::invalid_argument("rope: offset must be int32, one or one a row");
+  mx::Shape shape{x.shape(0), x.shape(2), x.shape(1), x.shape(3)};
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<Rope>(stream, dims, base, scale, traditional, factor),
+                   {x, offset});
+}
+
 }  // namespace
 
 void bind_elementwise(nb::module_& m) {
+  m.def("rope", &rope, "x"_a, "offset"_a, "dims"_a, "base"_a, "scale"_a, "traditional"_a,
+        "factor"_a = 1.0f,
+        "mx.fast.rope(x.transpose(0, 2, 1, 3), dims, ...) * factor in one op: x float32 "
+        "[B, L, H, D], offset int32 (one, or one a row); float32 [B, H, L, D], lazy.");
   m.def("causal_conv_silu", &causal_conv_silu, "window"_a, "taps"_a, "bias"_a = nb::none(),
         "silu(sum_j window[:, t + j] * taps[j] (+ bias)) for t in 0..T-1: a depthwise causal "
         "conv over window [B, T + K - 1, C] float32 with taps [K, C] (any float type); "
