@@ -191,17 +191,24 @@ def repeat_heads(m: nn.Module, x: mx.array) -> mx.array:
 
 
 def gated_deltanet(
-    m: nn.Module, x: mx.array, state: GDNLayerState, capture: bool, start: int = 0
+    m: nn.Module,
+    x: mx.array,
+    state: GDNLayerState,
+    capture: bool,
+    start: int = 0,
+    norm: nn.Module | None = None,
 ) -> mx.array:
-    """mlx-lm's ``GatedDeltaNet`` forward over positions ``start..start+T-1``, optionally
-    capturing the state after each position.
+    """``x`` plus mlx-lm's ``GatedDeltaNet`` forward of ``norm(x)`` (the decoder layer's input
+    norm) over positions ``start..start+T-1``, optionally capturing the state after each
+    position. The norm runs inside the input projections' op and the residual inside the output
+    projection's where the kernel takes them (``products.linears``, ``products.linear``).
 
     With capture (decode steps and verifies) the recurrence is the native kernel's on a CPU that
     has it (``delta_rule_native``), else ``delta_rule_step``/``delta_rule_chunk``. Without
     capture (prefill) it is ``delta_rule_prefill``'s closed-form blocks on CPUs and mlx-lm's
     elsewhere (its kernel on Metal)."""
     B, T, _ = x.shape
-    qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x)
+    qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x, norm)
     z = z.reshape(B, T, m.num_v_heads, m.head_v_dim)
 
     conv_state = state.conv
@@ -244,8 +251,8 @@ def gated_deltanet(
     else:
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    out = linear(m.out_proj, gated_rms_norm(m.norm, y, z).reshape(B, T, -1))
+    gated = gated_rms_norm(m.norm, y, z).reshape(B, T, -1)
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
-        out = mx.distributed.all_sum(out, group=m.sharding_group)
-    return out
+        return x + mx.distributed.all_sum(linear(m.out_proj, gated), group=m.sharding_group)
+    return linear(m.out_proj, gated, residual=x)

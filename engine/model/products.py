@@ -128,30 +128,63 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
     return mlx_products.product(module, x) if out is None else out
 
 
-def linear(module: nn.Module, x: mx.array) -> mx.array:
-    """``module(x)`` for a linear layer: by the kernel on a CPU, else by mlx's own product of its
+def linear(module: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``module(x)`` (plus ``residual``) for a linear layer: by the kernel on a CPU (the residual
+    added inside its one op, column block by column block), else by mlx's own product of its
     prepared views (``mlx_products.linear``)."""
+    if residual is not None:
+        outs = _on_kernel_together([module], x, residual=residual)
+        if outs is not None:
+            return outs[0]
     out = _on_kernel(module, x)
-    return mlx_products.linear(module, x) if out is None else out
+    out = mlx_products.linear(module, x) if out is None else out
+    return out if residual is None else residual + out
 
 
-def linears(modules: Sequence[nn.Module], x: mx.array) -> list[mx.array]:
-    """``[linear(m, x) for m in modules]``: on the kernel one op for them all (a layer's
-    projections of one normed input), where it takes every one of them. mlx evaluates each op
-    of a decode step as its own task on its stream's thread (a few microseconds each, and a
-    small model's step is several hundred of them), so the projections of a Gated-DeltaNet
-    layer's input (four), an MLP's gate and up and an attention layer's queries, keys and
-    values each take one op instead of one a weight: the outputs are bit for bit the same."""
-    outs = _on_kernel_together(modules, x) if len(modules) > 1 else None
-    return [linear(module, x) for module in modules] if outs is None else outs
+def linears(
+    modules: Sequence[nn.Module], x: mx.array, norm: nn.Module | None = None
+) -> list[mx.array]:
+    """``[linear(m, norm(x)) for m in modules]`` (no norm: of x itself): on the kernel one op
+    for them all (a layer's projections of one normed input), where it takes every one of them.
+    mlx evaluates each op of a decode step as its own task on its stream's thread (a few
+    microseconds each, and a small model's step is a few hundred of them), so the projections
+    of a Gated-DeltaNet layer's input (four), an MLP's gate and up and an attention layer's
+    queries, keys and values each take one op instead of one a weight, the RMS norm before them
+    inside it: the outputs are bit for bit the separate ops' (the kernel's norm is the
+    ``RMSNorm`` primitive's arithmetic)."""
+    outs = _on_kernel_together(modules, x, norm=norm)
+    if outs is not None:
+        return outs
+    x = x if norm is None else norm(x)
+    return [linear(module, x) for module in modules]
 
 
-def _on_kernel_together(modules: Sequence[nn.Module], x: mx.array) -> list[mx.array] | None:
-    """``linears`` by one op of the kernel; None unless the kernel takes every product."""
+def _on_kernel_together(
+    modules: Sequence[nn.Module],
+    x: mx.array,
+    norm: nn.Module | None = None,
+    residual: mx.array | None = None,
+) -> list[mx.array] | None:
+    """``linears`` (or ``linear`` with a residual) by one op of the kernel; None unless the
+    kernel takes every product, the norm (an RMS norm) and the residual (float32 throughout)."""
+    if len(modules) < 2 and norm is None and residual is None:
+        return None
     operands = [_operand(module, x) for module in modules]
     if any(operand is None for operand in operands):
         return None
-    outs = _native.products(x, operands)
+    norm_weight, eps = None, 0.0
+    if norm is not None:
+        if not isinstance(norm, nn.RMSNorm) or x.dtype != mx.float32:
+            return None
+        norm_weight, eps = norm["weight"], norm.eps
+    if residual is not None and (
+        x.dtype != mx.float32
+        or residual.dtype != mx.float32
+        or residual.shape != (*x.shape[:-1], operands[0][0].shape[0])
+        or modules[0].get("bias") is not None
+    ):
+        return None
+    outs = _native.products(x, operands, norm_weight=norm_weight, eps=eps, residual=residual)
     return [
         out if (bias := module.get("bias")) is None else out + bias
         for out, module in zip(outs, modules, strict=True)

@@ -136,9 +136,8 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
     start = cache.length
     for layer, c in zip(trunk.layers, cache.layers, strict=True):
         if layer.is_linear:
-            normed = layer.input_layernorm(x)
-            x = x + gated_deltanet(layer.linear_attn, normed, c, capture, start)
-            x = x + mlp(layer, layer.post_attention_layernorm(x))
+            x = gated_deltanet(layer.linear_attn, x, c, capture, start, layer.input_layernorm)
+            x = mlp(layer, x)
         else:
             x = attention_block(layer, x, c)
     return cache.forwarded(trunk.model.norm(x))
@@ -191,13 +190,15 @@ def compiled(
     return blocks[kind]
 
 
-def mlp(layer: nn.Module, x: mx.array) -> mx.array:
-    """The layer's MLP: mlx-lm's dense SwiGLU by ``linear``; any other (experts) as it is."""
+def mlp(layer: nn.Module, h: mx.array) -> mx.array:
+    """``h`` plus the layer's MLP of ``post_attention_layernorm(h)``: mlx-lm's dense SwiGLU by
+    ``linears`` and ``linear`` (the norm inside the gate and up projections' op and the residual
+    inside the down projection's where the kernel takes them); any other (experts) as it is."""
     m = layer.mlp
     if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
-        return m(x)
-    gate, up = linears([m.gate_proj, m.up_proj], x)
-    return linear(m.down_proj, swiglu(gate, up))
+        return h + m(layer.post_attention_layernorm(h))
+    gate, up = linears([m.gate_proj, m.up_proj], h, layer.post_attention_layernorm)
+    return linear(m.down_proj, swiglu(gate, up), residual=h)
 
 
 def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
@@ -205,8 +206,8 @@ def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
 
     def block(x: mx.array, conv: mx.array, recurrent: mx.array) -> tuple[mx.array, ...]:
         state = GDNLayerState(conv, recurrent)
-        h = x + gated_deltanet(m, layer.input_layernorm(x), state, capture=True)
-        h = h + mlp(layer, layer.post_attention_layernorm(h))
+        h = gated_deltanet(m, x, state, capture=True, norm=layer.input_layernorm)
+        h = mlp(layer, h)
         return (h, state.conv_window, *state.capture.outputs())
 
     return block
@@ -254,8 +255,7 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
 
     def block(x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         B, L, _ = x.shape
-        normed = layer.input_layernorm(x)
-        queries, keys, values = linears([a.q_proj, a.k_proj, a.v_proj], normed)
+        queries, keys, values = linears([a.q_proj, a.k_proj, a.v_proj], x, layer.input_layernorm)
         queries = queries.reshape(B, L, a.num_attention_heads, -1)
         queries, gate = mx.split(queries, 2, -1)
         keys = keys.reshape(B, L, a.num_key_value_heads, -1)
@@ -286,8 +286,8 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
         B, L, _ = x.shape
         attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = x + linear(a.o_proj, attended * sigmoid(gate))
-        return h + mlp(layer, layer.post_attention_layernorm(h))
+        h = linear(a.o_proj, attended * sigmoid(gate), residual=x)
+        return mlp(layer, h)
 
     return block
 

@@ -60,7 +60,9 @@ def main() -> int:
     def zeros_times(x, weight):
         return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
 
-    def zeros_together(modules, x):
+    def zeros_together(modules, x, norm=None, residual=None):
+        if residual is not None:  # x @ 0 + residual
+            return [residual]
         return [zeros_of(module, x) for module in modules]
 
     def use(setting: str, zeros: bool) -> None:

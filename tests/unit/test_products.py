@@ -269,3 +269,53 @@ def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> No
         got = products.linears(modules, x)
         for out, layer in zip(got, modules, strict=True):
             assert np.array_equal(np.array(out), np.array(products.linear(layer, x)))
+
+
+def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -> None:
+    """The input's RMS norm inside the projections' op and the residual inside the output
+    projection's: the same bits as ``rms_norm`` then the products, and the product plus the
+    residual, at every thread count; ``linears``/``linear`` take them."""
+    import mlx.nn as nn
+
+    from engine.model.norms import RMSNorm, rms_norm
+
+    x = mx.array(_random((2, 3, 200), 31)) * 3
+    norm_weight = (mx.array(_random((200,), 32)) * 0.1 + 1).astype(mx.bfloat16)
+    packed = mx.quantize(mx.array(_random((64, 256), 33)), group_size=64, bits=4)
+    weights = [
+        (mx.array(_random((300, 200), 34)), None, None, 0, 0),
+        (mx.array(_random((16, 200), 35)).astype(mx.bfloat16), None, None, 0, 0),
+    ]
+    residual = mx.array(_random((2, 3, 300), 36))
+    normed = rms_norm(x, norm_weight, 1e-6)
+    before = native.threads()
+    try:
+        for threads in (1, 2):
+            native.set_threads(threads)
+            got = native.products(x, weights, norm_weight=norm_weight, eps=1e-6)
+            for out, want in zip(got, native.products(normed, weights), strict=True):
+                assert np.array_equal(np.array(out), np.array(want)), threads
+            [added] = native.products(
+                x, weights[:1], norm_weight=norm_weight, eps=1e-6, residual=residual
+            )
+            want = native.product(normed, weights[0][0]) + residual
+            assert np.array_equal(np.array(added), np.array(want)), threads
+            x4 = mx.array(_random((2, 3, 256), 37))
+            [added] = native.products(x4, [(*packed, 4, 64)], residual=residual[..., :64])
+            want = native.product(x4, *packed, bits=4, group_size=64) + residual[..., :64]
+            assert np.array_equal(np.array(added), np.array(want)), threads
+    finally:
+        native.set_threads(before)
+    with pytest.raises(ValueError, match="residual"):
+        native.products(x, weights, residual=residual)  # two weights
+    with pytest.raises(ValueError, match="norm"):
+        native.products(x, weights, norm_weight=norm_weight[:10], eps=1e-6)
+
+    norm = RMSNorm(200, eps=1e-6)
+    norm.weight = norm_weight
+    layers = [nn.Linear(200, 300, bias=False), nn.Linear(200, 16, bias=False)]
+    mx.eval([layer.parameters() for layer in layers])
+    for out, layer in zip(products.linears(layers, x, norm), layers, strict=True):
+        assert np.array_equal(np.array(out), np.array(products.linear(layer, norm(x))))
+    fused = products.linear(layers[0], x, residual=residual)
+    assert np.array_equal(np.array(fused), np.array(residual + products.linear(layers[0], x)))

@@ -13,6 +13,7 @@
 #include "exp.h"
 #include "kernels.h"
 #include "mlx/primitives.h"
+#include "norms.h"
 #include "primitive.h"
 
 namespace mx = mlx::core;
@@ -21,21 +22,6 @@ using namespace nb::literals;
 
 namespace mtpserve {
 namespace {
-
-// Partial sums of the squares: lane l takes elements l, l + kLanes, ..., then a fixed tree.
-// The order depends on the vector's length alone, never on how many rows there are.
-constexpr int kLanes = 16;
-
-float sum_of_squares(const float* x, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * x[i + l];
-  for (int l = 0; i < n; ++i, ++l) lanes[l] += x[i] * x[i];
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0];
-}
 
 // y = x / sqrt(mean(x^2) + eps) * w [* silu(gate)], row by row, in fp32 (silu: exp.h's).
 MTPSERVE_VECTOR_CLONES void normalize(std::vector<mx::array>& in, mx::array& out, float eps,
@@ -50,11 +36,8 @@ MTPSERVE_VECTOR_CLONES void normalize(std::vector<mx::array>& in, mx::array& out
   if (gated) act.resize(dim);
   float* y = out.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xp + r * dim;
     float* dst = y + r * dim;
-    const float scale =
-        1.0f / std::sqrt(sum_of_squares(row, dim) / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; ++j) dst[j] = row[j] * scale * wp[j];
+    rms_normalize(xp + r * dim, wp, dim, eps, dst);
     if (gated) {
       std::memcpy(act.data(), gp + r * dim, dim * sizeof(float));
       silu_in_place(act.data(), dim);

@@ -27,6 +27,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "kernels.h"
+#include "norms.h"
 #include "primitive.h"
 
 namespace mx = mlx::core;
@@ -224,18 +225,48 @@ WeightView view_of(const mx::array* weight, const WeightSpec& spec, int64_t in, 
   return view;
 }
 
+// What a product does around its multiplications: its input RMS-normed first (the norm's
+// weight an input of the primitive), the residual (an input too) added to its one output.
+struct ProductExtras {
+  bool norm = false;
+  float eps = 0.0f;
+  bool residual = false;
+  bool operator==(const ProductExtras&) const = default;
+};
+
 // y_i = x @ W_i^T for every weight W_i of `weights` (laid out as `specs` say), x widened once
 // and every product's column blocks shared out together on the pool: the outputs are bit for
-// bit those of one product per weight.
+// bit those of one product per weight. With `extras`, x is first RMS-normed row by row
+// (`norm_weight`; rms_normalize, the RMSNorm primitive's arithmetic) and `residual` is added to
+// the one output, column block by column block: bit for bit the norm, products and add as
+// separate ops.
 void compute(const mx::array& x, const std::vector<mx::array>& weights,
-             const std::vector<WeightSpec>& specs, std::vector<mx::array>& ys) {
+             const std::vector<WeightSpec>& specs, const ProductExtras& extras,
+             const mx::array* norm_weight, const mx::array* residual,
+             std::vector<mx::array>& ys) {
   const int64_t in = x.shape(-1);
   const int64_t rows = in == 0 ? 0 : x.size() / in;
   if (rows == 0) return;
   const int64_t stride = (in + kPad - 1) / kPad * kPad;
-  thread_local std::vector<float> widened;
+  thread_local std::vector<float> widened, norm_scratch, residual_scratch;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
   widen_rows(x, rows, in, stride, widened.data());
+  if (extras.norm) {
+    const float* w = packed(*norm_weight, norm_scratch);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = widened.data() + r * stride;
+      rms_normalize(row, w, in, extras.eps, row);
+    }
+  }
+  const float* added = extras.residual ? packed(*residual, residual_scratch) : nullptr;
+  // the residual's columns [first, last) of every row added to product i's output (fp32)
+  const auto add_residual = [&](size_t i, int64_t first, int64_t last) {
+    if (added == nullptr) return;
+    const int64_t out = ys[i].shape(-1);
+    float* y = ys[i].data<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = first; c < last; ++c) y[r * out + c] = y[r * out + c] + added[r * out + c];
+  };
   const size_t n = specs.size();
   std::vector<QuantizedRows> quantized(n);
   std::vector<ProductArgs> args;
@@ -255,7 +286,10 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
   const auto& pool = kernels.pool;
   const int threads = pool->threads();
   if (threads == 1 || bytes < kParallelBytes) {
-    for (const auto& a : args) kernel(a, 0, a.w.out);
+    for (size_t i = 0; i < n; ++i) {
+      kernel(args[i], 0, args[i].w.out);
+      add_residual(i, 0, args[i].w.out);
+    }
     return;
   }
   // each product's columns in blocks, all products' blocks handed out in turn: a thread that
@@ -272,27 +306,36 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
     size_t i = 0;
     while (b >= first_block[i + 1]) ++i;
     const int64_t first = (b - first_block[i]) * block[i];
-    kernel(args[i], first, std::min(args[i].w.out, first + block[i]));
+    const int64_t last = std::min(args[i].w.out, first + block[i]);
+    kernel(args[i], first, last);
+    add_residual(i, first, last);
   });
 }
 
 // -- the primitive ------------------------------------------------------------------------------
 
 // x @ W_i^T for one or several weights W_i that share the input x (a layer's projections of
-// one normed input): inputs x, then each weight as `specs` lays it out; one output a weight.
+// one normed input): inputs x, then each weight as `specs` lays it out, then the norm's weight
+// and the residual where `extras` has them; one output a weight.
 class RowsProduct : public mx::Primitive {
  public:
-  RowsProduct(mx::Stream stream, std::vector<WeightSpec> specs)
-      : mx::Primitive(stream), specs_(std::move(specs)) {}
+  RowsProduct(mx::Stream stream, std::vector<WeightSpec> specs, ProductExtras extras)
+      : mx::Primitive(stream), specs_(std::move(specs)), extras_(extras) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (size_t i = 1; i < inputs.size(); ++i)
+    size_t weight_inputs = 0;
+    for (const auto& spec : specs_) weight_inputs += spec.inputs();
+    for (size_t i = 1; i <= weight_inputs; ++i)
       if (!inputs[i].flags().row_contiguous)
         throw std::invalid_argument("RowsProduct: weights must be row-contiguous");
-    dispatch(stream(), inputs, outputs, [specs = specs_](auto& in, auto& out) {
-      std::vector<mx::array> weights(in.begin() + 1, in.end());
-      compute(in[0], weights, specs, out);
-    });
+    dispatch(stream(), inputs, outputs,
+             [specs = specs_, extras = extras_, weight_inputs](auto& in, auto& out) {
+               std::vector<mx::array> weights(in.begin() + 1, in.begin() + 1 + weight_inputs);
+               size_t next = 1 + weight_inputs;
+               const mx::array* norm = extras.norm ? &in[next++] : nullptr;
+               const mx::array* residual = extras.residual ? &in[next] : nullptr;
+               compute(in[0], weights, specs, extras, norm, residual, out);
+             });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -302,7 +345,8 @@ class RowsProduct : public mx::Primitive {
   const char* name() const override { return "RowsProduct"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return specs_ == static_cast<const RowsProduct&>(other).specs_;
+    const auto& o = static_cast<const RowsProduct&>(other);
+    return specs_ == o.specs_ && extras_ == o.extras_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -319,6 +363,7 @@ class RowsProduct : public mx::Primitive {
 
  private:
   std::vector<WeightSpec> specs_;
+  ProductExtras extras_;
 };
 
 // One weight's operands checked against `in`, appended to `inputs`; its spec.
@@ -349,7 +394,7 @@ WeightSpec add_weight(std::vector<mx::array>& inputs, int64_t in, const mx::arra
 }
 
 std::vector<mx::array> products_of(const mx::array& x, std::vector<mx::array> inputs,
-                                   std::vector<WeightSpec> specs) {
+                                   std::vector<WeightSpec> specs, ProductExtras extras = {}) {
   auto stream = cpu_stream("product");
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
@@ -362,7 +407,7 @@ std::vector<mx::array> products_of(const mx::array& x, std::vector<mx::array> in
     w += spec.inputs();
   }
   return mx::array::make_arrays(std::move(shapes), dtypes,
-                                std::make_shared<RowsProduct>(stream, std::move(specs)),
+                                std::make_shared<RowsProduct>(stream, std::move(specs), extras),
                                 std::move(inputs));
 }
 
@@ -384,7 +429,9 @@ mx::array product(
 using WeightArgs =
     std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, int, int>;
 
-std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights) {
+std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights,
+                                const std::optional<mx::array>& norm_weight, float eps,
+                                const std::optional<mx::array>& residual) {
   if (x.ndim() < 1 || weights.empty())
     throw std::invalid_argument("products: x [..., in] and at least one weight");
   real_of(x.dtype());
@@ -392,7 +439,26 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   std::vector<WeightSpec> specs;
   for (const auto& [w, scales, biases, bits, group] : weights)
     specs.push_back(add_weight(inputs, x.shape(-1), w, scales, biases, bits, group));
-  return products_of(x, std::move(inputs), std::move(specs));
+  ProductExtras extras;
+  if (norm_weight) {
+    if (x.dtype() != mx::float32 || norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(-1))
+      throw std::invalid_argument("products: a norm needs float32 x [..., in] and weight [in]");
+    real_of(norm_weight->dtype());
+    extras.norm = true;
+    extras.eps = eps;
+    inputs.push_back(*norm_weight);
+  }
+  if (residual) {
+    mx::Shape shape = x.shape();
+    shape.back() = std::get<0>(weights[0]).shape(0);
+    if (weights.size() != 1 || x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
+        residual->shape() != shape)
+      throw std::invalid_argument("products: a residual needs one weight, float32 x and a "
+                                  "float32 residual of the output's shape");
+    extras.residual = true;
+    inputs.push_back(*residual);
+  }
+  return products_of(x, std::move(inputs), std::move(specs), extras);
 }
 
 // Seconds to read every byte of `a` once on the pool's threads (each reading its own slices):
@@ -487,9 +553,14 @@ NB_MODULE(_products, m) {
       &products,
       "x"_a,
       "weights"_a,
+      "norm_weight"_a = nb::none(),
+      "eps"_a = 0.0f,
+      "residual"_a = nb::none(),
       "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
       "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
-      "are bit for bit `product`'s.");
+      "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "
+      "norm_weight, eps) does; with residual (one weight), it is added to the output: bit for bit "
+      "the separate ops.");
   m.def("isa", [] {
     std::lock_guard<std::mutex> guard(state_lock);
     ensure_state();
