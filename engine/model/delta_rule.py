@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.model import products
 from engine.model.activations import exp
@@ -46,6 +47,26 @@ def delta_rule_native(
     y, u, final = products.native().delta_rule(q, k, v, log_g, beta.astype(f32), state, eps=L2_EPS)
     if q.shape[1] == 1:
         return y, StepCapture(final)
+    return y, ReplayCapture(state, k, u, log_g, final)
+
+
+def delta_rule_layer(
+    m: nn.Module, conv_out: mx.array, a: mx.array, b: mx.array, state: mx.array
+) -> tuple[mx.array, Capture]:
+    """``delta_rule_native`` from what the layer ``m`` has before its recurrence: its conv's
+    output ``[B, T, q | k | v]`` and its projections a and b ``[B, T, Hv]``. The kernel splits
+    q, k and v itself and computes ``beta = sigmoid(b)`` and the log-decay
+    ``-exp(A_log) * softplus(a + dt_bias)`` (mlx-lm's ``compute_g``, in float32 libm
+    functions) in the same op: six ops of mlx's fewer a layer (the split, three reshapes, the
+    gate's compiled kernel and the sigmoid). Returns y ``[B, T, Hv, Dv]`` (float32) and the
+    capture, whose replay takes the keys as the conv's slice and the log-decays the op wrote."""
+    B, T, _ = conv_out.shape
+    y, u, final, log_g = products.native().delta_rule_layer(
+        conv_out, a, b, m.A_log, m.dt_bias, state, m.num_k_heads, eps=L2_EPS
+    )
+    if T == 1:
+        return y, StepCapture(final)
+    k = conv_out[..., m.key_dim : 2 * m.key_dim].reshape(B, T, m.num_k_heads, m.head_k_dim)
     return y, ReplayCapture(state, k, u, log_g, final)
 
 

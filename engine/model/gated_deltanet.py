@@ -16,7 +16,7 @@ from engine.model.delta_rule import (
     L2_EPS,
     Capture,
     delta_rule_chunk,
-    delta_rule_native,
+    delta_rule_layer,
     delta_rule_prefill,
     delta_rule_step,
     native_delta_rule,
@@ -190,6 +190,40 @@ def repeat_heads(m: nn.Module, x: mx.array) -> mx.array:
     return mx.repeat(x, repeat, axis=-2) if repeat > 1 else x
 
 
+def _recurrence(
+    m: nn.Module,
+    conv_out: mx.array,
+    a: mx.array,
+    b: mx.array,
+    state: GDNLayerState,
+    recurrent: mx.array,
+    capture: bool,
+    start: int,
+) -> tuple[mx.array, mx.array]:
+    """The recurrence over the conv's output in mlx ops (no native kernel, or a prefill):
+    y and the state after the last position (with ``capture`` the per-position captures go to
+    ``state.capture`` instead)."""
+    B, T, _ = conv_out.shape
+    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
+    q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
+    v = v.reshape(B, T, m.num_v_heads, m.head_v_dim)
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=L2_EPS)
+    if not capture and mx.default_device().type != mx.DeviceType.cpu:
+        return gated_delta_update(
+            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
+        )
+    beta = mx.sigmoid(b)
+    # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
+    log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
+    q, k = repeat_heads(m, q), repeat_heads(m, k)
+    if capture:
+        rule = delta_rule_step if T == 1 else delta_rule_chunk
+        y, state.capture = rule(q, k, v, log_g, beta, recurrent)
+        return y, recurrent
+    return delta_rule_prefill(q, k, v, log_g, beta, recurrent, start)
+
+
 def gated_deltanet(
     m: nn.Module,
     x: mx.array,
@@ -204,54 +238,33 @@ def gated_deltanet(
     projection's where the kernel takes them (``products.linears``, ``products.linear``).
 
     With capture (decode steps and verifies) the recurrence is the native kernel's on a CPU that
-    has it (``delta_rule_native``), else ``delta_rule_step``/``delta_rule_chunk``. Without
+    has it (``delta_rule_layer``), else ``delta_rule_step``/``delta_rule_chunk``. Without
     capture (prefill) it is ``delta_rule_prefill``'s closed-form blocks on CPUs and mlx-lm's
     elsewhere (its kernel on Metal)."""
     B, T, _ = x.shape
     qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x, norm)
-    z = z.reshape(B, T, m.num_v_heads, m.head_v_dim)
 
     conv_state = state.conv
     if conv_state is None:
         conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
     window = mx.concatenate([conv_state, qkv], axis=1)
     conv_out = causal_conv_silu(m.conv1d, window)
-    q, k, v = mx.split(conv_out, [m.key_dim, 2 * m.key_dim], axis=-1)
-    q = q.reshape(B, T, m.num_k_heads, m.head_k_dim)
-    k = k.reshape(B, T, m.num_k_heads, m.head_k_dim)
-    v = v.reshape(B, T, m.num_v_heads, m.head_v_dim)
-    native = capture and native_delta_rule()
-    if not native:  # the kernel normalizes q and k itself
-        q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=L2_EPS)
-
     recurrent = state.recurrent
     if recurrent is None:
         recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    if not capture and mx.default_device().type != mx.DeviceType.cpu:
-        y, recurrent = gated_delta_update(
-            q, k, v, a, b, m.A_log, m.dt_bias, recurrent, None, use_kernel=True
-        )
+    if capture and native_delta_rule():
+        # the kernel splits, normalizes and gates q, k, v itself and serves each value head
+        # from its key head: no split, reshape, gate or repeat here
+        y, state.capture = delta_rule_layer(m, conv_out, a, b, recurrent)
     else:
-        beta = mx.sigmoid(b)
-        # log of mlx-lm's compute_g: g = exp(-exp(A_log) * softplus(a + dt_bias))
-        log_g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a + m.dt_bias)
-        if native:
-            # the kernel maps each value head to its key head itself: no repeat
-            y, state.capture = delta_rule_native(q, k, v, log_g, beta, recurrent)
-        elif capture:
-            q, k = repeat_heads(m, q), repeat_heads(m, k)
-            rule = delta_rule_step if T == 1 else delta_rule_chunk
-            y, state.capture = rule(q, k, v, log_g, beta, recurrent)
-        else:
-            q, k = repeat_heads(m, q), repeat_heads(m, k)
-            y, recurrent = delta_rule_prefill(q, k, v, log_g, beta, recurrent, start)
-        y = y.astype(x.dtype)
+        y, recurrent = _recurrence(m, conv_out, a, b, state, recurrent, capture, start)
+    y = y.astype(x.dtype)
     if capture:
         state.conv_window = window
     else:
         state.conv = window[:, -(m.conv_kernel_size - 1) :]
         state.recurrent = recurrent
-    gated = gated_rms_norm(m.norm, y, z).reshape(B, T, -1)
+    gated = gated_rms_norm(m.norm, y, z)  # [B, T, Hv * Dv]
     if getattr(m, "sharding_group", None) is not None:
         # tensor parallel (mlx-lm's shard()): out_proj holds this rank's rows of the heads
         return x + mx.distributed.all_sum(linear(m.out_proj, gated), group=m.sharding_group)

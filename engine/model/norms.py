@@ -27,11 +27,14 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 
 def gated_rms_norm(norm: nn.Module, x: mx.array, gate: mx.array) -> mx.array:
-    """mlx-lm's ``Qwen3NextRMSNormGated``: the RMS norm of x times silu(gate), in float32."""
+    """mlx-lm's ``Qwen3NextRMSNormGated``: the RMS norm of x times silu(gate), in float32, in the
+    gate's shape (``x [..., H, D]`` with a gate ``[..., H * D]`` as its projection emits it:
+    the heads come out joined, as the output projection takes them)."""
     if native := products.native_for(x):
         return native.gated_rms_norm(x, norm.weight, gate, norm.eps)
     normed = mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)
-    return (silu(gate.astype(mx.float32)) * normed).astype(x.dtype)
+    gated = silu(gate.astype(mx.float32).reshape(x.shape)) * normed
+    return gated.astype(x.dtype).reshape(gate.shape)
 
 
 class RMSNorm(nn.RMSNorm):

@@ -185,3 +185,50 @@ def test_the_capture_commits_the_state_of_the_kept_positions() -> None:
     assert np.array_equal(per_row[0], states[2][0])
     assert np.array_equal(per_row[1], states[0][1])
     assert np.array_equal(np.array(capture.row(1).state_after(3)), states[2][1:2])
+
+
+def test_the_layer_form_splits_and_gates_as_mlx_and_replays_its_steps_bit_for_bit() -> None:
+    """``delta_rule_layer`` (the recurrence from a layer's conv output, a and b): the outputs of
+    ``delta_rule_native`` on the split heads and mlx's beta and log-decay, within float32
+    rounding of the gate's libm functions; its pass over T positions is T one-position passes
+    bit for bit, and its capture replays each kept count's state bit for bit."""
+    import types
+
+    import mlx.nn as nn
+
+    B, T, Hk, Hv, Dk, Dv = 2, 4, 2, 4, 32, 16
+    rng = np.random.default_rng(7)
+    key = Hk * Dk
+    conv = mx.array(rng.standard_normal((B, T, 2 * key + Hv * Dv)).astype(np.float32))
+    a, b = (mx.array(rng.standard_normal((B, T, Hv)).astype(np.float32) * 3) for _ in "ab")
+    state = mx.array(rng.standard_normal((B, Hv, Dv, Dk)).astype(np.float32))
+    m = types.SimpleNamespace(
+        A_log=mx.array(rng.standard_normal(Hv).astype(np.float32)),
+        dt_bias=mx.array(rng.standard_normal(Hv).astype(np.float32)),
+        num_k_heads=Hk,
+        key_dim=key,
+        head_k_dim=Dk,
+    )
+    y, capture = delta_rule.delta_rule_layer(m, conv, a, b, state)
+    q = conv[..., :key].reshape(B, T, Hk, Dk)
+    k = conv[..., key : 2 * key].reshape(B, T, Hk, Dk)
+    v = conv[..., 2 * key :].reshape(B, T, Hv, Dv)
+    log_g = -mx.exp(m.A_log) * nn.softplus(a + m.dt_bias)
+    want, _ = delta_rule.delta_rule_native(q, k, v, log_g, mx.sigmoid(b), state)
+    assert np.abs(np.array(y) - np.array(want)).max() < 1e-4 * (np.abs(np.array(want)).max() + 1)
+    assert np.allclose(np.array(capture.log_g), np.array(log_g), rtol=1e-5, atol=1e-6)
+    running, ys, states = state, [], []
+    for t in range(T):
+        sl = slice(t, t + 1)
+        yt, one = delta_rule.delta_rule_layer(m, conv[:, sl], a[:, sl], b[:, sl], running)
+        running = one.state_after(1)
+        ys.append(np.array(yt))
+        states.append(np.array(running))
+    assert np.array_equal(np.concatenate(ys, axis=1), np.array(y))
+    for n in range(1, T + 1):
+        assert np.array_equal(np.array(capture.state_after(n)), states[n - 1]), n
+    per_row = np.array(capture.states_after(mx.array([2, 0])))
+    assert np.array_equal(per_row[0], states[2][0])
+    assert np.array_equal(per_row[1], states[0][1])
+    with pytest.raises(ValueError):
+        native.delta_rule_layer(conv[..., 1:], a, b, m.A_log, m.dt_bias, state, Hk)

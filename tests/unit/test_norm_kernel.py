@@ -76,6 +76,11 @@ def test_strided_inputs_are_read_as_their_values() -> None:
     assert mx.array_equal(native.rms_norm(x3, w, EPS), want).item()
     want_gated = native.gated_rms_norm(mx.contiguous(x3), w, mx.contiguous(g3), EPS)
     assert mx.array_equal(native.gated_rms_norm(x3, w, g3, EPS), want_gated).item()
+    joined = native.gated_rms_norm(x3, w, g3.reshape(6, 64), EPS)  # the heads' gates joined
+    assert joined.shape == (6, 64)
+    assert mx.array_equal(joined, want_gated.reshape(6, 64)).item()
+    fallback = norms.gated_rms_norm(_Norm(w), x3, g3.reshape(6, 64))  # the same shapes either way
+    assert fallback.shape == (6, 64)
     sliced = x[:, ::2]
     np.testing.assert_allclose(
         np.array(native.rms_norm(sliced, w[::2], EPS)),

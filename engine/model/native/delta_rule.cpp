@@ -88,6 +88,64 @@ void forward(std::vector<mx::array>& in, std::vector<mx::array>& out, float eps)
   run_units(kernels.delta, kernels, args);
 }
 
+// `forward` from what a Gated-DeltaNet layer has before its recurrence: its conv's output
+// [B, T, q | k | v] (key heads Hk of Dk, then the value heads), the projections a and b
+// [B, T, Hv], the layer's A_log and dt_bias [Hv]; beta = sigmoid(b) and the log-decay
+// log g = -exp(A_log) * softplus(a + dt_bias) here (written out: the replay takes it), so the
+// layer needs no ops of its own to split, shape and gate them.
+void forward_layer(std::vector<mx::array>& in, std::vector<mx::array>& out, float eps,
+                   int key_heads) {
+  thread_local std::vector<float> conv, q, k, v, a, b, a_log, dt_bias, g, beta, state;
+  const mx::array& s = in[5];
+  DeltaArgs args{};
+  args.B = in[0].shape(0);
+  args.T = in[0].shape(1);
+  args.Hk = key_heads;
+  args.Hv = s.shape(1);
+  args.Dv = s.shape(2);
+  args.Dk = s.shape(3);
+  const int64_t rows = args.B * args.T, key = args.Hk * args.Dk, value = args.Hv * args.Dv;
+  const float* c = packed(in[0], conv);
+  q.resize(rows * key);
+  k.resize(rows * key);
+  v.resize(rows * value);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = c + r * (2 * key + value);
+    std::memcpy(q.data() + r * key, row, key * sizeof(float));
+    std::memcpy(k.data() + r * key, row + key, key * sizeof(float));
+    std::memcpy(v.data() + r * value, row + 2 * key, value * sizeof(float));
+  }
+  l2_normalize(q, args.Dk, eps, 1.0f / std::sqrt(static_cast<float>(args.Dk)));
+  l2_normalize(k, args.Dk, eps, 1.0f);
+  const float* ap = packed(in[1], a);
+  const float* bp = packed(in[2], b);
+  const float* decay_log = packed(in[3], a_log);
+  const float* bias = packed(in[4], dt_bias);
+  float* log_g = out[3].data<float>();
+  g.resize(rows * args.Hv);
+  beta.resize(rows * args.Hv);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < args.Hv; ++h) {
+      const int64_t i = r * args.Hv + h;
+      const float x = ap[i] + bias[h];
+      const float softplus = std::max(x, 0.0f) + std::log1p(std::exp(-std::fabs(x)));
+      log_g[i] = -std::exp(decay_log[h]) * softplus;
+      g[i] = std::exp(log_g[i]);  // as pack_exp makes it of log_g: the replay's decay
+      beta[i] = 1.0f / (1.0f + std::exp(-bp[i]));
+    }
+  args.q = q.data();
+  args.k = k.data();
+  args.v = v.data();
+  args.g = g.data();
+  args.beta = beta.data();
+  args.state = packed(s, state);
+  args.y = out[0].data<float>();
+  args.u_out = out[1].data<float>();
+  args.final = out[2].data<float>();
+  const Kernels kernels = current_kernels();
+  run_units(kernels.delta, kernels, args);
+}
+
 void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   thread_local std::vector<float> k, u, g, state;
   thread_local std::vector<int32_t> keep;
@@ -111,6 +169,13 @@ void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   run_units(kernels.replay, kernels, args);
 }
 
+// y and u [B, T, Hv, Dv], the final state, log g [B, T, Hv] of DeltaRuleLayer.
+std::vector<mx::Shape> layer_output_shapes(const mx::array& conv, const mx::array& a,
+                                           const mx::array& state) {
+  const mx::Shape values{conv.shape(0), conv.shape(1), state.shape(1), state.shape(2)};
+  return {values, values, state.shape(), a.shape()};
+}
+
 class DeltaRule : public mx::Primitive {
  public:
   DeltaRule(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
@@ -132,6 +197,33 @@ class DeltaRule : public mx::Primitive {
 
  private:
   float eps_;
+};
+
+class DeltaRuleLayer : public mx::Primitive {
+ public:
+  DeltaRuleLayer(mx::Stream stream, float eps, int key_heads)
+      : mx::Primitive(stream), eps_(eps), key_heads_(key_heads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(stream(), inputs, outputs, [eps = eps_, heads = key_heads_](auto& in, auto& out) {
+      forward_layer(in, out, eps, heads);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("DeltaRule runs on the CPU only");
+  }
+  const char* name() const override { return "DeltaRule"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DeltaRuleLayer&>(other);
+    return eps_ == o.eps_ && key_heads_ == o.key_heads_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return layer_output_shapes(inputs[0], inputs[1], inputs[5]);
+  }
+
+ private:
+  float eps_;
+  int key_heads_;
 };
 
 class DeltaReplay : public mx::UnaryPrimitive {
@@ -201,6 +293,35 @@ std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const 
                                 {q, k, v, log_g, beta, state});
 }
 
+std::vector<mx::array> delta_rule_layer(const mx::array& conv, const mx::array& a,
+                                        const mx::array& b, const mx::array& a_log,
+                                        const mx::array& dt_bias, const mx::array& state,
+                                        int key_heads, float eps) {
+  auto stream = cpu_stream("the gated delta rule kernel");
+  if (conv.ndim() != 3 || a.ndim() != 3 || state.ndim() != 4 || key_heads <= 0)
+    throw std::invalid_argument(
+        "delta rule: conv [B, T, C], a and b [B, T, Hv], state [B, Hv, Dv, Dk], key_heads > 0");
+  const int B = conv.shape(0), T = conv.shape(1);
+  const int Hv = state.shape(1), Dv = state.shape(2), Dk = state.shape(3);
+  if (conv.shape(2) != 2 * key_heads * Dk + Hv * Dv || a.shape() != mx::Shape{B, T, Hv} ||
+      b.shape() != a.shape() || a_log.shape() != mx::Shape{Hv} ||
+      dt_bias.shape() != mx::Shape{Hv} || state.shape(0) != B)
+    throw std::invalid_argument("delta rule: the operands' shapes disagree");
+  if (Hv % key_heads != 0)
+    throw std::invalid_argument("delta rule: value heads must be a multiple of key heads");
+  if (state.dtype() != mx::float32) throw std::invalid_argument("delta rule: state must be float32");
+  check_float(conv, "conv");
+  check_float(a, "a");
+  check_float(b, "b");
+  check_float(a_log, "A_log");
+  check_float(dt_bias, "dt_bias");
+  auto shapes = layer_output_shapes(conv, a, state);
+  return mx::array::make_arrays(std::move(shapes),
+                                {mx::float32, mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DeltaRuleLayer>(stream, eps, key_heads),
+                                {conv, a, b, a_log, dt_bias, state});
+}
+
 mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx::array& u,
                             const mx::array& log_g, const mx::array& keep, float eps) {
   auto stream = cpu_stream("the gated delta rule kernel");
@@ -221,6 +342,13 @@ void bind_delta_rule(nb::module_& m) {
         "x / sqrt(sum x^2 + eps), q also by Dk^-0.5), v [B, T, Hv, Dv], log_g, beta [B, T, Hv], "
         "state [B, Hv, Dv, Dk] float32. Returns y and u [B, T, Hv, Dv] and the state after the "
         "last position (float32); lazy, like any op.");
+  m.def("delta_rule_layer", &delta_rule_layer, "conv"_a, "a"_a, "b"_a, "a_log"_a, "dt_bias"_a,
+        "state"_a, "key_heads"_a, "eps"_a = 1e-6f,
+        "delta_rule from a Gated-DeltaNet layer's own tensors: its conv's output conv "
+        "[B, T, q | k | v] (key_heads heads of Dk = state's last size, then the value heads), "
+        "a and b [B, T, Hv], A_log and dt_bias [Hv], state [B, Hv, Dv, Dk] float32; beta = "
+        "sigmoid(b), log_g = -exp(A_log) * softplus(a + dt_bias). Returns y, u, the final state "
+        "and log_g (what delta_rule_replay takes, with k the conv's slice); lazy.");
   m.def("delta_rule_replay", &delta_rule_replay, "state"_a, "k"_a, "u"_a, "log_g"_a, "keep"_a,
         "eps"_a = 1e-6f,
         "The state after each row's first keep[b] positions, from the state before them and "

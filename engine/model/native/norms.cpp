@@ -66,7 +66,7 @@ class RMSNorm : public mx::UnaryPrimitive {
     return eps_ == o.eps_ && gated_ == o.gated_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    return {inputs[gated_ ? 2 : 0].shape()};
   }
 
  private:
@@ -83,12 +83,14 @@ mx::array make_norm(const mx::array& x, const mx::array& weight, const mx::array
   real_of(weight.dtype());
   std::vector<mx::array> inputs{x, weight};
   if (gate != nullptr) {
-    if (gate->shape() != x.shape()) throw std::invalid_argument("rms_norm: gate must be x's shape");
+    if (gate->size() != x.size() || gate->ndim() < 1 || gate->shape(-1) % x.shape(-1) != 0)
+      throw std::invalid_argument("rms_norm: gate must hold x's elements, rows of whole vectors");
     real_of(gate->dtype());
     inputs.push_back(*gate);
   }
-  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps, gate != nullptr),
-                   std::move(inputs));
+  // gated: the output takes the gate's shape (an output projection's input, the heads joined)
+  return mx::array(gate != nullptr ? gate->shape() : x.shape(), mx::float32,
+                   std::make_shared<RMSNorm>(stream, eps, gate != nullptr), std::move(inputs));
 }
 
 }  // namespace
@@ -108,7 +110,8 @@ void bind_norms(nb::module_& m) {
         return make_norm(x, weight, &gate, eps);
       },
       "x"_a, "weight"_a, "gate"_a, "eps"_a,
-      "rms_norm(x, weight, eps) * silu(gate), gate x's shape (any float type), in float32.");
+      "rms_norm(x, weight, eps) * silu(gate) in float32, gate (any float type) holding x's "
+      "elements in rows of whole vectors (x's heads joined): the output takes the gate's shape.");
 }
 
 }  // namespace mtpserve
