@@ -20,6 +20,8 @@ the positions past the row's length masked out. Padding then changes nothing, bi
 
 (A product over all P keys at once would not do: a BLAS blocks and vectorises its inner
 dimension by its length, so a longer padded product rounds differently.)
+On a CPU with the native kernel ``attend`` is one op (``Attend``) whose every query runs over
+its own visible keys alone, in key order, so the same holds there by construction.
 ``tests/unit/test_attention.py`` checks a row alone against the same row in batches of other
 lengths, bit for bit.
 """
@@ -32,6 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from engine.model import products
+
 #: keys per block of ``attend``'s value product; caches are padded to a multiple of it
 KV_BLOCK = 256
 
@@ -41,17 +45,24 @@ def padded(length: int) -> int:
     return max(1, -(-length // KV_BLOCK)) * KV_BLOCK
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, visible: mx.array) -> mx.array:
+def attend(queries: mx.array, keys: mx.array, values: mx.array, ends: tuple[int, ...]) -> mx.array:
     """Attention of T positions of each row over its cache.
 
     ``queries [B, Hq, T, D]``, already scaled; ``keys``, ``values [B, Hkv, P, D]`` with P a
-    multiple of ``KV_BLOCK`` (Hq a multiple of Hkv: grouped-query attention); ``visible``:
-    which keys each query sees (``visibility``: 0 or -inf to add to a score). Returns
-    ``[B, Hq, T, D]``.
+    multiple of ``KV_BLOCK`` (Hq a multiple of Hkv: grouped-query attention); row b's cache
+    holds ``ends[b]`` positions, its T queries the last of them, each seeing the keys up to its
+    own position. Returns ``[B, Hq, T, D]``.
+
+    On a CPU with the native kernel one op (``Attend``: each query over its own keys alone, in
+    key order, so padding, the other queries and the other rows change none of its bits) where
+    mlx takes ~12; elsewhere mlx's ops over the padded cache (see the module's notes).
     """
+    if (native := products.native_for(queries, keys, values)) is not None:
+        return native.attend(queries, keys, values, mx.array(ends, dtype=mx.int32))
     rows, q_heads, t, dim = queries.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
+    visible = visibility(ends, t, group, width, keys.dtype)
     # a KV head's queries side by side: [B, Hkv, group * T, D]
     grouped = queries.reshape(rows, kv_heads, group * t, dim)
     scores = grouped @ keys.swapaxes(-1, -2) + visible  # [B, Hkv, group * T, P]
@@ -161,8 +172,7 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCac
     row_keys, row_values = cache.keys, cache.values
     if row_keys.shape[2] != width:
         row_keys, row_values = row_keys[..., :width, :], row_values[..., :width, :]
-    seen = visibility((cache.offset,), queries.shape[2], _group(queries, keys), width, keys.dtype)
-    return attend(queries, row_keys, row_values, seen)
+    return attend(queries, row_keys, row_values, (cache.offset,))
 
 
 class BatchKV:
@@ -276,11 +286,4 @@ def attend_rows(
     for cache, n in zip(caches, real, strict=True):
         cache.offset += n
     ends = tuple(c.offset for c in caches)
-    seen = visibility(
-        ends, queries.shape[2], _group(queries, keys), batch.keys.shape[2], keys.dtype
-    )
-    return attend(queries, batch.keys, batch.values, seen)
-
-
-def _group(queries: mx.array, keys: mx.array) -> int:
-    return queries.shape[1] // keys.shape[1]
+    return attend(queries, batch.keys, batch.values, ends)

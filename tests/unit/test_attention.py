@@ -148,3 +148,24 @@ def test_rows_left_in_a_stack_go_on_bit_for_bit() -> None:
         assert caches[b].offset == alone[b].offset
         width = alone[b].offset
         assert mx.array_equal(caches[b].keys[..., :width, :], alone[b].keys[..., :width, :]).item()
+
+
+def test_a_query_attends_bit_for_bit_alone_and_among_a_verify_s_positions() -> None:
+    """On the native kernel a verify's position attends exactly as the plain step of that
+    position (its own keys alone, in key order), whatever padding follows the cache."""
+    from engine.model import products
+
+    native = products.native_for(mx.zeros(1))
+    if native is None:
+        pytest.skip("the native kernel is not built")
+    t, length = 5, 300
+    queries, _, _ = _step(2, t, 11)
+    keys = mx.random.normal((2, KV_HEADS, 2 * KV_BLOCK, DIM), key=mx.random.key(12))
+    values = mx.random.normal((2, KV_HEADS, 2 * KV_BLOCK, DIM), key=mx.random.key(13))
+    ends = mx.array([length, length - 40], dtype=mx.int32)
+    together = native.attend(queries, keys, values, ends)
+    for j in range(t):  # position j alone: its cache ends at its own position
+        alone = native.attend(queries[:, :, j : j + 1], keys, values, ends - (t - 1 - j))
+        assert mx.array_equal(alone, together[:, :, j : j + 1]).item(), j
+    shorter = native.attend(queries, keys[:, :, :412], values[:, :, :412], ends)
+    assert mx.array_equal(shorter, together).item()

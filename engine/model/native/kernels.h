@@ -35,7 +35,10 @@ void bind_delta_rule(nanobind::module_& m);
 // Adds rms_norm and gated_rms_norm to the module (norms.cpp).
 void bind_norms(nanobind::module_& m);
 
-// Adds causal_conv_silu and swiglu to the module (elementwise.cpp).
+// Adds causal_conv_silu, swiglu and rope to the module (elementwise.cpp).
 void bind_elementwise(nanobind::module_& m);
+
+// Adds attend to the module (attention.cpp).
+void bind_attention(nanobind::module_& m);
 
 }  // namespace mtpserve

@@ -537,6 +537,7 @@ NB_MODULE(_products, m) {
   bind_delta_rule(m);
   bind_norms(m);
   bind_elementwise(m);
+  bind_attention(m);
   m.def(
       "product",
       &product,

@@ -1,0 +1,187 @@
+// The mlx primitive `Attend`: a decode step's or verify's attention of T queries of each row
+// over its KV cache, on the CPU in one op. mlx runs it as ~12 (the grouped queries' reshape,
+// the keys' transpose, the scores' product, the mask, the softmax, the values' product block
+// by block and the sum of the blocks), each a task on its one stream thread.
+//
+// Query t of row b sees keys [0, ends[b] - T + t] of its cache; everything a query computes
+// runs over those keys alone, in key order: its scores (dot products over the head dimension,
+// 16 lanes then a fixed tree), their maximum, the exponentials and their sum (16 lanes by key
+// index, then the tree), the weighted sum of the values (each dimension its own sum in key
+// order). So a query's output does not depend on the keys past its own (a cache's padding), on
+// the other queries of the op (a verify's positions against T plain steps) or on the other
+// rows (a batch against each row alone): bit for bit.
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "exp.h"
+#include "kernels.h"
+#include "mlx/primitives.h"
+#include "primitive.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mtpserve {
+namespace {
+
+constexpr int kLanes = 16;
+
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+// Strides (in floats) of a [B, H, P, D] array whose last axis is contiguous.
+struct Strided {
+  const float* data;
+  int64_t b, h, p;
+  const float* at(int64_t row, int64_t head, int64_t position) const {
+    return data + row * b + head * h + position * p;
+  }
+};
+
+Strided strided(const mx::array& a) {
+  return {a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2]};
+}
+
+// The queries of one row that share a KV head (`count` of them, query i at q + i * dim, seeing
+// keys j < limits[i], writing out + i * dim): out_i = softmax(q_i . k_j) . v_j. Each key and
+// value vector is read once for all of them; every query's own sums run in key order.
+MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, int64_t count,
+                                         const Strided& keys, const Strided& values,
+                                         int64_t row, int64_t kv_head, int64_t dim,
+                                         std::vector<float>& scores, float* out) {
+  int64_t most = 0;
+  for (int64_t i = 0; i < count; ++i) most = std::max(most, limits[i]);
+  const int64_t width = (most + kLanes - 1) / kLanes * kLanes;
+  scores.resize(count * width);
+  std::fill(out, out + count * dim, 0.0f);
+  for (int64_t j = 0; j < most; ++j) {
+    const float* k = keys.at(row, kv_head, j);
+    for (int64_t i = 0; i < count; ++i)
+      if (j < limits[i]) scores[i * width + j] = dot(q + i * dim, k, dim);
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t limit = limits[i];
+    if (limit <= 0) continue;
+    float* s = scores.data() + i * width;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < limit; ++j) top = std::max(top, s[j]);
+    ExpLanes sums{};
+    for (int64_t j = 0; j < limit; j += kLanes) {
+      const int64_t lanes = std::min<int64_t>(kLanes, limit - j);
+      ExpLanes x{};
+      std::memcpy(&x, s + j, lanes * sizeof(float));
+      ExpLanes e = exp_poly(x - top);
+      for (int64_t l = lanes; l < kLanes; ++l) e[l] = 0.0f;
+      sums += e;
+      std::memcpy(s + j, &e, lanes * sizeof(float));
+    }
+    float lanes[kLanes];
+    std::memcpy(lanes, &sums, sizeof lanes);
+    for (int width_ = kLanes / 2; width_ > 0; width_ /= 2)
+      for (int l = 0; l < width_; ++l) lanes[l] += lanes[l + width_];
+    const float inverse = 1.0f / lanes[0];
+    for (int64_t j = 0; j < limit; ++j) s[j] = s[j] * inverse;
+  }
+  for (int64_t j = 0; j < most; ++j) {
+    const float* v = values.at(row, kv_head, j);
+    for (int64_t i = 0; i < count; ++i) {
+      if (j >= limits[i]) continue;
+      const float p = scores[i * width + j];
+      float* o = out + i * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * v[d];
+    }
+  }
+}
+
+void attend_all(std::vector<mx::array>& in, mx::array& out) {
+  thread_local std::vector<float> q_scratch;
+  const float* q = packed(in[0], q_scratch);  // [B, Hq, T, D]: a KV head's queries adjacent
+  const Strided keys = strided(in[1]), values = strided(in[2]);
+  const mx::array& ends = in[3];
+  const int64_t B = in[0].shape(0), Hq = in[0].shape(1), T = in[0].shape(2), D = in[0].shape(3);
+  const int64_t Hkv = in[1].shape(1), P = in[1].shape(2);
+  const int64_t group = Hq / Hkv, count = group * T;
+  float* y = out.data<float>();
+  const auto unit = [&](int64_t u) {  // (row, KV head)
+    thread_local std::vector<float> scores;
+    thread_local std::vector<int64_t> limits;
+    const int64_t row = u / Hkv, kv_head = u % Hkv;
+    const int64_t end = ends.data<int32_t>()[row * ends.strides()[0]];
+    limits.resize(count);
+    for (int64_t i = 0; i < count; ++i)  // query i: head kv_head * group + i / T, position i % T
+      limits[i] = std::clamp<int64_t>(end - T + i % T + 1, 0, P);
+    const int64_t at = (row * Hq + kv_head * group) * T * D;
+    attend_group(q + at, limits.data(), count, keys, values, row, kv_head, D, scores, y + at);
+  };
+  const int64_t units = B * Hkv;
+  const Kernels kernels = current_kernels();
+  // a unit's work: two passes over its keys (scores, values) for each of its queries
+  if (kernels.pool->threads() == 1 || units * count * P * D < (1 << 16)) {
+    for (int64_t u = 0; u < units; ++u) unit(u);
+    return;
+  }
+  kernels.pool->share(units, unit);
+}
+
+class Attend : public mx::UnaryPrimitive {
+ public:
+  explicit Attend(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    std::vector<mx::array> outputs{output};
+    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) { attend_all(in, out[0]); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("Attend runs on the CPU only");
+  }
+  const char* name() const override { return "Attend"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+mx::array attend(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                 const mx::array& ends) {
+  auto stream = cpu_stream("attend");
+  if (queries.dtype() != mx::float32 || keys.dtype() != mx::float32 ||
+      values.dtype() != mx::float32 || queries.ndim() != 4 || keys.ndim() != 4 ||
+      values.shape() != keys.shape())
+    throw std::invalid_argument(
+        "attend: float32 queries [B, Hq, T, D], keys and values [B, Hkv, P, D]");
+  if (keys.shape(0) != queries.shape(0) || keys.shape(3) != queries.shape(3) ||
+      keys.shape(1) == 0 || queries.shape(1) % keys.shape(1) != 0)
+    throw std::invalid_argument("attend: the operands' shapes disagree");
+  if (ends.dtype() != mx::int32 || ends.shape() != mx::Shape{queries.shape(0)})
+    throw std::invalid_argument("attend: ends must be int32 [B]");
+  // the kernel reads keys and values through their strides, each position's vector in place
+  const mx::array k = keys.strides()[3] == 1 ? keys : mx::contiguous(keys, false, stream);
+  const mx::array v = values.strides()[3] == 1 ? values : mx::contiguous(values, false, stream);
+  return mx::array(queries.shape(), mx::float32, std::make_shared<Attend>(stream),
+                   {queries, k, v, ends});
+}
+
+}  // namespace
+
+void bind_attention(nb::module_& m) {
+  m.def("attend", &attend, "queries"_a, "keys"_a, "values"_a, "ends"_a,
+        "softmax(q . k) . v for queries [B, Hq, T, D] (scaled) over keys and values "
+        "[B, Hkv, P, D] (grouped-query heads), query t of row b seeing keys up to position "
+        "ends[b] - T + t; float32 [B, Hq, T, D], lazy, like any op.");
+}
+
+}  // namespace mtpserve
