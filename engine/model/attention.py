@@ -51,7 +51,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, ends: tuple[int,
     ``queries [B, Hq, T, D]``, already scaled; ``keys``, ``values [B, Hkv, P, D]`` with P a
     multiple of ``KV_BLOCK`` (Hq a multiple of Hkv: grouped-query attention); row b's cache
     holds ``ends[b]`` positions, its T queries the last of them, each seeing the keys up to its
-    own position. Returns ``[B, Hq, T, D]``.
+    own position. Returns ``[B, T, Hq * D]``: each position's heads joined, as the output
+    projection takes them.
 
     On a CPU with the native kernel one op (``Attend``: each query over its own keys alone, in
     key order, so padding, the other queries and the other rows change none of its bits) where
@@ -72,7 +73,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, ends: tuple[int,
     blocks = width // KV_BLOCK
     probs = probs.reshape(rows, kv_heads, group * t, blocks, KV_BLOCK).swapaxes(2, 3)
     parts = probs @ values.reshape(rows, kv_heads, blocks, KV_BLOCK, values.shape[-1])
-    return parts.sum(axis=2).reshape(rows, q_heads, t, -1)
+    out = parts.sum(axis=2).reshape(rows, q_heads, t, -1)
+    return out.transpose(0, 2, 1, 3).reshape(rows, t, -1)
 
 
 def visibility(
@@ -159,7 +161,7 @@ def reserve(cache: KVCache, length: int) -> None:
 def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCache) -> mx.array:
     """One row: write its T new positions (``keys``, ``values [1, Hkv, T, D]``) into ``cache``
     and ``attend`` with its scaled queries ``[1, Hq, Tq, D]`` (the last Tq of the T
-    positions)."""
+    positions): ``[1, Tq, Hq * D]``."""
     new = keys.shape[2]
     if cache.keys is None:
         cache.keys, cache.values = _widened(keys, 0, padded(new)), _widened(values, 0, padded(new))
@@ -257,7 +259,8 @@ def attend_rows(
 ) -> mx.array:
     """B rows at once: write row b's new positions (``keys``, ``values [B, Hkv, T, D]``; with
     ``lengths``, only its last ``lengths[b]`` columns are real, the earlier ones padding that
-    its cache never keeps) and ``attend`` with ``queries [B, Hq, Tq, D]`` (scaled)."""
+    its cache never keeps) and ``attend`` with ``queries [B, Hq, Tq, D]`` (scaled):
+    ``[B, Tq, Hq * D]``."""
     t = keys.shape[2]
     real = lengths if lengths is not None else [t] * len(caches)
     if len(caches) == 1 or not all(isinstance(c, RowKVCache) for c in caches):

@@ -159,15 +159,29 @@ def linears(
     return [linear(module, x) for module in modules]
 
 
+def swiglu_linear(
+    module: nn.Module, gate: mx.array, up: mx.array, residual: mx.array | None = None
+) -> mx.array | None:
+    """``linear(module, silu(gate) * up, residual)`` (an MLP's down projection) in one op of the
+    kernel, the activation computed as the ``SwiGlu`` primitive does, bit for bit; None where
+    the kernel does not take it (the caller runs the activation and ``linear``)."""
+    outs = _on_kernel_together([module], gate, residual=residual, up=up)
+    return None if outs is None else outs[0]
+
+
 def _on_kernel_together(
     modules: Sequence[nn.Module],
     x: mx.array,
     norm: nn.Module | None = None,
     residual: mx.array | None = None,
+    up: mx.array | None = None,
 ) -> list[mx.array] | None:
-    """``linears`` (or ``linear`` with a residual) by one op of the kernel; None unless the
-    kernel takes every product, the norm (an RMS norm) and the residual (float32 throughout)."""
-    if len(modules) < 2 and norm is None and residual is None:
+    """``linears`` (or ``linear`` with a residual, ``swiglu_linear``) by one op of the kernel;
+    None unless the kernel takes every product, the norm (an RMS norm), the residual and the
+    activation's ``up`` (float32 throughout)."""
+    if len(modules) < 2 and norm is None and residual is None and up is None:
+        return None
+    if up is not None and (x.dtype != mx.float32 or up.dtype != mx.float32 or up.shape != x.shape):
         return None
     operands = [_operand(module, x) for module in modules]
     if any(operand is None for operand in operands):
@@ -184,7 +198,7 @@ def _on_kernel_together(
         or modules[0].get("bias") is not None
     ):
         return None
-    outs = _native.products(x, operands, norm_weight=norm_weight, eps=eps, residual=residual)
+    outs = _native.products(x, operands, norm_weight=norm_weight, eps=eps, residual=residual, up=up)
     return [
         out if (bias := module.get("bias")) is None else out + bias
         for out, module in zip(outs, modules, strict=True)

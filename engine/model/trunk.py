@@ -192,13 +192,15 @@ def compiled(
 
 def mlp(layer: nn.Module, h: mx.array) -> mx.array:
     """``h`` plus the layer's MLP of ``post_attention_layernorm(h)``: mlx-lm's dense SwiGLU by
-    ``linears`` and ``linear`` (the norm inside the gate and up projections' op and the residual
-    inside the down projection's where the kernel takes them); any other (experts) as it is."""
+    ``linears`` and ``swiglu_linear`` (the norm inside the gate and up projections' op, the
+    activation and the residual inside the down projection's where the kernel takes them); any
+    other (experts) as it is."""
     m = layer.mlp
     if not all(n in m for n in ("gate_proj", "up_proj", "down_proj")):
         return h + m(layer.post_attention_layernorm(h))
     gate, up = linears([m.gate_proj, m.up_proj], h, layer.post_attention_layernorm)
-    return linear(m.down_proj, swiglu(gate, up), residual=h)
+    out = products.swiglu_linear(m.down_proj, gate, up, residual=h)
+    return linear(m.down_proj, swiglu(gate, up), residual=h) if out is None else out
 
 
 def _gdn_block(layer: nn.Module) -> Callable[..., Any]:
@@ -260,22 +262,39 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
         queries, gate = mx.split(queries, 2, -1)
         keys = keys.reshape(B, L, a.num_key_value_heads, -1)
         values = values.reshape(B, L, a.num_key_value_heads, -1)
-        queries = rotated(a.rope, a.q_norm(queries), offset, a.scale)
-        keys = rotated(a.rope, a.k_norm(keys), offset)
+        queries = rotated(a.rope, queries, offset, a.scale, a.q_norm)
+        keys = rotated(a.rope, keys, offset, norm=a.k_norm)
         return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
 
     return block
 
 
-def rotated(rope: nn.Module, x: mx.array, offset: mx.array, factor: float = 1.0) -> mx.array:
-    """``rope(x.transpose(0, 2, 1, 3), offset=offset) * factor`` for ``x [B, L, H, D]``: on a CPU
-    with the native kernel one op (``Rope``) for mlx-lm's plain ``nn.RoPE``, where mlx has no
-    CPU kernel for ``mx.fast.rope`` and evaluates it as ~13 ops of its own, plus the transpose
-    and the scale (the same formulas in float32: a few ulp apart; every path of an engine runs
-    the same op, so exactness between them is unchanged). Other RoPE variants keep mlx-lm's."""
+def rotated(
+    rope: nn.Module,
+    x: mx.array,
+    offset: mx.array,
+    factor: float = 1.0,
+    norm: nn.Module | None = None,
+) -> mx.array:
+    """``rope(norm(x).transpose(0, 2, 1, 3), offset=offset) * factor`` for ``x [B, L, H, D]``
+    (no norm: x itself): on a CPU with the native kernel one op (``Rope``) for mlx-lm's plain
+    ``nn.RoPE`` and an RMS norm, where mlx has no CPU kernel for ``mx.fast.rope`` and evaluates
+    it as ~13 ops of its own, plus the norm, the transpose and the scale (the same formulas in
+    float32: a few ulp from mlx's rotation, the norm bit for bit the ``RMSNorm`` primitive's;
+    every path of an engine runs the same op, so exactness between them is unchanged). Other
+    RoPE variants keep mlx-lm's."""
     native = products.native_for(x)
-    if native is not None and type(rope) is nn.RoPE and offset.dtype == mx.int32:
-        return native.rope(x, offset, rope.dims, rope.base, rope.scale, rope.traditional, factor)
+    if (
+        native is not None
+        and type(rope) is nn.RoPE
+        and offset.dtype == mx.int32
+        and (norm is None or isinstance(norm, nn.RMSNorm))
+    ):
+        weight, eps = (None, 0.0) if norm is None else (norm["weight"], norm.eps)
+        return native.rope(
+            x, offset, rope.dims, rope.base, rope.scale, rope.traditional, factor, weight, eps
+        )
+    x = x if norm is None else norm(x)
     out = rope(x.transpose(0, 2, 1, 3), offset=offset)
     return out if factor == 1.0 else out * factor
 
@@ -284,8 +303,7 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     a = layer.self_attn
 
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
-        B, L, _ = x.shape
-        attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        # attended [B, L, Hq * D]: each position's heads joined (attention.attend)
         h = linear(a.o_proj, attended * sigmoid(gate), residual=x)
         return mlp(layer, h)
 
@@ -352,4 +370,5 @@ def attention_block_rows(
                 )
             )
         out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
+        out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], out.shape[2], -1)  # heads joined
     return block(layer, "attn_out", _attention_out, x.shape[1])(x, out, gate)

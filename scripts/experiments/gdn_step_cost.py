@@ -60,7 +60,7 @@ def main() -> int:
     def zeros_times(x, weight):
         return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
 
-    def zeros_together(modules, x, norm=None, residual=None):
+    def zeros_together(modules, x, norm=None, residual=None, up=None):
         if residual is not None:  # x @ 0 + residual
             return [residual]
         return [zeros_of(module, x) for module in modules]

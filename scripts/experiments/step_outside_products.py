@@ -60,7 +60,11 @@ def main() -> int:
             return mx.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
 
         def zeros_together(
-            modules: list[nn.Module], x: mx.array, norm: nn.Module | None = None, residual=None
+            modules: list[nn.Module],
+            x: mx.array,
+            norm: nn.Module | None = None,
+            residual=None,
+            up=None,
         ) -> list[mx.array]:
             if residual is not None:  # x @ 0 + residual
                 return [residual]

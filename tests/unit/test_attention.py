@@ -32,11 +32,13 @@ def _step(rows: int, t: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
 
 
 def _reference(queries: mx.array, cache_keys: mx.array, cache_values: mx.array) -> mx.array:
-    """Causal grouped-query attention of the last T positions over all ``cache_keys``."""
-    t = queries.shape[2]
-    return mx.fast.scaled_dot_product_attention(
+    """Causal grouped-query attention of the last T positions over all ``cache_keys``, each
+    position's heads joined (``[B, T, Hq * D]``, as ``attend`` returns it)."""
+    b, _, t, _ = queries.shape
+    out = mx.fast.scaled_dot_product_attention(
         queries, cache_keys, cache_values, scale=1.0, mask="causal" if t > 1 else None
     )
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -166,6 +168,6 @@ def test_a_query_attends_bit_for_bit_alone_and_among_a_verify_s_positions() -> N
     together = native.attend(queries, keys, values, ends)
     for j in range(t):  # position j alone: its cache ends at its own position
         alone = native.attend(queries[:, :, j : j + 1], keys, values, ends - (t - 1 - j))
-        assert mx.array_equal(alone, together[:, :, j : j + 1]).item(), j
+        assert mx.array_equal(alone, together[:, j : j + 1]).item(), j
     shorter = native.attend(queries, keys[:, :, :412], values[:, :, :412], ends)
     assert mx.array_equal(shorter, together).item()

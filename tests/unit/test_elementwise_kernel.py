@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine.model import products
+from engine.model import norms, products
 from engine.model.activations import swiglu
 from engine.model.gated_deltanet import causal_conv_silu
 from engine.model.trunk import rotated
@@ -145,6 +145,11 @@ def test_rope_matches_numpy_and_mlx_and_each_position_is_its_own() -> None:
         for t in range(5):  # position t alone, at its own offset
             alone = rotated(rope, x[b : b + 1, t : t + 1], mx.array(offset + t), 0.5)
             assert np.array_equal(np.array(alone), np.array(got[b : b + 1, :, t : t + 1]))
+    norm = nn.RMSNorm(256, eps=1e-6)
+    norm.weight = mx.random.normal((256,), key=mx.random.key(6)) * 0.1 + 1
+    normed_inside = rotated(rope, x, mx.array(offsets), 0.5, norm)  # the head norm in the op
+    normed_before = rotated(rope, norms.rms_norm(x, norm.weight, 1e-6), mx.array(offsets), 0.5)
+    assert np.array_equal(np.array(normed_inside), np.array(normed_before))
     traditional = nn.RoPE(64, traditional=True, base=1e7)
     theirs = traditional(x[:1].transpose(0, 2, 1, 3), offset=9)
     ours = rotated(traditional, x[:1], mx.array(9))

@@ -272,9 +272,10 @@ def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> No
 
 
 def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -> None:
-    """The input's RMS norm inside the projections' op and the residual inside the output
-    projection's: the same bits as ``rms_norm`` then the products, and the product plus the
-    residual, at every thread count; ``linears``/``linear`` take them."""
+    """The input's RMS norm inside the projections' op, and the SwiGLU activation and the
+    residual inside the output projection's: the same bits as ``rms_norm`` then the products,
+    and ``swiglu`` then the product plus the residual, at every thread count; ``linears``,
+    ``linear`` and ``swiglu_linear`` take them."""
     import mlx.nn as nn
 
     from engine.model.norms import RMSNorm, rms_norm
@@ -300,6 +301,10 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
             )
             want = native.product(normed, weights[0][0]) + residual
             assert np.array_equal(np.array(added), np.array(want)), threads
+            up = mx.array(_random((2, 3, 200), 38))
+            [down] = native.products(x, weights[:1], residual=residual, up=up)  # an MLP's down
+            want = native.product(native.swiglu(x, up), weights[0][0]) + residual
+            assert np.array_equal(np.array(down), np.array(want)), threads
             x4 = mx.array(_random((2, 3, 256), 37))
             [added] = native.products(x4, [(*packed, 4, 64)], residual=residual[..., :64])
             want = native.product(x4, *packed, bits=4, group_size=64) + residual[..., :64]
@@ -319,3 +324,7 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
         assert np.array_equal(np.array(out), np.array(products.linear(layer, norm(x))))
     fused = products.linear(layers[0], x, residual=residual)
     assert np.array_equal(np.array(fused), np.array(residual + products.linear(layers[0], x)))
+    up = mx.array(_random((2, 3, 200), 39))
+    down = products.swiglu_linear(layers[0], x, up, residual)
+    want = residual + products.linear(layers[0], native.swiglu(x, up))
+    assert np.array_equal(np.array(down), np.array(want))

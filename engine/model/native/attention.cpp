@@ -1,7 +1,8 @@
 // The mlx primitive `Attend`: a decode step's or verify's attention of T queries of each row
-// over its KV cache, on the CPU in one op. mlx runs it as ~12 (the grouped queries' reshape,
-// the keys' transpose, the scores' product, the mask, the softmax, the values' product block
-// by block and the sum of the blocks), each a task on its one stream thread.
+// over its KV cache, on the CPU in one op, its output in the layout the output projection
+// takes. mlx runs it as ~14 (the grouped queries' reshape, the keys' transpose, the scores'
+// product, the mask, the softmax, the values' product block by block, the sum of the blocks,
+// the heads' transpose and join), each a task on its one stream thread.
 //
 // Query t of row b sees keys [0, ends[b] - T + t] of its cache; everything a query computes
 // runs over those keys alone, in key order: its scores (dot products over the head dimension,
@@ -124,8 +125,15 @@ void attend_all(std::vector<mx::array>& in, mx::array& out) {
     limits.resize(count);
     for (int64_t i = 0; i < count; ++i)  // query i: head kv_head * group + i / T, position i % T
       limits[i] = std::clamp<int64_t>(end - T + i % T + 1, 0, P);
+    thread_local std::vector<float> outs;
+    outs.resize(count * D);
     const int64_t at = (row * Hq + kv_head * group) * T * D;
-    attend_group(q + at, limits.data(), count, keys, values, row, kv_head, D, scores, y + at);
+    attend_group(q + at, limits.data(), count, keys, values, row, kv_head, D, scores,
+                 outs.data());
+    for (int64_t i = 0; i < count; ++i) {  // to [B, T, Hq * D]: the heads of a position joined
+      const int64_t head = kv_head * group + i / T, t = i % T;
+      std::memcpy(y + ((row * T + t) * Hq + head) * D, outs.data() + i * D, D * sizeof(float));
+    }
   };
   const int64_t units = B * Hkv;
   const Kernels kernels = current_kernels();
@@ -151,7 +159,8 @@ class Attend : public mx::UnaryPrimitive {
   const char* name() const override { return "Attend"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    const auto& q = inputs[0];
+    return {{q.shape(0), q.shape(2), q.shape(1) * q.shape(3)}};
   }
 };
 
@@ -171,7 +180,8 @@ mx::array attend(const mx::array& queries, const mx::array& keys, const mx::arra
   // the kernel reads keys and values through their strides, each position's vector in place
   const mx::array k = keys.strides()[3] == 1 ? keys : mx::contiguous(keys, false, stream);
   const mx::array v = values.strides()[3] == 1 ? values : mx::contiguous(values, false, stream);
-  return mx::array(queries.shape(), mx::float32, std::make_shared<Attend>(stream),
+  mx::Shape shape{queries.shape(0), queries.shape(2), queries.shape(1) * queries.shape(3)};
+  return mx::array(std::move(shape), mx::float32, std::make_shared<Attend>(stream),
                    {queries, k, v, ends});
 }
 
@@ -181,7 +191,8 @@ void bind_attention(nb::module_& m) {
   m.def("attend", &attend, "queries"_a, "keys"_a, "values"_a, "ends"_a,
         "softmax(q . k) . v for queries [B, Hq, T, D] (scaled) over keys and values "
         "[B, Hkv, P, D] (grouped-query heads), query t of row b seeing keys up to position "
-        "ends[b] - T + t; float32 [B, Hq, T, D], lazy, like any op.");
+        "ends[b] - T + t; float32 [B, T, Hq * D] (each position's heads joined, as the output "
+        "projection takes them), lazy, like any op.");
 }
 
 }  // namespace mtpserve

@@ -22,6 +22,7 @@
 #include "exp.h"
 #include "kernels.h"
 #include "mlx/primitives.h"
+#include "norms.h"
 #include "primitive.h"
 
 namespace mx = mlx::core;
@@ -150,9 +151,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
 // every product rounded; element by element, so a position's output does not depend on how
 // many positions share the op.
 void rotate(std::vector<mx::array>& in, mx::array& out, int dims, float base, float scale,
-            bool traditional, float factor) {
-  thread_local std::vector<float> x_scratch;
+            bool traditional, float factor, bool norm, float eps) {
+  thread_local std::vector<float> x_scratch, w_scratch, normed;
   const float* x = packed(in[0], x_scratch);
+  const float* w = norm ? packed(in[2], w_scratch) : nullptr;
   const int64_t B = in[0].shape(0), L = in[0].shape(1), H = in[0].shape(2), D = in[0].shape(3);
   const mx::array& offsets = in[1];
   const int64_t half = dims / 2;
@@ -172,6 +174,11 @@ void rotate(std::vector<mx::array>& in, mx::array& out, int dims, float base, fl
       }
       for (int64_t h = 0; h < H; ++h) {
         const float* src = x + ((b * L + l) * H + h) * D;
+        if (norm) {  // the head's RMS norm first: the RMSNorm primitive's arithmetic
+          normed.resize(D);
+          rms_normalize(src, w, D, eps, normed.data());
+          src = normed.data();
+        }
         float* dst = y + ((b * H + h) * L + l) * D;
         for (int64_t i = 0; i < half; ++i) {
           const int64_t first = traditional ? 2 * i : i;
@@ -188,20 +195,23 @@ void rotate(std::vector<mx::array>& in, mx::array& out, int dims, float base, fl
 
 class Rope : public mx::UnaryPrimitive {
  public:
-  Rope(mx::Stream stream, int dims, float base, float scale, bool traditional, float factor)
+  Rope(mx::Stream stream, int dims, float base, float scale, bool traditional, float factor,
+       bool norm, float eps)
       : mx::UnaryPrimitive(stream),
         dims_(dims),
         base_(base),
         scale_(scale),
         traditional_(traditional),
-        factor_(factor) {}
+        factor_(factor),
+        norm_(norm),
+        eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
     std::vector<mx::array> outputs{output};
     dispatch(stream(), inputs, outputs,
              [dims = dims_, base = base_, scale = scale_, traditional = traditional_,
-              factor = factor_](auto& in, auto& out) {
-               rotate(in, out[0], dims, base, scale, traditional, factor);
+              factor = factor_, norm = norm_, eps = eps_](auto& in, auto& out) {
+               rotate(in, out[0], dims, base, scale, traditional, factor, norm, eps);
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -211,7 +221,8 @@ class Rope : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Rope&>(other);
     return dims_ == o.dims_ && base_ == o.base_ && scale_ == o.scale_ &&
-        traditional_ == o.traditional_ && factor_ == o.factor_;
+        traditional_ == o.traditional_ && factor_ == o.factor_ && norm_ == o.norm_ &&
+        eps_ == o.eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const auto& x = inputs[0];
@@ -224,10 +235,13 @@ class Rope : public mx::UnaryPrimitive {
   float scale_;
   bool traditional_;
   float factor_;
+  bool norm_;
+  float eps_;
 };
 
 mx::array rope(const mx::array& x, const mx::array& offset, int dims, float base, float scale,
-               bool traditional, float factor) {
+               bool traditional, float factor, const std::optional<mx::array>& norm_weight,
+               float eps) {
   auto stream = cpu_stream("rope");
   if (x.dtype() != mx::float32 || x.ndim() != 4)
     throw std::invalid_argument("rope: x must be float32 [B, L, H, D]");
@@ -236,19 +250,28 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, float base
   if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
       (offset.size() != 1 && static_cast<int64_t>(offset.size()) != x.shape(0)))
     throw std::invalid_argument("rope: offset must be int32, one or one a row");
+  std::vector<mx::array> inputs{x, offset};
+  if (norm_weight) {
+    if (norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(3))
+      throw std::invalid_argument("rope: the norm's weight must be [D]");
+    real_of(norm_weight->dtype());
+    inputs.push_back(*norm_weight);
+  }
   mx::Shape shape{x.shape(0), x.shape(2), x.shape(1), x.shape(3)};
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<Rope>(stream, dims, base, scale, traditional, factor),
-                   {x, offset});
+                   std::make_shared<Rope>(stream, dims, base, scale, traditional, factor,
+                                          norm_weight.has_value(), eps),
+                   std::move(inputs));
 }
 
 }  // namespace
 
 void bind_elementwise(nb::module_& m) {
   m.def("rope", &rope, "x"_a, "offset"_a, "dims"_a, "base"_a, "scale"_a, "traditional"_a,
-        "factor"_a = 1.0f,
+        "factor"_a = 1.0f, "norm_weight"_a = nb::none(), "eps"_a = 0.0f,
         "mx.fast.rope(x.transpose(0, 2, 1, 3), dims, ...) * factor in one op: x float32 "
-        "[B, L, H, D], offset int32 (one, or one a row); float32 [B, H, L, D], lazy.");
+        "[B, L, H, D], offset int32 (one, or one a row); float32 [B, H, L, D], lazy. With "
+        "norm_weight [D], each head vector is first rms_norm(x, norm_weight, eps)'d.");
   m.def("causal_conv_silu", &causal_conv_silu, "window"_a, "taps"_a, "bias"_a = nb::none(),
         "silu(sum_j window[:, t + j] * taps[j] (+ bias)) for t in 0..T-1: a depthwise causal "
         "conv over window [B, T + K - 1, C] float32 with taps [K, C] (any float type); "

@@ -26,6 +26,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "exp.h"
 #include "kernels.h"
 #include "norms.h"
 #include "primitive.h"
@@ -231,6 +232,7 @@ struct ProductExtras {
   bool norm = false;
   float eps = 0.0f;
   bool residual = false;
+  bool swiglu = false;  // the input is silu(x) * up (`up` an input): an MLP's down projection
   bool operator==(const ProductExtras&) const = default;
 };
 
@@ -242,7 +244,7 @@ struct ProductExtras {
 // separate ops.
 void compute(const mx::array& x, const std::vector<mx::array>& weights,
              const std::vector<WeightSpec>& specs, const ProductExtras& extras,
-             const mx::array* norm_weight, const mx::array* residual,
+             const mx::array* norm_weight, const mx::array* residual, const mx::array* up,
              std::vector<mx::array>& ys) {
   const int64_t in = x.shape(-1);
   const int64_t rows = in == 0 ? 0 : x.size() / in;
@@ -251,6 +253,17 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
   thread_local std::vector<float> widened, norm_scratch, residual_scratch;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
   widen_rows(x, rows, in, stride, widened.data());
+  if (extras.swiglu) {  // the SwiGlu primitive's arithmetic, row by row
+    thread_local std::vector<float> up_rows;
+    if (up_rows.size() < static_cast<size_t>(rows * stride)) up_rows.resize(rows * stride);
+    widen_rows(*up, rows, in, stride, up_rows.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = widened.data() + r * stride;
+      const float* u = up_rows.data() + r * stride;
+      silu_in_place(row, in);
+      for (int64_t j = 0; j < in; ++j) row[j] = row[j] * u[j];
+    }
+  }
   if (extras.norm) {
     const float* w = packed(*norm_weight, norm_scratch);
     for (int64_t r = 0; r < rows; ++r) {
@@ -333,8 +346,9 @@ class RowsProduct : public mx::Primitive {
                std::vector<mx::array> weights(in.begin() + 1, in.begin() + 1 + weight_inputs);
                size_t next = 1 + weight_inputs;
                const mx::array* norm = extras.norm ? &in[next++] : nullptr;
-               const mx::array* residual = extras.residual ? &in[next] : nullptr;
-               compute(in[0], weights, specs, extras, norm, residual, out);
+               const mx::array* residual = extras.residual ? &in[next++] : nullptr;
+               const mx::array* up = extras.swiglu ? &in[next] : nullptr;
+               compute(in[0], weights, specs, extras, norm, residual, up, out);
              });
   }
 
@@ -431,7 +445,8 @@ using WeightArgs =
 
 std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights,
                                 const std::optional<mx::array>& norm_weight, float eps,
-                                const std::optional<mx::array>& residual) {
+                                const std::optional<mx::array>& residual,
+                                const std::optional<mx::array>& up) {
   if (x.ndim() < 1 || weights.empty())
     throw std::invalid_argument("products: x [..., in] and at least one weight");
   real_of(x.dtype());
@@ -457,6 +472,13 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
                                   "float32 residual of the output's shape");
     extras.residual = true;
     inputs.push_back(*residual);
+  }
+  if (up) {
+    if (norm_weight || x.dtype() != mx::float32 || up->dtype() != mx::float32 ||
+        up->shape() != x.shape())
+      throw std::invalid_argument("products: up needs float32 x and up of one shape, no norm");
+    extras.swiglu = true;
+    inputs.push_back(*up);
   }
   return products_of(x, std::move(inputs), std::move(specs), extras);
 }
@@ -557,11 +579,12 @@ NB_MODULE(_products, m) {
       "norm_weight"_a = nb::none(),
       "eps"_a = 0.0f,
       "residual"_a = nb::none(),
+      "up"_a = nb::none(),
       "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
       "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
       "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "
-      "norm_weight, eps) does; with residual (one weight), it is added to the output: bit for bit "
-      "the separate ops.");
+      "norm_weight, eps) does; with up, the input is swiglu(x, up); with residual (one weight), "
+      "it is added to the output: bit for bit the separate ops.");
   m.def("isa", [] {
     std::lock_guard<std::mutex> guard(state_lock);
     ensure_state();
