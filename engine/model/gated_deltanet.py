@@ -170,6 +170,16 @@ def causal_conv_silu(conv: nn.Conv1d, window: mx.array) -> mx.array:
     return silu(causal_conv(conv, window))
 
 
+def conv_window_silu(conv: nn.Conv1d, state: mx.array, new: mx.array) -> tuple[mx.array, mx.array]:
+    """The window ``[state | new]`` along the positions and ``causal_conv_silu`` over it: on a
+    CPU with the native kernel one op (the same conv, bit for bit), where mlx takes two."""
+    if native := products.native_for(state, new):
+        window, out = native.causal_conv_silu_window(state, new, _taps(conv)[1], conv.get("bias"))
+        return window, out
+    window = mx.concatenate([state, new], axis=1)
+    return window, causal_conv_silu(conv, window)
+
+
 def _taps(conv: nn.Conv1d) -> tuple[list[mx.array], mx.array]:
     """The conv's taps, split once and kept on the module (slicing them in the block cost two
     primitives a tap and layer every step): each tap's weights over the channels, and all of
@@ -247,8 +257,7 @@ def gated_deltanet(
     conv_state = state.conv
     if conv_state is None:
         conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
-    window = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = causal_conv_silu(m.conv1d, window)
+    window, conv_out = conv_window_silu(m.conv1d, conv_state, qkv)
     recurrent = state.recurrent
     if recurrent is None:
         recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)

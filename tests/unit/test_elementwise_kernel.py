@@ -17,7 +17,7 @@ import pytest
 
 from engine.model import norms, products
 from engine.model.activations import swiglu
-from engine.model.gated_deltanet import causal_conv_silu
+from engine.model.gated_deltanet import causal_conv_silu, conv_window_silu
 from engine.model.trunk import rotated
 
 native = products.native()
@@ -60,6 +60,21 @@ def test_conv_matches_numpy_and_each_position_is_its_own(bias: bool, dtype: mx.D
         for first in (0, 7, 130 - positions):
             part = causal_conv_silu(conv, window[:, first : first + positions + 3])
             assert mx.array_equal(part, whole[:, first : first + positions]).item()
+
+
+def test_the_window_and_its_conv_in_one_op_are_the_two_ops_bit_for_bit() -> None:
+    """``conv_window_silu``: the window [state | new] and the conv over it in one op give the
+    concatenation and ``causal_conv_silu`` of it, bit for bit, with and without a bias."""
+    for bias in (False, True):
+        conv = _conv(40, bias, mx.float32)
+        state = mx.random.normal((2, 3, 40), key=mx.random.key(8))
+        new = mx.random.normal((2, 5, 40), key=mx.random.key(9))
+        window, out = conv_window_silu(conv, state, new)
+        joined = mx.concatenate([state, new], axis=1)
+        assert mx.array_equal(window, joined).item()
+        assert mx.array_equal(out, causal_conv_silu(conv, joined)).item()
+    with pytest.raises(ValueError, match="taps"):
+        native.causal_conv_silu_window(state[:, :2], new, mx.ones((4, 40)))
 
 
 def test_swiglu_matches_numpy_and_lanes_agree_with_the_tail() -> None:

@@ -12,6 +12,7 @@
 // a prefill.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <cstring>
@@ -32,15 +33,11 @@ using namespace nb::literals;
 namespace mtpserve {
 namespace {
 
-MTPSERVE_VECTOR_CLONES void convolve(std::vector<mx::array>& in, mx::array& out, bool has_bias) {
-  thread_local std::vector<float> window_scratch, taps_scratch, bias_scratch;
-  const float* window = packed(in[0], window_scratch);  // [B, T + K - 1, C]
-  const float* taps = packed(in[1], taps_scratch);      // [K, C]: tap j of every channel
-  const float* bias = has_bias ? packed(in[2], bias_scratch) : nullptr;
-  const int64_t B = in[0].shape(0), L = in[0].shape(1), C = in[0].shape(2);
-  const int64_t K = in[1].shape(0);
+// y[b, t] = silu(sum_j window[b, t + j] * taps[j] (+ bias)) over a packed window [B, L, C].
+MTPSERVE_VECTOR_CLONES void convolve_window(const float* window, int64_t B, int64_t L, int64_t C,
+                                            const float* taps, int64_t K, const float* bias,
+                                            float* y) {
   const int64_t T = L - K + 1;
-  float* y = out.data<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       float* dst = y + (b * T + t) * C;
@@ -51,11 +48,66 @@ MTPSERVE_VECTOR_CLONES void convolve(std::vector<mx::array>& in, mx::array& out,
         const float* wj = taps + j * C;
         for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] + xj[c] * wj[c];
       }
-      if (has_bias)
+      if (bias != nullptr)
         for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] + bias[c];
       silu_in_place(dst, C);
     }
 }
+
+void convolve(std::vector<mx::array>& in, mx::array& out, bool has_bias) {
+  thread_local std::vector<float> window_scratch, taps_scratch, bias_scratch;
+  const float* window = packed(in[0], window_scratch);  // [B, T + K - 1, C]
+  const float* taps = packed(in[1], taps_scratch);      // [K, C]: tap j of every channel
+  const float* bias = has_bias ? packed(in[2], bias_scratch) : nullptr;
+  convolve_window(window, in[0].shape(0), in[0].shape(1), in[0].shape(2), taps, in[1].shape(0),
+                  bias, out.data<float>());
+}
+
+// The window [state | new] (out[0]) and the conv over it (out[1]): inputs state [B, K - 1, C],
+// new [B, T, C], taps, bias.
+void convolve_joined(std::vector<mx::array>& in, std::vector<mx::array>& out, bool has_bias) {
+  thread_local std::vector<float> taps_scratch, bias_scratch;
+  const int64_t B = in[0].shape(0), kept = in[0].shape(1), T = in[1].shape(1);
+  const int64_t C = in[0].shape(2), L = kept + T;
+  thread_local std::vector<float> state_rows, new_rows;
+  const float* state = packed(in[0], state_rows);
+  const float* fresh = packed(in[1], new_rows);
+  float* window = out[0].data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(window + b * L * C, state + b * kept * C, kept * C * sizeof(float));
+    std::memcpy(window + (b * L + kept) * C, fresh + b * T * C, T * C * sizeof(float));
+  }
+  const float* taps = packed(in[2], taps_scratch);
+  const float* bias = has_bias ? packed(in[3], bias_scratch) : nullptr;
+  convolve_window(window, B, L, C, taps, in[2].shape(0), bias, out[1].data<float>());
+}
+
+class CausalConvWindow : public mx::Primitive {
+ public:
+  CausalConvWindow(mx::Stream stream, bool has_bias)
+      : mx::Primitive(stream), has_bias_(has_bias) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(stream(), inputs, outputs, [has_bias = has_bias_](auto& in, auto& out) {
+      convolve_joined(in, out, has_bias);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("CausalConvSilu runs on the CPU only");
+  }
+  const char* name() const override { return "CausalConvSilu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const CausalConvWindow&>(other).has_bias_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& s = inputs[0];
+    const auto& n = inputs[1];
+    return {{s.shape(0), s.shape(1) + n.shape(1), s.shape(2)}, n.shape()};
+  }
+
+ private:
+  bool has_bias_;
+};
 
 class CausalConvSilu : public mx::UnaryPrimitive {
  public:
@@ -102,6 +154,30 @@ mx::array causal_conv_silu(const mx::array& window, const mx::array& taps,
   mx::Shape shape{window.shape(0), window.shape(1) - taps.shape(0) + 1, window.shape(2)};
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<CausalConvSilu>(stream, bias.has_value()), std::move(inputs));
+}
+
+std::vector<mx::array> causal_conv_silu_window(const mx::array& state, const mx::array& fresh,
+                                               const mx::array& taps,
+                                               const std::optional<mx::array>& bias) {
+  auto stream = cpu_stream("causal_conv_silu");
+  if (state.dtype() != mx::float32 || fresh.dtype() != mx::float32 || state.ndim() != 3 ||
+      fresh.ndim() != 3 || state.shape(0) != fresh.shape(0) || state.shape(2) != fresh.shape(2))
+    throw std::invalid_argument(
+        "causal_conv_silu: state [B, K - 1, C] and new [B, T, C] must be float32");
+  if (taps.ndim() != 2 || taps.shape(1) != state.shape(2) || taps.shape(0) != state.shape(1) + 1)
+    throw std::invalid_argument("causal_conv_silu: taps must be [K, C], the state K - 1 long");
+  real_of(taps.dtype());
+  std::vector<mx::array> inputs{state, fresh, taps};
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != state.shape(2))
+      throw std::invalid_argument("causal_conv_silu: bias must be [C]");
+    real_of(bias->dtype());
+    inputs.push_back(*bias);
+  }
+  mx::Shape window{state.shape(0), state.shape(1) + fresh.shape(1), state.shape(2)};
+  return mx::array::make_arrays({window, fresh.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<CausalConvWindow>(stream, bias.has_value()),
+                                std::move(inputs));
 }
 
 // silu(gate) * up over packed rows.
@@ -276,6 +352,10 @@ void bind_elementwise(nb::module_& m) {
         "silu(sum_j window[:, t + j] * taps[j] (+ bias)) for t in 0..T-1: a depthwise causal "
         "conv over window [B, T + K - 1, C] float32 with taps [K, C] (any float type); "
         "float32 [B, T, C], lazy, like any op.");
+  m.def("causal_conv_silu_window", &causal_conv_silu_window, "state"_a, "new"_a, "taps"_a,
+        "bias"_a = nb::none(),
+        "(window, causal_conv_silu(window, taps, bias)) with window = [state | new] along the "
+        "positions, in one op: state [B, K - 1, C] and new [B, T, C] float32.");
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,
         "silu(gate) * up for float32 arrays of one shape; lazy, like any op.");
 }
