@@ -14,10 +14,10 @@ folder, nothing of llama.cpp is committed):
    (``--work``/convert-venv) with the converter's pinned requirements, whose CPU torch comes
    from download.pytorch.org.
 4. ``run``: one llama-server per (dtype, threads, draft count) — 1 thread and every core —
-   and the mtpserve engine in this process (fp32). For every prompt of ``--prompts`` all
-   settings run once, in turn (interleaved, so the machine's load drifts over all of them
-   alike): plain and MTP at each draft count, greedy and sampled. Greedy token ids are
-   compared between the tools.
+   and the mtpserve engine in this process in each of those weight types. For every prompt
+   of ``--prompts`` all settings run once, in turn (interleaved, so the machine's load drifts
+   over all of them alike): plain and MTP at each draft count, greedy and sampled. Greedy
+   token ids are compared between the tools.
 
 Writes ``--out``/compare_llamacpp.json and .md (a table: tokens/s, acceptance, the speed-up over
 each tool's own plain decoding, greedy equality). Not part of ``make test``; run with
@@ -277,9 +277,15 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
     from engine.bench.speed import parse_samplers
     from engine.runtime import Engine
 
-    ours = Engine.load(args.model, dtype="float32")
-    prompts = load_prompts(Path(args.prompts), ours.tokenizer, args.limit)
-    samplers = parse_samplers(args.sampler, ours)
+    # mtpserve in each weight type llama.cpp runs (the native kernel reads bf16 as stored)
+    engines = {
+        dtype: Engine.load(args.model, dtype={"f32": "float32", "bf16": "bfloat16"}[dtype])
+        for dtype in (args.dtypes.split(",") if args.dtypes else ["f32"])
+        if dtype in ("f32", "bf16")
+    } or {"f32": Engine.load(args.model, dtype="float32")}
+    first = next(iter(engines.values()))
+    prompts = load_prompts(Path(args.prompts), first.tokenizer, args.limit)
+    samplers = parse_samplers(args.sampler, first)
     drafts = [int(k) for k in args.draft_tokens.split(",")]
     threads = sorted({1, os.cpu_count() or 1})
     servers = {
@@ -290,7 +296,7 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
     }
     settings: list[tuple[str, Any, str, Any]] = []  # (tool, config, sampler, draft)
     for name in samplers:
-        settings += [("mtpserve", "f32", name, k) for k in [*drafts, "auto"]]
+        settings += [("mtpserve", dtype, name, k) for dtype in engines for k in [*drafts, "auto"]]
         settings += [("llama.cpp", cfg, name, cfg[2]) for cfg in servers]
     rows: dict[str, dict[str, Any]] = {}
     greedy_ids: dict[tuple[str, str], dict[str, list[int]]] = {}
@@ -309,7 +315,7 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
                         ignore_eos=True,
                     )
                     tokens: list[int] = []
-                    for event in ours.generate(request):
+                    for event in engines[cfg].generate(request):
                         tokens += event.token_ids
                     st = event.stats
                     result = {
@@ -318,7 +324,7 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
                         "proposed": st.proposed,
                         "accepted": st.accepted,
                     }
-                    label = "mtpserve f32"
+                    label = f"mtpserve {cfg}"
                 else:
                     result = servers[cfg].complete(
                         prompt["ids"], args.max_tokens, llama_sampler(params)
