@@ -90,6 +90,12 @@ class MTPHead(nn.Module):
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)
 
     def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        """fc over the normed embedding, then the normed hidden state: on the kernel one op."""
+        out = products.joined_linear(
+            self.fc, embedded, self.pre_fc_norm_embedding, hidden, self.pre_fc_norm_hidden
+        )
+        if out is not None:
+            return out
         e = self.pre_fc_norm_embedding(embedded)
         h = self.pre_fc_norm_hidden(hidden)
         return linear(self.fc, mx.concatenate([e, h], axis=-1))  # embedding first, then hidden

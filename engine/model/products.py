@@ -175,16 +175,29 @@ def swiglu_linear(
     return None if outs is None else outs[0]
 
 
+def joined_linear(
+    module: nn.Module, x: mx.array, norm: nn.Module, x2: mx.array, norm2: nn.Module
+) -> mx.array | None:
+    """``linear(module, concatenate([norm(x), norm2(x2)], -1))`` (the MTP head's fc over its
+    normed embedding and hidden state) in one op of the kernel, bit for bit the two norms, the
+    concatenation and the product; None where the kernel does not take it."""
+    if x2.dtype != mx.float32 or x2.shape[:-1] != x.shape[:-1] or not isinstance(norm2, nn.RMSNorm):
+        return None
+    outs = _on_kernel_together([module], x, norm=norm, joined=(x2, norm2))
+    return None if outs is None else outs[0]
+
+
 def _on_kernel_together(
     modules: Sequence[nn.Module],
     x: mx.array,
     norm: nn.Module | None = None,
     residual: mx.array | None = None,
     up: mx.array | None = None,
+    joined: tuple[mx.array, nn.Module] | None = None,
 ) -> list[mx.array] | None:
-    """``linears`` (or ``linear`` with a residual, ``swiglu_linear``) by one op of the kernel;
-    None unless the kernel takes every product, the norm (an RMS norm), the residual and the
-    activation's ``up`` (float32 throughout)."""
+    """``linears`` (or ``linear`` with a residual, ``swiglu_linear``, ``joined_linear``) by one
+    op of the kernel; None unless the kernel takes every product, the norm (an RMS norm), the
+    residual, the activation's ``up`` and the joined input (float32 throughout)."""
     if len(modules) < 2 and norm is None and residual is None and up is None:
         return None
     if up is not None and (x.dtype != mx.float32 or up.dtype != mx.float32 or up.shape != x.shape):
@@ -204,7 +217,23 @@ def _on_kernel_together(
         or modules[0].get("bias") is not None
     ):
         return None
-    outs = _native.products(x, operands, norm_weight=norm_weight, eps=eps, residual=residual, up=up)
+    second, second_weight, second_eps = None, None, 0.0
+    if joined is not None:
+        if norm is None:
+            return None
+        second, second_norm = joined
+        second_weight, second_eps = second_norm["weight"], second_norm.eps
+    outs = _native.products(
+        x,
+        operands,
+        norm_weight=norm_weight,
+        eps=eps,
+        residual=residual,
+        up=up,
+        joined=second,
+        joined_norm_weight=second_weight,
+        joined_eps=second_eps,
+    )
     return [
         out if (bias := module.get("bias")) is None else out + bias
         for out, module in zip(outs, modules, strict=True)

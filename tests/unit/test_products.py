@@ -275,7 +275,8 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
     """The input's RMS norm inside the projections' op, and the SwiGLU activation and the
     residual inside the output projection's: the same bits as ``rms_norm`` then the products,
     and ``swiglu`` then the product plus the residual, at every thread count; ``linears``,
-    ``linear`` and ``swiglu_linear`` take them."""
+    ``linear``, ``swiglu_linear`` and ``joined_linear`` (two normed inputs side by side) take
+    them."""
     import mlx.nn as nn
 
     from engine.model.norms import RMSNorm, rms_norm
@@ -324,6 +325,13 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
         assert np.array_equal(np.array(out), np.array(products.linear(layer, norm(x))))
     fused = products.linear(layers[0], x, residual=residual)
     assert np.array_equal(np.array(fused), np.array(residual + products.linear(layers[0], x)))
+    hidden = mx.array(_random((2, 3, 56), 40))  # the MTP head's fc: [norm(x) | norm2(hidden)]
+    norm2 = RMSNorm(56, eps=1e-5)
+    fc = nn.Linear(256, 24, bias=False)
+    mx.eval(fc.parameters())
+    joined = products.joined_linear(fc, x, norm, hidden, norm2)
+    want = products.linear(fc, mx.concatenate([norm(x), norm2(hidden)], axis=-1))
+    assert np.array_equal(np.array(joined), np.array(want))
     up = mx.array(_random((2, 3, 200), 39))
     down = products.swiglu_linear(layers[0], x, up, residual)
     want = residual + products.linear(layers[0], native.swiglu(x, up))

@@ -233,6 +233,10 @@ struct ProductExtras {
   float eps = 0.0f;
   bool residual = false;
   bool swiglu = false;  // the input is silu(x) * up (`up` an input): an MLP's down projection
+  // the input is [norm(x) | norm2(x2)] along the last axis (x2 and its norm's weight inputs):
+  // the MTP head's embedding and hidden state, each with its own norm, joined for its fc
+  bool joined = false;
+  float eps2 = 0.0f;
   bool operator==(const ProductExtras&) const = default;
 };
 
@@ -245,14 +249,33 @@ struct ProductExtras {
 void compute(const mx::array& x, const std::vector<mx::array>& weights,
              const std::vector<WeightSpec>& specs, const ProductExtras& extras,
              const mx::array* norm_weight, const mx::array* residual, const mx::array* up,
-             std::vector<mx::array>& ys) {
-  const int64_t in = x.shape(-1);
-  const int64_t rows = in == 0 ? 0 : x.size() / in;
+             const mx::array* x2, const mx::array* norm2_weight, std::vector<mx::array>& ys) {
+  const int64_t in1 = x.shape(-1);
+  const int64_t rows = in1 == 0 ? 0 : x.size() / in1;
   if (rows == 0) return;
+  const int64_t in2 = extras.joined ? x2->shape(-1) : 0;
+  const int64_t in = in1 + in2;
   const int64_t stride = (in + kPad - 1) / kPad * kPad;
   thread_local std::vector<float> widened, norm_scratch, residual_scratch;
   if (widened.size() < static_cast<size_t>(rows * stride)) widened.resize(rows * stride);
-  widen_rows(x, rows, in, stride, widened.data());
+  if (extras.joined) {  // each part widened and normed on its own, then side by side
+    thread_local std::vector<float> first, second, w1, w2;
+    const int64_t s1 = (in1 + kPad - 1) / kPad * kPad, s2 = (in2 + kPad - 1) / kPad * kPad;
+    first.resize(rows * s1);
+    second.resize(rows * s2);
+    widen_rows(x, rows, in1, s1, first.data());
+    widen_rows(*x2, rows, in2, s2, second.data());
+    const float* n1 = packed(*norm_weight, w1);
+    const float* n2 = packed(*norm2_weight, w2);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = widened.data() + r * stride;
+      rms_normalize(first.data() + r * s1, n1, in1, extras.eps, row);
+      rms_normalize(second.data() + r * s2, n2, in2, extras.eps2, row + in1);
+      std::memset(row + in, 0, (stride - in) * sizeof(float));
+    }
+  } else {
+    widen_rows(x, rows, in, stride, widened.data());
+  }
   if (extras.swiglu) {  // the SwiGlu primitive's arithmetic, row by row
     thread_local std::vector<float> up_rows;
     if (up_rows.size() < static_cast<size_t>(rows * stride)) up_rows.resize(rows * stride);
@@ -264,7 +287,7 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
       for (int64_t j = 0; j < in; ++j) row[j] = row[j] * u[j];
     }
   }
-  if (extras.norm) {
+  if (extras.norm && !extras.joined) {
     const float* w = packed(*norm_weight, norm_scratch);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = widened.data() + r * stride;
@@ -347,8 +370,10 @@ class RowsProduct : public mx::Primitive {
                size_t next = 1 + weight_inputs;
                const mx::array* norm = extras.norm ? &in[next++] : nullptr;
                const mx::array* residual = extras.residual ? &in[next++] : nullptr;
-               const mx::array* up = extras.swiglu ? &in[next] : nullptr;
-               compute(in[0], weights, specs, extras, norm, residual, up, out);
+               const mx::array* up = extras.swiglu ? &in[next++] : nullptr;
+               const mx::array* x2 = extras.joined ? &in[next++] : nullptr;
+               const mx::array* norm2 = extras.joined ? &in[next] : nullptr;
+               compute(in[0], weights, specs, extras, norm, residual, up, x2, norm2, out);
              });
   }
 
@@ -446,14 +471,18 @@ using WeightArgs =
 std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights,
                                 const std::optional<mx::array>& norm_weight, float eps,
                                 const std::optional<mx::array>& residual,
-                                const std::optional<mx::array>& up) {
+                                const std::optional<mx::array>& up,
+                                const std::optional<mx::array>& joined,
+                                const std::optional<mx::array>& joined_norm_weight,
+                                float joined_eps) {
   if (x.ndim() < 1 || weights.empty())
     throw std::invalid_argument("products: x [..., in] and at least one weight");
   real_of(x.dtype());
+  const int64_t in = x.shape(-1) + (joined ? joined->shape(-1) : 0);
   std::vector<mx::array> inputs{x};
   std::vector<WeightSpec> specs;
   for (const auto& [w, scales, biases, bits, group] : weights)
-    specs.push_back(add_weight(inputs, x.shape(-1), w, scales, biases, bits, group));
+    specs.push_back(add_weight(inputs, in, w, scales, biases, bits, group));
   ProductExtras extras;
   if (norm_weight) {
     if (x.dtype() != mx::float32 || norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(-1))
@@ -479,6 +508,21 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
       throw std::invalid_argument("products: up needs float32 x and up of one shape, no norm");
     extras.swiglu = true;
     inputs.push_back(*up);
+  }
+  if (joined) {
+    mx::Shape lead = x.shape(), lead2 = joined->shape();
+    lead.pop_back();
+    lead2.pop_back();
+    if (!norm_weight || !joined_norm_weight || up || joined->dtype() != mx::float32 ||
+        lead != lead2 || joined_norm_weight->ndim() != 1 ||
+        joined_norm_weight->shape(0) != joined->shape(-1))
+      throw std::invalid_argument(
+          "products: joined needs float32 rows like x's, both norms' weights, no up");
+    real_of(joined_norm_weight->dtype());
+    extras.joined = true;
+    extras.eps2 = joined_eps;
+    inputs.push_back(*joined);
+    inputs.push_back(*joined_norm_weight);
   }
   return products_of(x, std::move(inputs), std::move(specs), extras);
 }
@@ -580,11 +624,15 @@ NB_MODULE(_products, m) {
       "eps"_a = 0.0f,
       "residual"_a = nb::none(),
       "up"_a = nb::none(),
+      "joined"_a = nb::none(),
+      "joined_norm_weight"_a = nb::none(),
+      "joined_eps"_a = 0.0f,
       "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
       "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
       "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "
-      "norm_weight, eps) does; with up, the input is swiglu(x, up); with residual (one weight), "
-      "it is added to the output: bit for bit the separate ops.");
+      "norm_weight, eps) does; with up, the input is swiglu(x, up); with joined (and its norm), "
+      "the input is [rms_norm(x) | rms_norm(joined)] along the last axis; with residual (one "
+      "weight), it is added to the output: bit for bit the separate ops.");
   m.def("isa", [] {
     std::lock_guard<std::mutex> guard(state_lock);
     ensure_state();
