@@ -5,10 +5,9 @@
 // the heads' transpose and join), each a task on its one stream thread.
 //
 // Query t of row b sees keys [0, ends[b] - T + t] of its cache; everything a query computes
-// runs over those keys alone, in key order: its scores (dot products over the head dimension,
-// 16 lanes then a fixed tree), their maximum, the exponentials and their sum (16 lanes by key
-// index, then the tree), the weighted sum of the values (each dimension its own sum in key
-// order). So a query's output does not depend on the keys past its own (a cache's padding), on
+// runs over those keys alone, in key order: its scores (norms.h's lane dot products over the
+// head dimension), their maximum, the exponentials and their sum (16 lanes by key index, then
+// a fixed tree), the weighted sum of the values (each dimension its own sum in key order). So a query's output does not depend on the keys past its own (a cache's padding), on
 // the other queries of the op (a verify's positions against T plain steps) or on the other
 // rows (a batch against each row alone): bit for bit.
 #include <nanobind/nanobind.h>
@@ -22,6 +21,7 @@
 #include "exp.h"
 #include "kernels.h"
 #include "mlx/primitives.h"
+#include "norms.h"
 #include "primitive.h"
 
 namespace mx = mlx::core;
@@ -31,18 +31,7 @@ using namespace nb::literals;
 namespace mtpserve {
 namespace {
 
-constexpr int kLanes = 16;
-
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
-  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0];
-}
+constexpr int kLanes = kNormLanes;
 
 // Strides (in floats) of a [B, H, P, D] array whose last axis is contiguous.
 struct Strided {
@@ -72,7 +61,7 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
   for (int64_t j = 0; j < most; ++j) {
     const float* k = keys.at(row, kv_head, j);
     for (int64_t i = 0; i < count; ++i)
-      if (j < limits[i]) scores[i * width + j] = dot(q + i * dim, k, dim);
+      if (j < limits[i]) scores[i * width + j] = lane_dot(q + i * dim, k, dim);
   }
   for (int64_t i = 0; i < count; ++i) {
     const int64_t limit = limits[i];

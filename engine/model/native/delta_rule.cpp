@@ -169,44 +169,27 @@ void replay(std::vector<mx::array>& in, mx::array& out, float eps) {
   run_units(kernels.replay, kernels, args);
 }
 
-// y and u [B, T, Hv, Dv], the final state, log g [B, T, Hv] of DeltaRuleLayer.
+// y and u [B, T, Hv, Dv], the final state, log g [B, T, Hv]: the layer form of DeltaRule.
 std::vector<mx::Shape> layer_output_shapes(const mx::array& conv, const mx::array& a,
                                            const mx::array& state) {
   const mx::Shape values{conv.shape(0), conv.shape(1), state.shape(1), state.shape(2)};
   return {values, values, state.shape(), a.shape()};
 }
 
+// The recurrence over T positions: from q, k, v, log g, beta and the state (`key_heads` 0:
+// `forward`; outputs y, u, the final state), or from a layer's conv output, a, b, A_log,
+// dt_bias and the state (`key_heads` its key heads: `forward_layer`; log g a fourth output).
 class DeltaRule : public mx::Primitive {
  public:
-  DeltaRule(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(stream(), inputs, outputs,
-             [eps = eps_](auto& in, auto& out) { forward(in, out, eps); });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("DeltaRule runs on the CPU only");
-  }
-  const char* name() const override { return "DeltaRule"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const DeltaRule&>(other).eps_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[2].shape(), inputs[2].shape(), inputs[5].shape()};
-  }
-
- private:
-  float eps_;
-};
-
-class DeltaRuleLayer : public mx::Primitive {
- public:
-  DeltaRuleLayer(mx::Stream stream, float eps, int key_heads)
+  DeltaRule(mx::Stream stream, float eps, int key_heads)
       : mx::Primitive(stream), eps_(eps), key_heads_(key_heads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     dispatch(stream(), inputs, outputs, [eps = eps_, heads = key_heads_](auto& in, auto& out) {
-      forward_layer(in, out, eps, heads);
+      if (heads > 0)
+        forward_layer(in, out, eps, heads);
+      else
+        forward(in, out, eps);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -214,11 +197,12 @@ class DeltaRuleLayer : public mx::Primitive {
   }
   const char* name() const override { return "DeltaRule"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const DeltaRuleLayer&>(other);
+    const auto& o = static_cast<const DeltaRule&>(other);
     return eps_ == o.eps_ && key_heads_ == o.key_heads_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return layer_output_shapes(inputs[0], inputs[1], inputs[5]);
+    if (key_heads_ > 0) return layer_output_shapes(inputs[0], inputs[1], inputs[5]);
+    return {inputs[2].shape(), inputs[2].shape(), inputs[5].shape()};
   }
 
  private:
@@ -289,7 +273,7 @@ std::vector<mx::array> delta_rule(const mx::array& q, const mx::array& k, const 
   check_float(beta, "beta");
   return mx::array::make_arrays({v.shape(), v.shape(), state.shape()},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DeltaRule>(stream, eps),
+                                std::make_shared<DeltaRule>(stream, eps, 0),
                                 {q, k, v, log_g, beta, state});
 }
 
@@ -318,7 +302,7 @@ std::vector<mx::array> delta_rule_layer(const mx::array& conv, const mx::array& 
   auto shapes = layer_output_shapes(conv, a, state);
   return mx::array::make_arrays(std::move(shapes),
                                 {mx::float32, mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DeltaRuleLayer>(stream, eps, key_heads),
+                                std::make_shared<DeltaRule>(stream, eps, key_heads),
                                 {conv, a, b, a_log, dt_bias, state});
 }
 

@@ -82,57 +82,43 @@ void convolve_joined(std::vector<mx::array>& in, std::vector<mx::array>& out, bo
   convolve_window(window, B, L, C, taps, in[2].shape(0), bias, out[1].data<float>());
 }
 
-class CausalConvWindow : public mx::Primitive {
+// The conv over a window (`joined` false: inputs window, taps, bias; one output) or over the
+// window it writes of [state | new] (`joined`: inputs state, new, taps, bias; outputs the
+// window and the conv).
+class CausalConvSilu : public mx::Primitive {
  public:
-  CausalConvWindow(mx::Stream stream, bool has_bias)
-      : mx::Primitive(stream), has_bias_(has_bias) {}
+  CausalConvSilu(mx::Stream stream, bool has_bias, bool joined)
+      : mx::Primitive(stream), has_bias_(has_bias), joined_(joined) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(stream(), inputs, outputs, [has_bias = has_bias_](auto& in, auto& out) {
-      convolve_joined(in, out, has_bias);
-    });
+    dispatch(stream(), inputs, outputs,
+             [has_bias = has_bias_, joined = joined_](auto& in, auto& out) {
+               if (joined)
+                 convolve_joined(in, out, has_bias);
+               else
+                 convolve(in, out[0], has_bias);
+             });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("CausalConvSilu runs on the CPU only");
   }
   const char* name() const override { return "CausalConvSilu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const CausalConvWindow&>(other).has_bias_;
+    const auto& o = static_cast<const CausalConvSilu&>(other);
+    return has_bias_ == o.has_bias_ && joined_ == o.joined_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const auto& s = inputs[0];
-    const auto& n = inputs[1];
-    return {{s.shape(0), s.shape(1) + n.shape(1), s.shape(2)}, n.shape()};
+    const auto& first = inputs[0];
+    if (joined_) {
+      const auto& fresh = inputs[1];
+      return {{first.shape(0), first.shape(1) + fresh.shape(1), first.shape(2)}, fresh.shape()};
+    }
+    return {{first.shape(0), first.shape(1) - inputs[1].shape(0) + 1, first.shape(2)}};
   }
 
  private:
   bool has_bias_;
-};
-
-class CausalConvSilu : public mx::UnaryPrimitive {
- public:
-  CausalConvSilu(mx::Stream stream, bool has_bias)
-      : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
-    std::vector<mx::array> outputs{output};
-    dispatch(stream(), inputs, outputs,
-             [has_bias = has_bias_](auto& in, auto& out) { convolve(in, out[0], has_bias); });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("CausalConvSilu runs on the CPU only");
-  }
-  const char* name() const override { return "CausalConvSilu"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const CausalConvSilu&>(other).has_bias_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const auto& w = inputs[0];
-    return {{w.shape(0), w.shape(1) - inputs[1].shape(0) + 1, w.shape(2)}};
-  }
-
- private:
-  bool has_bias_;
+  bool joined_;
 };
 
 mx::array causal_conv_silu(const mx::array& window, const mx::array& taps,
@@ -153,7 +139,8 @@ mx::array causal_conv_silu(const mx::array& window, const mx::array& taps,
   }
   mx::Shape shape{window.shape(0), window.shape(1) - taps.shape(0) + 1, window.shape(2)};
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<CausalConvSilu>(stream, bias.has_value()), std::move(inputs));
+                   std::make_shared<CausalConvSilu>(stream, bias.has_value(), false),
+                   std::move(inputs));
 }
 
 std::vector<mx::array> causal_conv_silu_window(const mx::array& state, const mx::array& fresh,
@@ -176,7 +163,7 @@ std::vector<mx::array> causal_conv_silu_window(const mx::array& state, const mx:
   }
   mx::Shape window{state.shape(0), state.shape(1) + fresh.shape(1), state.shape(2)};
   return mx::array::make_arrays({window, fresh.shape()}, {mx::float32, mx::float32},
-                                std::make_shared<CausalConvWindow>(stream, bias.has_value()),
+                                std::make_shared<CausalConvSilu>(stream, bias.has_value(), true),
                                 std::move(inputs));
 }
 
