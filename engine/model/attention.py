@@ -56,7 +56,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, ends: tuple[int,
 
     On a CPU with the native kernel one op (``Attend``: each query over its own keys alone, in
     key order, so padding, the other queries and the other rows change none of its bits) where
-    mlx takes ~12; elsewhere mlx's ops over the padded cache (see the module's notes).
+    mlx takes ~14; elsewhere mlx's ops over the padded cache (see the module's notes).
     """
     if (native := products.native_for(queries, keys, values)) is not None:
         return native.attend(queries, keys, values, mx.array(ends, dtype=mx.int32))

@@ -174,8 +174,7 @@ def conv_window_silu(conv: nn.Conv1d, state: mx.array, new: mx.array) -> tuple[m
     """The window ``[state | new]`` along the positions and ``causal_conv_silu`` over it: on a
     CPU with the native kernel one op (the same conv, bit for bit), where mlx takes two."""
     if native := products.native_for(state, new):
-        window, out = native.causal_conv_silu_window(state, new, _taps(conv)[1], conv.get("bias"))
-        return window, out
+        return tuple(native.causal_conv_silu_window(state, new, _taps(conv)[1], conv.get("bias")))
     window = mx.concatenate([state, new], axis=1)
     return window, causal_conv_silu(conv, window)
 
