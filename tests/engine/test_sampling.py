@@ -49,6 +49,22 @@ from sampling.params import (
 )
 
 ALPHA = 0.001
+
+
+@pytest.fixture(params=["native", "mlx"])
+def truncation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each truncation test on both implementations of top_k truncation: the native op (a CPU
+    with mtpserve's kernels) and mlx's compiled formulation (GPUs, and CPUs without them)."""
+    import sampling.distribution as distribution
+    from engine.model import products
+
+    if request.param == "native" and not products.on_native():
+        pytest.skip("the native kernel is not built")
+    if request.param == "mlx":
+        monkeypatch.setattr(distribution, "_native_truncation", lambda logits, params: None)
+    return request.param
+
+
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
 
 
@@ -95,7 +111,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", list(SETTINGS) + ["greedy", "bias"])
 @pytest.mark.fast
-def test_truncated_probs_matches_reference(name: str) -> None:
+def test_truncated_probs_matches_reference(name: str, truncation: str) -> None:
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, 300)).astype(np.float32) * 3
     params = {
@@ -211,7 +227,7 @@ def test_keyed_uniforms_are_uniform_independent_and_fixed_by_seed_position_purpo
 
 
 @pytest.mark.fast
-def test_top_k_candidates_are_in_token_order() -> None:
+def test_top_k_candidates_are_in_token_order(truncation: str) -> None:
     """A draw walks a row's candidates in column order, so the order must not move with the
     last bits of the logits (a batch row's can differ from the same row's alone): each row's
     candidates come in increasing token order, and the same uniforms draw the same tokens from
@@ -254,7 +270,7 @@ def test_top_k_ids_are_the_k_largest() -> None:
 
 
 @pytest.mark.fast
-def test_candidate_rows_match_the_whole_vocabulary() -> None:
+def test_candidate_rows_match_the_whole_vocabulary(truncation: str) -> None:
     """With top_k, ``truncate`` keeps the k candidates (ids and probabilities); spread over the
     vocabulary they are the rows of the reference truncation, and without top_k the rows are
     the whole vocabulary (ids None)."""

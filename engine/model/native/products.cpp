@@ -604,6 +604,7 @@ NB_MODULE(_products, m) {
   bind_norms(m);
   bind_elementwise(m);
   bind_attention(m);
+  bind_sampler(m);
   m.def(
       "product",
       &product,

@@ -1,0 +1,126 @@
+"""The native truncation (engine/model/native/sampler.cpp, ``top_k_truncate``) against mlx's
+formulation of the same rules (sampling/distribution.py, ``_truncate`` and
+``inverse_cdf_index``) and against numpy: the same candidates in token order, the same
+probabilities to rounding, the same draws; ties, -inf and NaN logits, vocabularies that are
+not a multiple of its scan block, rows wide enough to be shared over threads; each row its own
+whatever the row count; and its errors."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import sampling.distribution as distribution
+from engine.model import products
+from sampling.distribution import (
+    _truncate,
+    draw_tokens_with,
+    truncate,
+    truncate_and_sample,
+)
+from sampling.params import SamplingParams
+
+native = products.native()
+pytestmark = [
+    pytest.mark.fast,
+    pytest.mark.skipif(not products.on_native(), reason="the native kernel is not built"),
+]
+
+SETTINGS = (
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.95),  # Qwen's defaults
+    SamplingParams(temperature=0.6, top_k=40, top_p=0.5, min_p=0.05),
+    SamplingParams(temperature=1.3, top_k=1),
+    SamplingParams(temperature=0.7, top_k=128, min_p=0.2),
+)
+
+
+def _mlx_rows(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    probs, ids = _truncate(mx.array(logits), p.temperature, p.top_k, p.top_p, p.min_p)
+    return np.array(probs), np.array(ids)
+
+
+@pytest.mark.parametrize("vocab", [300, 4097, 8192, 40_000])
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_rows_match_mlxs_formulation(vocab: int, setting: int) -> None:
+    """Candidates and probabilities as mlx's ops compute them, for 1..64 rows; the draw is the
+    inverse-CDF draw of its own row, bit for bit."""
+    p = SETTINGS[setting]
+    rng = np.random.default_rng(vocab + setting)
+    for rows in (1, 5, 64):
+        logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+        uniforms = rng.random(rows).astype(np.float32)
+        probs, ids, tokens = native.top_k_truncate(
+            mx.array(logits), p.temperature, p.top_k, p.top_p, p.min_p, mx.array(uniforms)
+        )
+        want_probs, want_ids = _mlx_rows(logits, p)
+        np.testing.assert_array_equal(np.array(ids), want_ids)
+        np.testing.assert_allclose(np.array(probs), want_probs, rtol=1e-5, atol=1e-7)
+        assert ((np.array(probs) > 0) == (want_probs > 0)).all()
+        drawn = draw_tokens_with(probs, ids, mx.array(uniforms))
+        assert tokens.tolist() == drawn.tolist()
+        alone = native.top_k_truncate(
+            mx.array(logits[-1:]), p.temperature, p.top_k, p.top_p, p.min_p, mx.array(uniforms[-1:])
+        )
+        assert np.array_equal(np.array(alone[0])[0], np.array(probs)[-1])  # row t is its own
+        assert alone[2].tolist() == tokens.tolist()[-1:]
+
+
+def test_ties_keep_the_lower_token_and_infinities_and_nans_never_win() -> None:
+    """Equal logits at the k-th place: the lower token ids are the candidates; -inf (tokens
+    outside a draft vocabulary) and NaN take a place only when nothing else is left, with
+    probability 0 (-inf)."""
+    logits = np.full((1, 1000), -np.inf, dtype=np.float32)
+    logits[0, [900, 5, 600, 7, 300]] = 2.0
+    logits[0, 42] = 3.0
+    logits[0, 43] = np.nan
+    probs, ids = native.top_k_truncate(mx.array(logits), 1.0, 4, 1.0, 0.0)
+    assert ids.tolist() == [[5, 7, 42, 300]]
+    probs, ids = native.top_k_truncate(mx.array(logits), 1.0, 8, 1.0, 0.0)
+    assert ids.tolist() == [[0, 1, 5, 7, 42, 300, 600, 900]]  # two -inf places: the lowest ids
+    want = np.exp(np.array([-np.inf, -np.inf, 2, 2, 3, 2, 2, 2]) - 3.0)
+    np.testing.assert_allclose(np.array(probs)[0], want / want.sum(), rtol=1e-6)
+
+
+def test_a_draw_never_lands_on_a_token_without_mass() -> None:
+    """A uniform just below 1 on a row whose last candidates top_p removed draws the last
+    candidate with mass, not one past it."""
+    logits = np.zeros((1, 500), dtype=np.float32)
+    logits[0, :3] = [5.0, 4.0, 3.0]
+    probs, ids, tokens = native.top_k_truncate(
+        mx.array(logits), 1.0, 10, 0.9, 0.0, mx.array([1 - 2**-24], dtype=mx.float32)
+    )
+    kept = np.array(ids)[0][np.array(probs)[0] > 0]
+    assert tokens.item() == kept[-1]
+
+
+def test_sampling_runs_the_native_op_on_cpus_with_top_k() -> None:
+    """``truncate`` and ``truncate_and_sample`` take the one op where top_k is set, and mlx's
+    compiled formulation without it: both give the same rows."""
+    rng = np.random.default_rng(9)
+    logits = mx.array(rng.standard_normal((3, 2048)).astype(np.float32))
+    p = SamplingParams(temperature=0.8, top_k=30, top_p=0.9)
+    assert distribution._native_truncation(logits, p) is native
+    assert distribution._native_truncation(logits, SamplingParams(temperature=0.8)) is None
+    rows = truncate(logits, p)
+    q, tokens = truncate_and_sample(logits, p, mx.array([0.1, 0.5, 0.9]))
+    want_probs, want_ids = _mlx_rows(np.array(logits), p)
+    np.testing.assert_array_equal(np.array(rows.ids), want_ids)
+    np.testing.assert_allclose(np.array(q.probs), want_probs, rtol=1e-5, atol=1e-7)
+    assert tokens.tolist() == draw_tokens_with(q.probs, q.ids, mx.array([0.1, 0.5, 0.9])).tolist()
+
+
+def test_inside_compile_and_its_errors() -> None:
+    logits = mx.array(np.random.default_rng(2).standard_normal((2, 256)).astype(np.float32))
+    compiled = mx.compile(lambda x: native.top_k_truncate(x, 1.0, 8, 0.9, 0.0))
+    np.testing.assert_array_equal(
+        np.array(compiled(logits)[0]), np.array(native.top_k_truncate(logits, 1.0, 8, 0.9, 0.0)[0])
+    )
+    with pytest.raises(ValueError, match="top_k"):
+        native.top_k_truncate(logits, 1.0, 256, 1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        native.top_k_truncate(logits, 0.0, 8, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"\[T, V\]"):
+        native.top_k_truncate(logits[0], 1.0, 8, 1.0, 0.0)
+    with pytest.raises(ValueError, match="uniforms"):
+        native.top_k_truncate(logits, 1.0, 8, 1.0, 0.0, mx.array([0.5]))
