@@ -108,7 +108,17 @@ def greedy_tokens(
 ) -> mx.array:
     """The support of ``truncated_probs`` when ``params.greedy``: its argmax, without building
     the one-hot rows (the hot path of greedy decoding). int32 ``[T]``."""
-    return mx.argmax(adjusted_logits(logits, params, history), axis=-1).astype(mx.int32)
+    return argmax_ids(adjusted_logits(logits, params, history))
+
+
+def argmax_ids(logits: mx.array) -> mx.array:
+    """The index of each row's largest logit (ties: the first), int32 ``[...]`` for ``[..., V]``:
+    on a CPU with mtpserve's kernels one native op (mlx's CPU argmax walks a row element by
+    element: ~0.23 ms a 248,320-token row, 1.2 ms for a verify's five against ~0.1 ms),
+    elsewhere ``mx.argmax``."""
+    if on_native() and logits.dtype == mx.float32:
+        return native().argmax(logits)
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ def truncate(
     logits = adjusted_logits(logits, params, history)
     if params.greedy:
         # Point mass on the argmax: greedy decoding through the same acceptance rule.
-        top = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
+        top = argmax_ids(logits)[..., None]
         return Truncated(mx.ones(top.shape, dtype=mx.float32), top)
     if (op := _native_truncation(logits, params)) is not None:
         probs, ids = op.top_k_truncate(

@@ -31,6 +31,7 @@ from engine.blas import blas_in_use
 from engine.cycle.sequence import MAX_CATCH_UP, Sequence, absorb_pending
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import trunk_hidden
+from sampling.distribution import argmax_ids
 from sampling.params import SamplingOverrides, SamplingParams
 
 log = logging.getLogger("mtpserve.costs")
@@ -291,14 +292,14 @@ def measure_costs(
     def time_head() -> float:
         t = time.perf_counter()
         _, logits = head(trunk, mx.array([[seq.tokens[-1]]]), probe, seq.head_cache)
-        mx.eval(mx.argmax(logits, axis=-1))
+        mx.eval(argmax_ids(logits))
         seq.head_cache.trim(1)
         return time.perf_counter() - t
 
     def time_absorb(n: int) -> float:
         t = time.perf_counter()
         _, logits = head(trunk, mx.array([[seq.tokens[-1]] * n]), probe_n[:, :n], seq.head_cache)
-        mx.eval(mx.argmax(logits, axis=-1))
+        mx.eval(argmax_ids(logits))
         seq.head_cache.trim(n)
         return time.perf_counter() - t
 
@@ -400,7 +401,7 @@ def estimate_costs(
 
     def head_run(n: int) -> None:
         _, logits = head(trunk, mx.array([ids[:n]]), mx.zeros((1, n, hidden_size)), seq.head_cache)
-        mx.eval(mx.argmax(logits, axis=-1))
+        mx.eval(argmax_ids(logits))
         seq.head_cache.trim(n)
 
     lengths = range(1, max_k + 2) if thorough else (1, max_k + 1)

@@ -124,3 +124,44 @@ def test_inside_compile_and_its_errors() -> None:
         native.top_k_truncate(logits[0], 1.0, 8, 1.0, 0.0)
     with pytest.raises(ValueError, match="uniforms"):
         native.top_k_truncate(logits, 1.0, 8, 1.0, 0.0, mx.array([0.5]))
+
+
+def test_argmax_is_numpys_with_ties_first_and_nan_as_minus_infinity() -> None:
+    """``argmax`` of rows of any width (not a multiple of its scan block, wide enough to be
+    shared over threads), of 3-D and strided operands and half-precision rows, against numpy;
+    of equal values the first; a NaN never wins unless the row holds nothing else."""
+    rng = np.random.default_rng(11)
+    for shape in [(1, 7), (5, 300), (3, 4097), (2, 3, 40_000), (64, 1000)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        assert np.array_equal(np.array(native.argmax(mx.array(x))), np.argmax(x, axis=-1))
+    wide = rng.standard_normal((4, 2 * 4097)).astype(np.float32)
+    strided = mx.array(wide)[:, ::2]
+    assert np.array_equal(np.array(native.argmax(strided)), np.argmax(wide[:, ::2], axis=-1))
+    half = mx.array(wide).astype(mx.bfloat16)
+    assert np.array_equal(
+        np.array(native.argmax(half)), np.argmax(np.array(half.astype(mx.float32)), -1)
+    )
+    ties = np.zeros((2, 1000), dtype=np.float32)
+    ties[0, [700, 300, 900]] = 1.0
+    ties[1, :] = np.nan
+    ties[1, 600] = -np.inf
+    ties[1, 800] = -5.0
+    assert native.argmax(mx.array(ties)).tolist() == [300, 800]
+
+
+def test_greedy_tokens_take_the_native_argmax() -> None:
+    from sampling.distribution import argmax_ids, greedy_tokens
+
+    x = mx.array(np.random.default_rng(12).standard_normal((2, 5, 3000)).astype(np.float32))
+    want = np.argmax(np.array(x), axis=-1)
+    assert np.array_equal(np.array(argmax_ids(x)), want)
+    assert np.array_equal(np.array(greedy_tokens(x, SamplingParams(temperature=0.0))), want)
+    assert "RowsArgmax" in _graph(argmax_ids(x))
+
+
+def _graph(*outputs: mx.array) -> str:
+    import io
+
+    buffer = io.StringIO()
+    mx.export_to_dot(buffer, *outputs)
+    return buffer.getvalue()
