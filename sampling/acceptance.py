@@ -17,8 +17,11 @@ Returns device arrays only; the caller syncs once per cycle.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import mlx.core as mx
 
+from engine.model.products import native, on_native
 from sampling.distribution import Truncated, draw_tokens_with, inverse_cdf_index
 
 
@@ -76,6 +79,17 @@ def accept_drafts_with(
         return _compiled_dense_rule(
             draft_ids, draft.probs, target.probs, accept_uniforms, emit_uniforms
         )
+    if (op := _native_rule(draft_ids)) is not None:
+        n_accepted, token = op.accept_candidates(
+            draft_ids,
+            draft.probs,
+            draft.ids,
+            target.probs,
+            target.ids,
+            accept_uniforms,
+            emit_uniforms,
+        )
+        return n_accepted, token
     return _compiled_candidate_rule(
         draft_ids,
         draft.probs,
@@ -143,6 +157,17 @@ def _accept(
     return n_accepted, candidates[n_accepted]
 
 
+def _native_rule(draft_ids: mx.array) -> ModuleType | None:
+    """The native op module when the candidate rule runs as one op (``accept_candidates``:
+    ``_candidate_rule`` row by row in C++, the scan stopped at the first rejection and only the
+    emitted row's residual built): on a CPU with mtpserve's kernels, where mlx's formulation
+    is ~25 primitives, each a task on the stream's one thread. Both are the same rule; a
+    process runs one of them for every row, alone or batched."""
+    if on_native() and draft_ids.dtype == mx.int32:
+        return native()
+    return None
+
+
 #: Compiled once per K (shapes): ~25 small ops that cost more dispatched one by one on CPUs.
 _compiled_dense_rule = mx.compile(_dense_rule)
 _compiled_candidate_rule = mx.compile(_candidate_rule)
@@ -164,6 +189,11 @@ def accept_drafts_rows(
     b's operands alone (the same ops, mapped over rows: one dispatch group instead of B)."""
     if p_ids is None:
         return _compiled_dense_rows(draft_ids, q, p, accept_uniforms, emit_uniforms)
+    if (op := _native_rule(draft_ids)) is not None:
+        n_accepted, tokens = op.accept_candidates(
+            draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms
+        )
+        return n_accepted, tokens
     return _compiled_candidate_rows(draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms)
 
 

@@ -1,9 +1,10 @@
-"""The native truncation (engine/model/native/sampler.cpp, ``top_k_truncate``) against mlx's
-formulation of the same rules (sampling/distribution.py, ``_truncate`` and
-``inverse_cdf_index``) and against numpy: the same candidates in token order, the same
-probabilities to rounding, the same draws; ties, -inf and NaN logits, vocabularies that are
-not a multiple of its scan block, rows wide enough to be shared over threads; each row its own
-whatever the row count; and its errors."""
+"""The native sampler ops (engine/model/native/sampler.cpp) against mlx's formulations of the
+same rules (sampling/distribution.py, sampling/acceptance.py) and numpy: ``top_k_truncate``
+gives the same candidates in token order, the same probabilities to rounding and the same
+draws (ties, -inf and NaN logits, vocabularies that are not a multiple of its scan block, rows
+wide enough to be shared over threads; each row its own whatever the row count);
+``argmax`` is numpy's; ``accept_candidates`` accepts as many drafts and emits the same token as
+``_candidate_rule``, batched or alone; and their errors."""
 
 from __future__ import annotations
 
@@ -165,3 +166,84 @@ def _graph(*outputs: mx.array) -> str:
     buffer = io.StringIO()
     mx.export_to_dot(buffer, *outputs)
     return buffer.getvalue()
+
+
+def _candidate_rows(rng: np.random.Generator, rows: int, width: int, vocab: int) -> np.ndarray:
+    """``rows`` candidate id rows, each ``width`` distinct ids in increasing order, drawn from a
+    small vocabulary so that q's and p's candidates overlap."""
+    return np.sort(
+        np.stack([rng.choice(vocab, width, replace=False) for _ in range(rows)]), axis=-1
+    ).astype(np.int32)
+
+
+def _distributions(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    w = rng.random(shape).astype(np.float32) ** 3
+    w[rng.random(shape) < 0.2] = 0.0  # some candidates cut by top_p / min_p
+    w[..., 0] += 0.01
+    return (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_acceptance_rule_is_mlxs_formulation(k: int) -> None:
+    """``accept_candidates`` against ``_candidate_rule`` (mlx ops) on random rows: drafts
+    inside and outside p's candidates, q and p that share candidates or not, p = q (a residual
+    without mass), every uniform from 0 to 1 — the same accepted count and emitted token, for
+    a batch, for each row alone and under ``mx.vmap``."""
+    from sampling.acceptance import _candidate_rule
+
+    rng = np.random.default_rng(k)
+    width, vocab, batch = 20, 40, 200
+    q_ids = _candidate_rows(rng, batch * k, width, vocab).reshape(batch, k, width)
+    p_ids = _candidate_rows(rng, batch * (k + 1), width, vocab).reshape(batch, k + 1, width)
+    q = _distributions(rng, (batch, k, width))
+    p = _distributions(rng, (batch, k + 1, width))
+    p[:20, :k], p_ids[:20, :k] = q[:20], q_ids[:20]  # p = q: every draft accepted
+    drafts = np.take_along_axis(q_ids, rng.integers(0, width, (batch, k, 1)), -1)[..., 0]
+    u_accept = rng.random((batch, k)).astype(np.float32)
+    u_emit = rng.random((batch, k + 1)).astype(np.float32)
+    args = [mx.array(a) for a in (drafts, q, q_ids, p, p_ids, u_accept, u_emit)]
+    n, tokens = native.accept_candidates(*args)
+    assert 0 < (np.array(n) == k).mean() < 1 and (np.array(n) == 0).any()
+    mapped = mx.vmap(native.accept_candidates, in_axes=(0, 0, 0, 0, 0, 1, 0))
+    vn, vtokens = mapped(*args[:5], args[5].T, args[6])  # one operand mapped along another axis
+    assert vn.tolist() == n.tolist() and vtokens.tolist() == tokens.tolist()
+    for b in range(batch):
+        want = _candidate_rule(*(a[b] for a in args))
+        alone = native.accept_candidates(*(a[b] for a in args))
+        assert (n[b].item(), tokens[b].item()) == (want[0].item(), want[1].item())
+        assert (alone[0].item(), alone[1].item()) == (want[0].item(), want[1].item())
+
+
+def test_acceptance_rule_errors() -> None:
+    ids = mx.array([[1, 2]], dtype=mx.int32)
+    q, p = mx.ones((1, 1, 2)) / 2, mx.ones((1, 2, 2)) / 2
+    with pytest.raises(ValueError, match="drafts"):
+        native.accept_candidates(
+            mx.array([[1.0]]),
+            q,
+            ids[None],
+            p,
+            mx.stack([ids, ids], 1),
+            mx.array([[0.5]]),
+            mx.array([[0.5, 0.5]]),
+        )
+    with pytest.raises(ValueError, match="p and p_ids"):
+        native.accept_candidates(
+            mx.array([[1]], dtype=mx.int32),
+            q,
+            ids[None],
+            q,
+            ids[None],
+            mx.array([[0.5]]),
+            mx.array([[0.5, 0.5]]),
+        )
+    with pytest.raises(ValueError, match="uniforms"):
+        native.accept_candidates(
+            mx.array([[1]], dtype=mx.int32),
+            q,
+            ids[None],
+            p,
+            mx.stack([ids, ids], 1),
+            mx.array([0.5]),
+            mx.array([[0.5, 0.5]]),
+        )

@@ -41,7 +41,7 @@ void bind_elementwise(nanobind::module_& m);
 // Adds attend to the module (attention.cpp).
 void bind_attention(nanobind::module_& m);
 
-// Adds top_k_truncate and argmax to the module (sampler.cpp).
+// Adds top_k_truncate, argmax and accept_candidates to the module (sampler.cpp).
 void bind_sampler(nanobind::module_& m);
 
 }  // namespace mtpserve

@@ -1,4 +1,5 @@
-// The mlx primitives `TopKTruncate` and `RowsArgmax`.
+// The mlx primitives `TopKTruncate`, `RowsArgmax` and `AcceptCandidates` (the sampler's
+// work on CPUs, each one op where mlx's formulation is dozens).
 //
 // `TopKTruncate`: each row's truncated distribution (temperature, then top_k,
 // top_p and min_p, each renormalised) over its k candidates, and optionally one inverse-CDF
@@ -285,6 +286,177 @@ mx::array argmax(const mx::array& x) {
                    std::make_shared<RowsArgmax>(stream), {x});
 }
 
+// `a`'s int32 elements, packed row-major: its own buffer when row-contiguous, else `scratch`.
+const int32_t* packed_ints(const mx::array& a, std::vector<int32_t>& scratch) {
+  if (a.dtype() != mx::int32) throw std::invalid_argument("accept_candidates: ids must be int32");
+  if (a.flags().row_contiguous) return a.data<int32_t>();
+  scratch.resize(a.size());
+  const int nd = a.ndim();
+  const int32_t* base = a.data<int32_t>();
+  for (size_t e = 0; e < a.size(); ++e) {
+    int64_t offset = 0;
+    int64_t rest = static_cast<int64_t>(e);
+    for (int d = nd - 1; d >= 0; --d) {
+      offset += (rest % a.shape(d)) * a.strides()[d];
+      rest /= a.shape(d);
+    }
+    scratch[e] = base[offset];
+  }
+  return scratch.data();
+}
+
+// Column of `row` [W] at `uniform` by the inverse CDF, never past the last column with mass
+// (sampling/distribution.py's `inverse_cdf_index`).
+int inverse_cdf_column(const float* row, int width, float uniform) {
+  thread_local std::vector<float> cdf;
+  cdf.resize(width);
+  float running = 0.0f;
+  for (int j = 0; j < width; ++j) cdf[j] = running = running + row[j];
+  const float target = uniform * cdf[width - 1];
+  int index = 0;
+  for (int j = 0; j < width; ++j) index += cdf[j] <= target;
+  int last = width - 1;
+  while (last > 0 && !(row[last] > 0.0f)) --last;
+  if (!(row[last] > 0.0f)) last = width - 1;
+  return std::min(index, last);
+}
+
+// sampling/acceptance.py's rule on top_k candidate rows, for one row of a batch: drafts [K],
+// q and q_ids [K, W], p and p_ids [K + 1, W], uniforms [K] and [K + 1]. Accept draft i iff
+// u_i q_i(d_i) < p_i(d_i), stop at the first rejection m, and draw the emitted token from the
+// residual max(p_m - q_m, 0) renormalised (p_m itself where it has no mass), or from p_K after
+// K acceptances. A token's probability in a row is its candidate's, or 0 outside them.
+void accept_row(const int32_t* drafts, int k, int width, const float* q, const int32_t* q_ids,
+                const float* p, const int32_t* p_ids, const float* u_accept, const float* u_emit,
+                int32_t* n_out, int32_t* token_out) {
+  auto at = [width](const float* probs, const int32_t* ids, int32_t token) {
+    for (int j = 0; j < width; ++j)
+      if (ids[j] == token) return probs[j];
+    return 0.0f;
+  };
+  int m = 0;
+  for (; m < k; ++m) {
+    const int64_t row = static_cast<int64_t>(m) * width;
+    const float p_at = at(p + row, p_ids + row, drafts[m]);
+    const float q_at = at(q + row, q_ids + row, drafts[m]);
+    if (!(u_accept[m] * q_at < p_at)) break;
+  }
+  const int64_t row = static_cast<int64_t>(m) * width;
+  thread_local std::vector<float> chosen;
+  chosen.assign(p + row, p + row + width);
+  if (m < k) {
+    float mass = 0.0f;
+    for (int j = 0; j < width; ++j) {
+      chosen[j] = std::max(p[row + j] - at(q + row, q_ids + row, p_ids[row + j]), 0.0f);
+      mass += chosen[j];
+    }
+    if (mass > 0.0f)
+      for (int j = 0; j < width; ++j) chosen[j] = chosen[j] / mass;
+    else
+      chosen.assign(p + row, p + row + width);
+  }
+  *n_out = m;
+  *token_out = p_ids[row + inverse_cdf_column(chosen.data(), width, u_emit[m])];
+}
+
+std::vector<mx::array> accept_candidates(const mx::array& drafts, const mx::array& q,
+                                         const mx::array& q_ids, const mx::array& p,
+                                         const mx::array& p_ids, const mx::array& u_accept,
+                                         const mx::array& u_emit);
+
+class AcceptCandidates : public mx::Primitive {
+ public:
+  explicit AcceptCandidates(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch(stream(), inputs, outputs,
+             [](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+               thread_local std::vector<int32_t> drafts_s, q_ids_s, p_ids_s;
+               thread_local std::vector<float> q_s, p_s, ua_s, ue_s;
+               const int k = in[0].shape(-1);
+               const int64_t rows = static_cast<int64_t>(in[0].size()) / k;
+               const int width = in[1].shape(-1);
+               const int32_t* drafts = packed_ints(in[0], drafts_s);
+               const float* q = packed(in[1], q_s);
+               const int32_t* q_ids = packed_ints(in[2], q_ids_s);
+               const float* p = packed(in[3], p_s);
+               const int32_t* p_ids = packed_ints(in[4], p_ids_s);
+               const float* ua = packed(in[5], ua_s);
+               const float* ue = packed(in[6], ue_s);
+               const int64_t qs = static_cast<int64_t>(k) * width, ps = qs + width;
+               for (int64_t b = 0; b < rows; ++b)
+                 accept_row(drafts + b * k, k, width, q + b * qs, q_ids + b * qs, p + b * ps,
+                            p_ids + b * ps, ua + b * k, ue + b * (k + 1),
+                            out[0].data<int32_t>() + b, out[1].data<int32_t>() + b);
+             });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("AcceptCandidates runs on the CPU only");
+  }
+  const char* name() const override { return "AcceptCandidates"; }
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
+                                                           const std::vector<int>& axes) override;
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& drafts = inputs[0].shape();
+    const mx::Shape out(drafts.begin(), drafts.end() - 1);
+    return {out, out};
+  }
+};
+
+std::vector<mx::array> accept_candidates(const mx::array& drafts, const mx::array& q,
+                                         const mx::array& q_ids, const mx::array& p,
+                                         const mx::array& p_ids, const mx::array& u_accept,
+                                         const mx::array& u_emit) {
+  auto stream = cpu_stream("accept_candidates");
+  if (drafts.ndim() < 1 || drafts.dtype() != mx::int32)
+    throw std::invalid_argument("accept_candidates: drafts must be int32 [..., K]");
+  // any leading axes: the rows of a batch (or none: one row, scalar outputs)
+  const mx::Shape lead(drafts.shape().begin(), drafts.shape().end() - 1);
+  const int k = drafts.shape(-1);
+  const int width = q.ndim() == drafts.ndim() + 1 ? q.shape(-1) : 0;
+  auto with = [&lead](std::initializer_list<int> tail) {
+    mx::Shape shape = lead;
+    shape.insert(shape.end(), tail.begin(), tail.end());
+    return shape;
+  };
+  if (k < 1 || width < 1 || q.shape() != with({k, width}))
+    throw std::invalid_argument("accept_candidates: q must be [..., K, W], K >= 1");
+  if (q_ids.shape() != q.shape() || p.shape() != with({k + 1, width}) ||
+      p_ids.shape() != p.shape())
+    throw std::invalid_argument(
+        "accept_candidates: q_ids [..., K, W], p and p_ids [..., K + 1, W] (the same W)");
+  if (u_accept.shape() != with({k}) || u_emit.shape() != with({k + 1}))
+    throw std::invalid_argument("accept_candidates: uniforms [..., K] and [..., K + 1]");
+  for (const auto* a : {&q, &p, &u_accept, &u_emit}) real_of(a->dtype());
+  if (q_ids.dtype() != mx::int32 || p_ids.dtype() != mx::int32)
+    throw std::invalid_argument("accept_candidates: ids must be int32");
+  return mx::array::make_arrays({lead, lead}, {mx::int32, mx::int32},
+                                std::make_shared<AcceptCandidates>(stream),
+                                {drafts, q, q_ids, p, p_ids, u_accept, u_emit});
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> AcceptCandidates::vmap(
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
+  // the mapped axis first in every operand (broadcast where an operand is not mapped): the
+  // op takes any leading axes as rows
+  int size = 1;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (axes[i] >= 0) size = inputs[i].shape(axes[i]);
+  std::vector<mx::array> moved;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      moved.push_back(mx::moveaxis(inputs[i], axes[i], 0, stream()));
+    } else {
+      mx::Shape shape = inputs[i].shape();
+      shape.insert(shape.begin(), size);
+      moved.push_back(mx::broadcast_to(mx::expand_dims(inputs[i], 0, stream()), shape, stream()));
+    }
+  }
+  return {accept_candidates(moved[0], moved[1], moved[2], moved[3], moved[4], moved[5], moved[6]),
+          {0, 0}};
+}
+
 }  // namespace
 
 void bind_sampler(nb::module_& m) {
@@ -297,6 +469,12 @@ void bind_sampler(nb::module_& m) {
   m.def("argmax", &argmax, "x"_a,
         "The index of the largest value along the last axis of x [..., V] (any float type; "
         "ties: the first, NaN counted as -inf): int32 [...]. Lazy, like any op.");
+  m.def("accept_candidates", &accept_candidates, "drafts"_a, "q"_a, "q_ids"_a, "p"_a, "p_ids"_a,
+        "u_accept"_a, "u_emit"_a,
+        "sampling/acceptance.py's rejection-sampling rule on top_k candidate rows, for B rows: "
+        "drafts [B, K] int32, q and q_ids [B, K, W], p and p_ids [B, K + 1, W], uniforms [B, K] "
+        "and [B, K + 1] -> [accepted counts [B], emitted tokens [B]] (int32), for any leading "
+        "axes B (none: one row, scalars). Lazy, like any op, and mapped by mx.vmap.");
 }
 
 }  // namespace mtpserve
