@@ -650,6 +650,23 @@ def test_draft_vocabulary_subset_keeps_greedy_exact(make_checkpoint) -> None:
     assert engine.draft_vocab_size == engine.vocab_size
 
 
+@pytest.mark.fast
+def test_a_large_vocabulary_drafted_whole_gets_a_hint_at_start(
+    make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint with a vocabulary larger than ``LARGE_VOCABULARY`` and no listed draft
+    vocabulary logs one line suggesting ``--draft-vocab``; with a subset it logs none."""
+    import engine.runtime as runtime
+
+    engine = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
+    monkeypatch.setattr(runtime, "LARGE_VOCABULARY", engine.vocab_size - 1)
+    with caplog.at_level("INFO", logger="mtpserve.engine"):
+        engine.set_draft_vocab(64)
+        assert "--draft-vocab" not in caplog.text
+        engine.set_draft_vocab(0)
+    assert f"--draft-vocab {runtime.SUGGESTED_DRAFT_VOCAB}" in caplog.text
+
+
 def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> None:
     """Tokens appended after a generation (the next turn) are prefilled into trunk and head
     caches exactly: continuing equals a fresh run on the whole text."""
