@@ -337,8 +337,9 @@ class Scheduler:
                 self._end(batch, handle, error=item)
                 continue
             self._last[key] = item
-            delivered = handle._post(item)  # False: nobody reads any more
-            if not delivered or item.finish_reason is not None:
+            if item.finish_reason is not None:
+                self._end(batch, handle, final=item)
+            elif not handle._post(item):  # False: nobody reads any more
                 self._end(batch, handle)
         for key, handle in list(self._rows.items()):
             if key not in batch:
@@ -351,7 +352,17 @@ class Scheduler:
                 if self._grace[key] < 0:
                     self._end(batch, handle)
 
-    def _end(self, batch: Batch, handle: RequestHandle, error: BaseException | None = None) -> None:
+    def _end(
+        self,
+        batch: Batch,
+        handle: RequestHandle,
+        error: BaseException | None = None,
+        final: GenerationEvent | None = None,
+    ) -> None:
+        """Drop a row and tell its reader it ended: with ``final`` (its last event, posted
+        here), a failure, or the end of a stream that had no final event. The finish hook
+        (the server's metrics) runs first, so that a client that has read its reply finds
+        the generation counted in /metrics."""
         key = handle.request_id
         with self._cond:
             self._rows.pop(key, None)
@@ -365,12 +376,15 @@ class Scheduler:
             else:
                 logger.error("generation %d failed: %s", key, error)
             self.failed += 1
-            handle._post(_Failure(error))
         else:
             self.completed += 1
-            if last is None or last.finish_reason is None:
-                handle._post(_END)
         self._finished(handle, last, error)
+        if error is not None:
+            handle._post(_Failure(error))
+        elif final is not None:
+            handle._post(final)
+        elif last is None or last.finish_reason is None:
+            handle._post(_END)
 
     @staticmethod
     def _drop(batch: Batch, key: int) -> None:

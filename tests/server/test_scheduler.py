@@ -453,3 +453,36 @@ def test_a_failing_row_cleanup_never_ends_the_worker() -> None:
     assert run(main()) == [7000, 7001, 7002]
     assert sched.alive
     sched.shutdown()
+
+
+def test_a_generation_is_counted_before_its_last_event_reaches_the_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The finish hook (the server's /metrics) runs before the final event is handed to the
+    reader: a client that has read its whole reply finds its generation counted, whatever the
+    threads' timing (a server test once scraped /metrics between the two)."""
+    from server.core import scheduler as scheduler_module
+
+    order: list[str] = []
+    post = scheduler_module.RequestHandle._post
+
+    def recording_post(self, item) -> bool:
+        if isinstance(item, GenerationEvent) and item.finish_reason is not None:
+            order.append("final event posted")
+        return post(self, item)
+
+    monkeypatch.setattr(scheduler_module.RequestHandle, "_post", recording_post)
+    sched = Scheduler(
+        lambda: CountingEngine(),
+        on_finished=lambda handle, last, error: order.append("counted"),
+    )
+    sched.start()
+    sched.wait_ready(10)
+
+    async def main() -> list[list[int]]:
+        handles = [h for t in (1, 2) for h in sched.submit([req(t)])]
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    assert run(main()) == [[1000, 1001, 1002], [2000, 2001, 2002]]
+    sched.shutdown()
+    assert order == ["counted", "final event posted"] * 2
