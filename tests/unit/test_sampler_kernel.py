@@ -67,6 +67,25 @@ def test_rows_match_mlxs_formulation(vocab: int, setting: int) -> None:
         assert alone[2].tolist() == tokens.tolist()[-1:]
 
 
+@pytest.mark.parametrize("top_k", [5_000, 39_999])
+def test_a_large_top_k_is_mlxs_formulation_too(top_k: int) -> None:
+    """top_k up to the vocabulary less one (what a request may ask): the same candidates and
+    probabilities (the selection keeps its k in a heap: a scan for the smallest after each
+    entry took seconds a row at top_k 50,000 of 248,320)."""
+    rng = np.random.default_rng(top_k)
+    logits = rng.integers(-40, 40, (3, 40_000)).astype(np.float32) / 4  # many ties
+    p = SamplingParams(temperature=0.8, top_k=top_k, top_p=0.9)
+    probs, ids = native.top_k_truncate(mx.array(logits), p.temperature, top_k, p.top_p, 0.0)
+    want_probs, want_ids = _mlx_rows(logits, p)
+    for row in range(3):  # among equal logits at the k-th place either may be kept
+        got = logits[row][np.array(ids)[row]]
+        np.testing.assert_array_equal(np.sort(got), np.sort(logits[row][want_ids[row]]))
+        assert (np.diff(np.array(ids)[row]) > 0).all()
+    np.testing.assert_allclose(
+        np.sort(np.array(probs), axis=-1), np.sort(want_probs, axis=-1), rtol=1e-4, atol=1e-7
+    )
+
+
 def test_ties_keep_the_lower_token_and_infinities_and_nans_never_win() -> None:
     """Equal logits at the k-th place: the lower token ids are the candidates; -inf (tokens
     outside a draft vocabulary) and NaN take a place only when nothing else is left, with

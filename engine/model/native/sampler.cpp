@@ -75,36 +75,42 @@ inline bool any_above(const float* x, float threshold) {
 }
 
 // The k largest of x[0..n) (ties: the lower index) into ids and values, in no order. A NaN
-// counts as -inf. One pass: a value enters only if it beats the smallest of the k so far, and
-// blocks in which none does are skipped whole.
+// counts as -inf. One pass over a heap of the k so far whose top is the one to evict (the
+// smallest, of equal ones the later token): a value enters only if it beats that one, in
+// O(log k), and blocks in which none does are skipped whole. (Re-finding the smallest by a
+// scan after each entry made a request's large top_k cost O(V k): seconds a row.)
 MTPSERVE_VECTOR_CLONES void select_top_k(const float* x, int64_t n, int k, int32_t* ids, float* values) {
-  auto key = [](float v) { return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v; };
-  for (int j = 0; j < k; ++j) {
-    ids[j] = j;
-    values[j] = key(x[j]);
-  }
-  // the candidate to evict: the smallest, and of equal ones the later token
-  auto smallest = [&] {
-    int m = 0;
-    for (int j = 1; j < k; ++j)
-      if (values[j] < values[m] || (values[j] == values[m] && ids[j] > ids[m])) m = j;
-    return m;
+  struct Candidate {
+    float value;
+    int32_t id;
   };
-  int m = smallest();
+  // a "less than" b when a is the better candidate, so that the heap's top is the worst
+  const auto better = [](const Candidate& a, const Candidate& b) {
+    return a.value > b.value || (a.value == b.value && a.id < b.id);
+  };
+  thread_local std::vector<Candidate> heap;
+  heap.resize(k);
+  for (int j = 0; j < k; ++j)
+    heap[j] = {std::isnan(x[j]) ? -std::numeric_limits<float>::infinity() : x[j], j};
+  std::make_heap(heap.begin(), heap.end(), better);
   // later tokens enter only by a strictly larger value: a tie keeps the earlier token
   auto consider = [&](int64_t i) {
-    if (x[i] > values[m]) {
-      values[m] = x[i];
-      ids[m] = static_cast<int32_t>(i);
-      m = smallest();
+    if (x[i] > heap.front().value) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {x[i], static_cast<int32_t>(i)};
+      std::push_heap(heap.begin(), heap.end(), better);
     }
   };
   int64_t i = k;
   for (; i < n && i % kBlock; ++i) consider(i);
   for (; i + kBlock <= n; i += kBlock)
-    if (any_above(x + i, values[m]))
+    if (any_above(x + i, heap.front().value))
       for (int b = 0; b < kBlock; ++b) consider(i + b);
   for (; i < n; ++i) consider(i);
+  for (int j = 0; j < k; ++j) {
+    ids[j] = heap[j].id;
+    values[j] = heap[j].value;
+  }
 }
 
 // p[0..k) /= its sum (in column order)
