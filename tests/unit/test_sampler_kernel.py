@@ -207,7 +207,7 @@ def test_acceptance_rule_is_mlxs_formulation(k: int) -> None:
     """``accept_candidates`` against ``_candidate_rule`` (mlx ops) on random rows: drafts
     inside and outside p's candidates, q and p that share candidates or not, p = q (a residual
     without mass), every uniform from 0 to 1 — the same accepted count and emitted token, for
-    a batch, for each row alone and under ``mx.vmap``."""
+    a batch, for each row alone, with candidate rows out of token order and under ``mx.vmap``."""
     from sampling.acceptance import _candidate_rule
 
     rng = np.random.default_rng(k)
@@ -223,6 +223,23 @@ def test_acceptance_rule_is_mlxs_formulation(k: int) -> None:
     args = [mx.array(a) for a in (drafts, q, q_ids, p, p_ids, u_accept, u_emit)]
     n, tokens = native.accept_candidates(*args)
     assert 0 < (np.array(n) == k).mean() < 1 and (np.array(n) == 0).any()
+    # candidate rows in another order than the ids' (looked up one by one, not merged)
+    order_q, order_p = rng.permutation(width), rng.permutation(width)
+    shuffled = [
+        mx.array(a)
+        for a in (
+            drafts,
+            q[..., order_q],
+            q_ids[..., order_q],
+            p[..., order_p],
+            p_ids[..., order_p],
+        )
+    ]
+    shuffled += args[5:]
+    sn, stokens = native.accept_candidates(*shuffled)
+    for b in range(0, batch, 7):
+        want = _candidate_rule(*(a[b] for a in shuffled))
+        assert (sn[b].item(), stokens[b].item()) == (want[0].item(), want[1].item())
     mapped = mx.vmap(native.accept_candidates, in_axes=(0, 0, 0, 0, 0, 1, 0))
     vn, vtokens = mapped(*args[:5], args[5].T, args[6])  # one operand mapped along another axis
     assert vn.tolist() == n.tolist() and vtokens.tolist() == tokens.tolist()
