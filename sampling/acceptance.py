@@ -17,6 +17,7 @@ Returns device arrays only; the caller syncs once per cycle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import mlx.core as mx
@@ -79,18 +80,8 @@ def accept_drafts_with(
         return _compiled_dense_rule(
             draft_ids, draft.probs, target.probs, accept_uniforms, emit_uniforms
         )
-    if (op := _native_rule(draft_ids)) is not None:
-        n_accepted, token = op.accept_candidates(
-            draft_ids,
-            draft.probs,
-            draft.ids,
-            target.probs,
-            target.ids,
-            accept_uniforms,
-            emit_uniforms,
-        )
-        return n_accepted, token
-    return _compiled_candidate_rule(
+    rule = _candidate_rule_for(draft_ids, _compiled_candidate_rule)
+    return rule(
         draft_ids,
         draft.probs,
         draft.ids,
@@ -157,6 +148,17 @@ def _accept(
     return n_accepted, candidates[n_accepted]
 
 
+def _candidate_rule_for(
+    draft_ids: mx.array, compiled: Callable[..., tuple[mx.array, mx.array]]
+) -> Callable[..., tuple[mx.array, mx.array]]:
+    """The candidate rule to run: the native op where ``_native_rule`` gives one (it takes the
+    same operands, one row or a batch), else ``compiled`` (mlx's formulation)."""
+    op = _native_rule(draft_ids)
+    if op is None:
+        return compiled
+    return lambda *operands: tuple(op.accept_candidates(*operands))
+
+
 def _native_rule(draft_ids: mx.array) -> ModuleType | None:
     """The native op module when the candidate rule runs as one op (``accept_candidates``:
     ``_candidate_rule`` row by row in C++, the scan stopped at the first rejection and only the
@@ -189,12 +191,8 @@ def accept_drafts_rows(
     b's operands alone (the same ops, mapped over rows: one dispatch group instead of B)."""
     if p_ids is None:
         return _compiled_dense_rows(draft_ids, q, p, accept_uniforms, emit_uniforms)
-    if (op := _native_rule(draft_ids)) is not None:
-        n_accepted, tokens = op.accept_candidates(
-            draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms
-        )
-        return n_accepted, tokens
-    return _compiled_candidate_rows(draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms)
+    rule = _candidate_rule_for(draft_ids, _compiled_candidate_rows)
+    return rule(draft_ids, q, q_ids, p, p_ids, accept_uniforms, emit_uniforms)
 
 
 _compiled_dense_rows = mx.compile(mx.vmap(_dense_rule))
