@@ -111,10 +111,18 @@ bool has_avx512() {
 bool has_avx512_vnni() {
   return has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
+#ifdef MTPSERVE_AMX
+bool has_amx() {
+  return has_avx512_vnni() && amx_usable();
+}
+#endif
 #endif
 
-// Best first.
+// Best first: the first one the CPU runs is the default.
 const Isa kIsas[] = {
+#ifdef MTPSERVE_AMX
+    {"avx512-amx", columns_amx, delta_avx512_vnni, replay_avx512_vnni, has_amx},
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512-vnni", columns_avx512_vnni, delta_avx512_vnni, replay_avx512_vnni, has_avx512_vnni},
     {"avx512", columns_avx512, delta_avx512, replay_avx512, has_avx512},

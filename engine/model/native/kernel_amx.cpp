@@ -1,0 +1,472 @@
+// AVX-512 with AMX-INT8 (Intel's tile matrix unit): 8-bit affine weights of products of 4 rows
+// or more multiplied as tiles of 16 weight rows by 32 codes against tiles of the quantized
+// activations; every other weight on the AVX-512 VNNI kernel.
+//
+// y[t, o] = sum over runs j of  C[j][o, t] * (xs[t, j] * scale[o, g(j)])
+//                               + (after a group's last run) bias[o, g] * group_sum[t, g]
+// C[j][o, t] = sum over the run's 32 codes of code[o, i] * q[t, i]: with 4 rows or more one
+// TDPBUSD a run (the codes, unsigned, the A tile, read where they lie; the activations, signed
+// and quantized per run of 32 as on every instruction set, the B tile in the unit's
+// 4-byte-interleaved layout, prepared once a product); with 1-3 rows VPDPBUSD's lane sums of
+// four codes, a run's eight lanes added in integers (lane_rows). A run's sum is an exact integer
+// either way, and each output's float sequence — one multiply-add a run, one a group for the
+// bias, no horizontal sum — is the same whatever the row count, the way the sums were made or
+// the thread: a row is bit for bit its one-row product. These are not the VNNI kernel's bits
+// (that one sums floats lane by lane), so the whole instruction set takes one path or the other.
+//
+// A tile product costs about the same for 1 to 16 rows, the float work per run grows with them:
+// every 8-bit projection of a Qwen3.5-0.8B-shaped token on a 2-core Xeon VM, taking turns with
+// the VNNI kernel in one process (scripts/experiments/amx_token.py), is level with it at 1-3
+// rows and faster from 4 (see docs/BENCHMARKS.md, "CPU choices"). 4-bit codes unpacked to bytes
+// for the tiles cost a product of 1-5 rows 1.2-1.6x the VNNI kernel's, so 4-bit weights stay on
+// it.
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "products.h"
+
+namespace mtpserve {
+namespace {
+
+constexpr int kRun = 32;   // activation elements that share one scale, codes a tile product
+constexpr int kTile = 16;  // weight rows (outputs) a tile, activation rows a block
+constexpr int kBTile = kRun / 4 * 64;  // bytes of one run's B tile (8 rows of 64)
+// Products of up to this many rows take the VNNI instruction's lane sums (lane_rows): a tile
+// product costs as much for one row as for 16, so 1-3 rows ran slower on tiles (0.8B-shaped
+// token, 8 bits: 1 / 2 / 3 rows 41.9 / 43.5 / 51.0 ms on tiles, 36.3 / 39.9 / 46.8 by lanes, 4
+// rows 49.2 on tiles).
+constexpr int kLaneRows = 3;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C, `m` outputs by `n` activation rows of int32; tmm4-5: A, `m` rows of 32 codes;
+// tmm6-7: B, 8 rows of `n` x 4 bytes.
+void configure(int m, int n) {
+  TileConfig c;
+  for (int i = 0; i < 4; ++i) {
+    c.rows[i] = static_cast<uint8_t>(m);
+    c.colsb[i] = static_cast<uint16_t>(n * 4);
+  }
+  for (int i = 4; i < 6; ++i) {
+    c.rows[i] = static_cast<uint8_t>(m);
+    c.colsb[i] = kRun;
+  }
+  for (int i = 6; i < 8; ++i) {
+    c.rows[i] = kRun / 4;
+    c.colsb[i] = static_cast<uint16_t>(n * 4);
+  }
+  _tile_loadconfig(&c);
+}
+
+// The activation rows as the tiles take them, in blocks of 16 rows (zero rows past the last):
+// q: [block][run] B tiles; scales: [block][run][16] (xs); group_sums: [block][group][16], each
+// the run-by-run sum of xs times the run's sum of q, as kernel_impl.h's quantize_rows.
+void quantize(const ProductArgs& a, QuantizedRows& out) {
+  const WeightView& w = a.w;
+  const int64_t runs = w.in / kRun;
+  const int64_t groups = w.in / w.group;
+  const int runs_a_group = w.group / kRun;
+  const int64_t blocks = (a.rows + kTile - 1) / kTile;
+  // the tiles, then the rows in order (lane_row's operand)
+  out.q.assign(static_cast<size_t>(blocks * runs * kBTile + a.rows * w.in), 0);
+  out.scales.assign(static_cast<size_t>(blocks * runs * kTile), 0.0f);
+  out.group_sums.assign(static_cast<size_t>(blocks * groups * kTile), 0.0f);
+  int8_t q[kRun];
+  for (int t = 0; t < a.rows; ++t) {
+    const int64_t b = t / kTile;
+    const int n = t % kTile;
+    const float* xr = a.x + t * a.x_stride;
+    for (int64_t j = 0; j < runs; ++j) {
+      const float* xg = xr + j * kRun;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < kRun; ++i) {
+        finite = finite && std::isfinite(xg[i]);
+        amax = std::max(amax, std::fabs(xg[i]));
+      }
+      // a non-finite activation makes its outputs NaN, as a float product would
+      const float scale = finite ? amax / 127.0f : std::nanf("");
+      const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t run_sum = 0;
+      for (int i = 0; i < kRun; ++i) {
+        const float v = std::nearbyint(xg[i] * inverse);
+        q[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+        run_sum += q[i];
+      }
+      int8_t* tile = out.q.data() + (b * runs + j) * kBTile;
+      for (int k = 0; k < kRun; ++k) tile[(k / 4) * 64 + n * 4 + k % 4] = q[k];
+      std::memcpy(out.q.data() + blocks * runs * kBTile + t * w.in + j * kRun, q, kRun);
+      out.scales[(b * runs + j) * kTile + n] = scale;
+      float& sum = out.group_sums[(b * groups + j / runs_a_group) * kTile + n];
+      sum = __builtin_fmaf(scale, static_cast<float>(run_sum), sum);
+    }
+  }
+}
+
+// n (<= 16) reals of `type` from element `first` of `p` as fp32 lanes, zero past n.
+inline __m512 load_reals(const void* p, Real type, int64_t first, int n) {
+  const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
+  switch (type) {
+    case Real::f32:
+      return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + first);
+    case Real::bf16: {
+      const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + first);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    default:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + first));
+  }
+}
+
+// r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4i + e], 128-bit lane k: element 4k + e of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
+    const __m512 x1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(x0, y0, 0xdd);
+    r[4 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
+  }
+}
+
+// The [rows o0 .. o0 + m) x [groups] reals of `src` as fp32 in dst[g * 16 + row] (zero rows
+// past m).
+inline void transpose_groups(const void* src, Real type, int64_t o0, int m, int64_t groups,
+                             float* dst) {
+  __m512 r[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int len = static_cast<int>(std::min<int64_t>(16, groups - g0));
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < m ? load_reals(src, type, (o0 + i) * groups + g0, len) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < len; ++i) _mm512_storeu_ps(dst + (g0 + i) * 16, r[i]);
+  }
+}
+
+// The run sums of one row by the VNNI instruction instead of tiles: each weight row's 64-code
+// block against the row's quantized activation gives 16 lane sums of 4 codes, and a tree of
+// 16 rows' vectors adds each run's 8 lanes (integers: the tiles' exact sums); then the same
+// float work per run as a tile's one-row product, so the outputs are its bits.
+template <int N>
+inline void lane_rows(const uint8_t* codes, int64_t row_bytes, int m, int64_t in,
+                      int runs_a_group, const int8_t* q, const float* xs, const float* gs,
+                      const float* scales, const float* biases, float (*lanes)[kTile]) {
+  const int64_t runs = in / kRun;
+  __m512 acc[N];
+  for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 2 * kRun) {
+    const int64_t n = std::min<int64_t>(2 * kRun, in - k);  // 64, or 32 at an odd run's end
+    const __mmask64 part = _cvtu64_mask64(n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
+    __m512i x[N];
+    for (int t = 0; t < N; ++t) x[t] = _mm512_maskz_loadu_epi8(part, q + t * in + k);
+    __m512i v[N][kTile];
+    for (int r = 0; r < kTile; ++r) {
+      if (r < m) {
+        const uint8_t* p = codes + r * row_bytes + k;
+        __builtin_prefetch(p + kTile * row_bytes, 0, 2);  // the next tile's row
+        const __m512i w = _mm512_maskz_loadu_epi8(part, p);
+        for (int t = 0; t < N; ++t) v[t][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x[t]);
+      } else {
+        for (int t = 0; t < N; ++t) v[t][r] = _mm512_setzero_si512();
+      }
+    }
+    for (int t = 0; t < N; ++t) {
+      // pairs of rows, then fours: lane (128-bit) L of t4[i] element e holds the sum of lane L
+      // of row 4i + e
+      __m512i s2[8], t4[4];
+      for (int i = 0; i < 8; ++i)
+        s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[t][2 * i], v[t][2 * i + 1]),
+                                 _mm512_unpackhi_epi32(v[t][2 * i], v[t][2 * i + 1]));
+      for (int i = 0; i < 4; ++i)
+        t4[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s2[2 * i], s2[2 * i + 1]),
+                                 _mm512_unpackhi_epi64(s2[2 * i], s2[2 * i + 1]));
+      // lanes 0-1 are the first run, 2-3 the second: [first of 0-3, second of 0-3, first of
+      // 4-7, second of 4-7], then of 8-15
+      const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[0], t4[1], 0x88),
+                                           _mm512_shuffle_i32x4(t4[0], t4[1], 0xdd));
+      const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[2], t4[3], 0x88),
+                                           _mm512_shuffle_i32x4(t4[2], t4[3], 0xdd));
+      const __m512i sums[2] = {_mm512_shuffle_i32x4(u01, u23, 0x88),
+                               _mm512_shuffle_i32x4(u01, u23, 0xdd)};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = k / kRun + h;
+        if (j >= runs) break;
+        const int64_t g = j / runs_a_group;
+        const __m512 ws = _mm512_mul_ps(_mm512_set1_ps(xs[j * kTile + t]),
+                                        _mm512_loadu_ps(scales + g * kTile));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h]), ws, acc[t]);
+        if (j % runs_a_group == runs_a_group - 1)
+          acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(biases + g * kTile),
+                                   _mm512_set1_ps(gs[g * kTile + t]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < N; ++t) _mm512_store_ps(lanes[t], acc[t]);
+}
+
+// Tile products of runs .. j0 + count - 1 (count 1..4) into `c`, rows `cs` bytes apart: product j of
+// the A tile at a + j * a_step (rows a_stride apart) and the B tile at b + j * b_step.
+inline void run_tiles(const uint8_t* a, int64_t a_stride, int64_t a_step, const int8_t* b,
+                      int64_t b_step, int64_t j0, int count, int64_t cs,
+                      int32_t (*c)[kTile * kTile]) {
+  _tile_zero(0);
+  _tile_loadd(4, a + j0 * a_step, a_stride);
+  _tile_loadd(6, b + j0 * b_step, 64);
+  _tile_dpbusd(0, 4, 6);
+  if (count > 1) {
+    _tile_zero(1);
+    _tile_loadd(5, a + (j0 + 1) * a_step, a_stride);
+    _tile_loadd(7, b + (j0 + 1) * b_step, 64);
+    _tile_dpbusd(1, 5, 7);
+  }
+  if (count > 2) {
+    _tile_zero(2);
+    _tile_loadd(4, a + (j0 + 2) * a_step, a_stride);
+    _tile_loadd(6, b + (j0 + 2) * b_step, 64);
+    _tile_dpbusd(2, 4, 6);
+  }
+  if (count > 3) {
+    _tile_zero(3);
+    _tile_loadd(5, a + (j0 + 3) * a_step, a_stride);
+    _tile_loadd(7, b + (j0 + 3) * b_step, 64);
+    _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, c[0], cs);
+  if (count > 1) _tile_stored(1, c[1], cs);
+  if (count > 2) _tile_stored(2, c[2], cs);
+  if (count > 3) _tile_stored(3, c[3], cs);
+}
+
+void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
+  const WeightView& w = a.w;
+  const int64_t in = w.in;
+  const int64_t out = w.out;
+  const int64_t runs = in / kRun;
+  const int64_t groups = in / w.group;
+  const int runs_a_group = w.group / kRun;
+  const int64_t row_bytes = in;  // a code a byte
+  std::call_once(a.quantized->once, [&] { quantize(a, *a.quantized); });
+  const QuantizedRows& xq = *a.quantized;
+  const int n = std::min(a.rows, kTile);
+  const int64_t blocks = (a.rows + kTile - 1) / kTile;
+  // a tile's scales and biases, [group][16], taken by pointer once (each use of a
+  // thread_local in a shared library is a call)
+  thread_local std::vector<float> tile_scales, tile_biases;
+  tile_scales.resize(groups * kTile);
+  tile_biases.resize(groups * kTile);
+  float* const scales = tile_scales.data();
+  float* const biases = tile_biases.data();
+  alignas(64) int32_t c[2][4][kTile * kTile] = {};
+  alignas(64) float lanes[kTile];
+  int configured = 0;
+
+  for (int64_t o0 = first; o0 < last; o0 += kTile) {
+    const int m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
+    if (n > kLaneRows && m != configured) {  // 1-3 rows use no tiles
+      configure(m, n);
+      configured = m;
+    }
+    transpose_groups(w.scales, w.scale_type, o0, m, groups, scales);
+    transpose_groups(w.biases, w.scale_type, o0, m, groups, biases);
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
+    const uint8_t* tile_a = codes;
+    const int64_t a_stride = row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* tile_b = xq.q.data() + b * runs * kBTile;
+      const float* xs = xq.scales.data() + b * runs * kTile;
+      const float* gs = xq.group_sums.data() + b * groups * kTile;
+      // the tile products of runs in batches of four, each batch's sums combined while the
+      // next batch's tile products run (a sum read back right after its tile store waits)
+      const int64_t batches = (runs + 3) / 4;
+      const auto tiles = [&](int64_t k) {  // runs 4k .. 4k + 3
+        if (b == 0)  // the next tile's rows, a batch's 128 bytes of each
+          for (int r = 0; r < kTile; ++r) {
+            const uint8_t* p = codes + (kTile + r) * row_bytes + 128 * k;
+            __builtin_prefetch(p, 0, 2);
+            __builtin_prefetch(p + 64, 0, 2);
+          }
+        run_tiles(tile_a, a_stride, kRun, tile_b, kBTile, 4 * k,
+                  static_cast<int>(std::min<int64_t>(4, runs - 4 * k)), n * 4, c[k & 1]);
+      };
+      if (n <= kLaneRows) {  // up to three rows: the VNNI instruction's sums
+        alignas(64) float rows_out[3][kTile];
+        const int8_t* q = xq.q.data() + blocks * runs * kBTile;
+        if (n == 1)
+          lane_rows<1>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+        else if (n == 2)
+          lane_rows<2>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+        else
+          lane_rows<3>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, t * out + o0 + r, rows_out[t][r]);
+        continue;
+      }
+      if (n == 1) {  // one row: the 16 outputs in one vector
+        __m512 acc = _mm512_setzero_ps();
+        tiles(0);
+        for (int64_t k = 0; k < batches; ++k) {
+          if (k + 1 < batches) tiles(k + 1);
+          const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t g = j / runs_a_group;
+            const __m512 ws = _mm512_mul_ps(_mm512_set1_ps(xs[j * kTile]),
+                                            _mm512_loadu_ps(scales + g * kTile));
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c[k & 1][j - j0]));
+            acc = _mm512_fmadd_ps(sums, ws, acc);
+            if (j % runs_a_group == runs_a_group - 1)
+              acc = _mm512_fmadd_ps(_mm512_loadu_ps(biases + g * kTile),
+                                    _mm512_set1_ps(gs[g * kTile]), acc);
+          }
+        }
+        _mm512_store_ps(lanes, acc);
+        for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, o0 + r, lanes[r]);
+        continue;
+      }
+      // 2-8 rows: C (m outputs by n rows, row-major) read as n vectors of 16 (output, row)
+      // pairs, each pair's scale product gathered into the same lanes by two permutes
+      const auto pairs = [&](auto rows_const) {
+        constexpr int N = decltype(rows_const)::value;
+        __m512i output_of[N], row_of[N];
+        for (int i = 0; i < N; ++i) {
+          alignas(64) int32_t o_lane[kTile], t_lane[kTile];
+          for (int l = 0; l < kTile; ++l) {
+            o_lane[l] = (kTile * i + l) / N;
+            t_lane[l] = (kTile * i + l) % N;
+          }
+          output_of[i] = _mm512_load_si512(o_lane);
+          row_of[i] = _mm512_load_si512(t_lane);
+        }
+        __m512 acc[N];
+        for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+        tiles(0);
+        for (int64_t k = 0; k < batches; ++k) {
+          if (k + 1 < batches) tiles(k + 1);
+          const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t g = j / runs_a_group;
+            const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
+            const __m512 wsv = _mm512_loadu_ps(scales + g * kTile);
+            const int32_t* sums = c[k & 1][j - j0];
+            for (int i = 0; i < N; ++i) {
+              const __m512 ws = _mm512_mul_ps(_mm512_permutexvar_ps(row_of[i], xsv),
+                                              _mm512_permutexvar_ps(output_of[i], wsv));
+              acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + kTile * i)),
+                                       ws, acc[i]);
+            }
+            if (j % runs_a_group == runs_a_group - 1) {
+              const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
+              const __m512 bv = _mm512_loadu_ps(biases + g * kTile);
+              for (int i = 0; i < N; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(output_of[i], bv),
+                                         _mm512_permutexvar_ps(row_of[i], gsv), acc[i]);
+            }
+          }
+        }
+        alignas(64) float flat[kTile * N];
+        for (int i = 0; i < N; ++i) _mm512_store_ps(flat + kTile * i, acc[i]);
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, a.rows - b * kTile));
+        for (int r = 0; r < m; ++r)
+          for (int t = 0; t < rows; ++t)
+            store_real(a.y, a.y_type, (b * kTile + t) * out + o0 + r, flat[r * N + t]);
+      };
+      switch (n) {
+        case 2: pairs(std::integral_constant<int, 2>{}); continue;
+        case 3: pairs(std::integral_constant<int, 3>{}); continue;
+        case 4: pairs(std::integral_constant<int, 4>{}); continue;
+        case 5: pairs(std::integral_constant<int, 5>{}); continue;
+        case 6: pairs(std::integral_constant<int, 6>{}); continue;
+        case 7: pairs(std::integral_constant<int, 7>{}); continue;
+        case 8: pairs(std::integral_constant<int, 8>{}); continue;
+        default: break;
+      }
+      // more rows: each output's rows in one vector
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+      __m512 acc[kTile];
+      for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+      tiles(0);
+      for (int64_t k = 0; k < batches; ++k) {
+        if (k + 1 < batches) tiles(k + 1);
+        const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t g = j / runs_a_group;
+          const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
+          const float* sg = scales + g * kTile;
+          const int32_t* sums = c[k & 1][j - j0];
+          for (int r = 0; r < kTile; ++r) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(valid, sums + r * n));
+            acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(xsv, _mm512_set1_ps(sg[r])), acc[r]);
+          }
+          if (j % runs_a_group == runs_a_group - 1) {
+            const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
+            const float* bg = biases + g * kTile;
+            for (int r = 0; r < kTile; ++r)
+              acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bg[r]), gsv, acc[r]);
+          }
+        }
+      }
+      const int rows = static_cast<int>(std::min<int64_t>(kTile, a.rows - b * kTile));
+      for (int r = 0; r < m; ++r) {
+        _mm512_store_ps(lanes, acc[r]);
+        for (int t = 0; t < rows; ++t)
+          store_real(a.y, a.y_type, (b * kTile + t) * out + o0 + r, lanes[t]);
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = edx & (1u << 24), int8 = edx & (1u << 25);
+    // Linux hands a process the tile state only when asked (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;
+    return tile && int8 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+void columns_amx(const ProductArgs& a, int64_t first, int64_t last) {
+  const WeightView& w = a.w;
+  if (w.kind == WeightKind::affine && w.bits == 8 && w.group % kRun == 0) {
+    integer_columns(a, first, last);
+    return;
+  }
+  columns_avx512_vnni(a, first, last);
+}
+
+}  // namespace mtpserve
