@@ -116,17 +116,29 @@ def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
                 _close(got, exact, 1e-5)
 
 
-def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(isa: str) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [3, 6, 20])
+def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
+    isa: str, bits: int, rows: int
+) -> None:
     """An inf in one row's activation makes that row's outputs NaN, as a float product's
-    would be, and leaves the other rows' outputs what they are alone."""
+    would be, and leaves the other rows' outputs what they are alone (whatever path the row
+    count takes: lane sums, tiles of a few rows, tiles of many)."""
     w = mx.array(_random((40, 128), 9))
-    packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
-    x = _random((3, 128), 10)
-    clean = np.array(native.product(mx.array(x), packed, scales, biases, bits=4, group_size=64))
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+    x = _random((rows, 128), 10)
+
+    def run(a: np.ndarray) -> np.ndarray:
+        return np.array(
+            native.product(mx.array(a), packed, scales, biases, bits=bits, group_size=64)
+        )
+
+    clean = run(x)
     x[1, 70] = np.inf
-    got = np.array(native.product(mx.array(x), packed, scales, biases, bits=4, group_size=64))
+    got = run(x)
     assert np.isnan(got[1]).all()
-    assert np.array_equal(got[[0, 2]], clean[[0, 2]])
+    others = [r for r in range(rows) if r != 1]
+    assert np.array_equal(got[others], clean[others])
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "q8", "q8-group32"])
