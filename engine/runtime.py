@@ -155,13 +155,14 @@ class Engine:
         """
         path = self.loaded.model_dir / DRAFT_VOCAB_FILE
         listed = json.loads(path.read_text()) if path.exists() else None
+        chosen = size is not None  # the caller asked for a size (then no start-up hint)
         if size is None:
             size = listed["default_size"] if listed else 0
         head = self.loaded.head
         if not size or size >= self.vocab_size:
             head.set_draft_vocab(self.trunk, None)
             self.draft_vocab_size = self.vocab_size
-            if listed is None and self.vocab_size > LARGE_VOCABULARY:
+            if not chosen and listed is None and self.vocab_size > LARGE_VOCABULARY:
                 log.info(
                     "the MTP head drafts over the whole %d-token vocabulary: each draft step "
                     "reads the whole vocabulary projection (at the 0.8B-2B shapes ~30%% of a plain "

@@ -260,8 +260,8 @@ class Scheduler:
                 self._pending.remove(handle)
             except ValueError:
                 return  # already running (the engine sees the flag) or finished
+        self._finished(handle, None, None)  # counted before its reader sees the end (_end)
         handle._post(_END)
-        self._finished(handle, None, None)
 
     def submit(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
         """Queue all of ``requests`` atomically (all or none); must run on the event loop."""

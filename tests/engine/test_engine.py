@@ -655,16 +655,19 @@ def test_a_large_vocabulary_drafted_whole_gets_a_hint_at_start(
     make_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A checkpoint with a vocabulary larger than ``LARGE_VOCABULARY`` and no listed draft
-    vocabulary logs one line suggesting ``--draft-vocab``; with a subset it logs none."""
+    vocabulary logs one line at load suggesting ``--draft-vocab``; a size the caller chose
+    (a subset, or 0 for the whole vocabulary) logs none."""
     import engine.runtime as runtime
 
-    engine = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
-    monkeypatch.setattr(runtime, "LARGE_VOCABULARY", engine.vocab_size - 1)
+    monkeypatch.setattr(runtime, "LARGE_VOCABULARY", 0)
+    with caplog.at_level("INFO", logger="mtpserve.engine"):
+        engine = Engine.load(str(make_checkpoint(VARIANTS["dense-untied-sharded"])), draft_tokens=0)
+    assert f"--draft-vocab {runtime.SUGGESTED_DRAFT_VOCAB}" in caplog.text
+    caplog.clear()
     with caplog.at_level("INFO", logger="mtpserve.engine"):
         engine.set_draft_vocab(64)
-        assert "--draft-vocab" not in caplog.text
         engine.set_draft_vocab(0)
-    assert f"--draft-vocab {runtime.SUGGESTED_DRAFT_VOCAB}" in caplog.text
+    assert "--draft-vocab" not in caplog.text
 
 
 def test_extending_a_sequence_then_decoding_equals_a_fresh_run(load_engine) -> None:
