@@ -38,7 +38,7 @@
 namespace mtpserve {
 namespace {
 
-constexpr int kRun = 32;   // activation elements that share one scale, codes a tile product
+constexpr int kRun = kActivationRun;  // codes a tile product: one activation run
 constexpr int kTile = 16;  // weight rows (outputs) a tile, activation rows a block
 constexpr int kBTile = kRun / 4 * 64;  // bytes of one run's B tile (8 rows of 64)
 // Products of up to this many rows take the VNNI instruction's lane sums (lane_rows): a tile
@@ -93,22 +93,8 @@ void quantize(const ProductArgs& a, QuantizedRows& out) {
     const int n = t % kTile;
     const float* xr = a.x + t * a.x_stride;
     for (int64_t j = 0; j < runs; ++j) {
-      const float* xg = xr + j * kRun;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < kRun; ++i) {
-        finite = finite && std::isfinite(xg[i]);
-        amax = std::max(amax, std::fabs(xg[i]));
-      }
-      // a non-finite activation makes its outputs NaN, as a float product would
-      const float scale = finite ? amax / 127.0f : std::nanf("");
-      const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t run_sum = 0;
-      for (int i = 0; i < kRun; ++i) {
-        const float v = std::nearbyint(xg[i] * inverse);
-        q[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-        run_sum += q[i];
-      }
+      const float scale = quantize_run(xr + j * kRun, q, run_sum);
       int8_t* tile = out.q.data() + (b * runs + j) * kBTile;
       for (int k = 0; k < kRun; ++k) tile[(k / 4) * 64 + n * 4 + k % 4] = q[k];
       std::memcpy(out.q.data() + blocks * runs * kBTile + t * w.in + j * kRun, q, kRun);

@@ -215,9 +215,8 @@ inline void widen_strided(const void* src, Real type, int64_t first, int64_t n, 
 // group and run: one fixed sequence of fp32 operations per output, whatever the row count or
 // thread.
 
-// Activation elements that share one scale: the smallest group mlx writes, so that a group of
-// any size holds whole runs and an outlier coarsens only its own 32 neighbours.
-constexpr int kRun = 32;
+// Activation elements that share one scale (products.h).
+constexpr int kRun = kActivationRun;
 
 template <int Bits, class V>
 constexpr int block_codes() {
@@ -254,23 +253,13 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in, int 
     const float* xr = x + t * xs;
     int8_t* qr = out.q.data() + t * out.q_stride;
     for (int64_t run = 0; run < runs; ++run) {
-      const float* xg = xr + run * kRun;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < kRun; ++i) {
-        finite = finite && std::isfinite(xg[i]);
-        amax = std::max(amax, std::fabs(xg[i]));
-      }
-      // a non-finite activation makes its outputs NaN, as a float product would
-      const float scale = finite ? amax / 127.0f : std::nanf("");
-      out.scales[t * out.scale_stride + run] = scale;
-      const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t codes[kRun];
       int32_t run_sum = 0;
+      const float scale = quantize_run(xr + run * kRun, codes, run_sum);
+      out.scales[t * out.scale_stride + run] = scale;
       for (int i = 0; i < kRun; ++i) {
         const int64_t p = run * kRun + i;  // position in the row
-        const float v = std::nearbyint(xg[i] * inverse);
-        const int8_t code = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-        run_sum += code;
+        const int8_t code = codes[i];
         if constexpr (Bits == 4) {
           const int64_t block = p / B;
           const int64_t r = p % B;

@@ -2,6 +2,8 @@
 // every instruction set, the thread pool and the mlx primitive.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -117,6 +119,31 @@ static inline void store_real(void* p, Real type, int64_t i, float v) {
     default:
       static_cast<uint16_t*>(p)[i] = float_to_half(v);
   }
+}
+
+// Activation elements that share one 8-bit scale on the 4- and 8-bit integer paths: the
+// smallest group mlx writes, so that a group of any size holds whole runs and an outlier
+// coarsens only its own 32 neighbours.
+constexpr int kActivationRun = 32;
+
+// One run of activations as the integer paths multiply it: q[i] the nearest integer (ties to
+// even) of x[i] * 127 / max|x|, within [-127, 127], added to `sum`; returns the run's scale
+// max|x| / 127, NaN where an element is not finite (its outputs become NaN, as a float
+// product's would).
+static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < kActivationRun; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int i = 0; i < kActivationRun; ++i) {
+    const float v = std::nearbyint(x[i] * inverse);
+    q[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    sum += q[i];
+  }
+  return finite ? amax / 127.0f : std::nanf("");
 }
 
 // One code of an affine-quantized row: codes are a little-endian bit stream.
