@@ -318,28 +318,17 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
           for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, t * out + o0 + r, rows_out[t][r]);
         continue;
       }
-      if (n == 1) {  // one row: the 16 outputs in one vector
-        __m512 acc = _mm512_setzero_ps();
+      // every run in order, body(run, its sums), batch k's sums combined while batch k + 1's
+      // tile products run
+      const auto each_run = [&](auto&& body) {
         tiles(0);
         for (int64_t k = 0; k < batches; ++k) {
           if (k + 1 < batches) tiles(k + 1);
           const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
-          for (int64_t j = j0; j < j1; ++j) {
-            const int64_t g = j / runs_a_group;
-            const __m512 ws = _mm512_mul_ps(_mm512_set1_ps(xs[j * kTile]),
-                                            _mm512_loadu_ps(scales + g * kTile));
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c[k & 1][j - j0]));
-            acc = _mm512_fmadd_ps(sums, ws, acc);
-            if (j % runs_a_group == runs_a_group - 1)
-              acc = _mm512_fmadd_ps(_mm512_loadu_ps(biases + g * kTile),
-                                    _mm512_set1_ps(gs[g * kTile]), acc);
-          }
+          for (int64_t j = j0; j < j1; ++j) body(j, c[k & 1][j - j0]);
         }
-        _mm512_store_ps(lanes, acc);
-        for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, o0 + r, lanes[r]);
-        continue;
-      }
-      // 2-8 rows: C (m outputs by n rows, row-major) read as n vectors of 16 (output, row)
+      };
+      // 4-8 rows: C (m outputs by n rows, row-major) read as n vectors of 16 (output, row)
       // pairs, each pair's scale product gathered into the same lanes by two permutes
       const auto pairs = [&](auto rows_const) {
         constexpr int N = decltype(rows_const)::value;
@@ -355,30 +344,24 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
         }
         __m512 acc[N];
         for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
-        tiles(0);
-        for (int64_t k = 0; k < batches; ++k) {
-          if (k + 1 < batches) tiles(k + 1);
-          const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
-          for (int64_t j = j0; j < j1; ++j) {
-            const int64_t g = j / runs_a_group;
-            const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
-            const __m512 wsv = _mm512_loadu_ps(scales + g * kTile);
-            const int32_t* sums = c[k & 1][j - j0];
-            for (int i = 0; i < N; ++i) {
-              const __m512 ws = _mm512_mul_ps(_mm512_permutexvar_ps(row_of[i], xsv),
-                                              _mm512_permutexvar_ps(output_of[i], wsv));
-              acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + kTile * i)),
-                                       ws, acc[i]);
-            }
-            if (j % runs_a_group == runs_a_group - 1) {
-              const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
-              const __m512 bv = _mm512_loadu_ps(biases + g * kTile);
-              for (int i = 0; i < N; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(output_of[i], bv),
-                                         _mm512_permutexvar_ps(row_of[i], gsv), acc[i]);
-            }
+        each_run([&](int64_t j, const int32_t* sums) {
+          const int64_t g = j / runs_a_group;
+          const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
+          const __m512 wsv = _mm512_loadu_ps(scales + g * kTile);
+          for (int i = 0; i < N; ++i) {
+            const __m512 ws = _mm512_mul_ps(_mm512_permutexvar_ps(row_of[i], xsv),
+                                            _mm512_permutexvar_ps(output_of[i], wsv));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + kTile * i)), ws,
+                                     acc[i]);
           }
-        }
+          if (j % runs_a_group == runs_a_group - 1) {
+            const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
+            const __m512 bv = _mm512_loadu_ps(biases + g * kTile);
+            for (int i = 0; i < N; ++i)
+              acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(output_of[i], bv),
+                                       _mm512_permutexvar_ps(row_of[i], gsv), acc[i]);
+          }
+        });
         alignas(64) float flat[kTile * N];
         for (int i = 0; i < N; ++i) _mm512_store_ps(flat + kTile * i, acc[i]);
         const int rows = static_cast<int>(std::min<int64_t>(kTile, a.rows - b * kTile));
@@ -387,8 +370,6 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
             store_real(a.y, a.y_type, (b * kTile + t) * out + o0 + r, flat[r * N + t]);
       };
       switch (n) {
-        case 2: pairs(std::integral_constant<int, 2>{}); continue;
-        case 3: pairs(std::integral_constant<int, 3>{}); continue;
         case 4: pairs(std::integral_constant<int, 4>{}); continue;
         case 5: pairs(std::integral_constant<int, 5>{}); continue;
         case 6: pairs(std::integral_constant<int, 6>{}); continue;
@@ -400,27 +381,21 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
       __m512 acc[kTile];
       for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
-      tiles(0);
-      for (int64_t k = 0; k < batches; ++k) {
-        if (k + 1 < batches) tiles(k + 1);
-        const int64_t j0 = 4 * k, j1 = std::min<int64_t>(runs, j0 + 4);
-        for (int64_t j = j0; j < j1; ++j) {
-          const int64_t g = j / runs_a_group;
-          const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
-          const float* sg = scales + g * kTile;
-          const int32_t* sums = c[k & 1][j - j0];
-          for (int r = 0; r < kTile; ++r) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(valid, sums + r * n));
-            acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(xsv, _mm512_set1_ps(sg[r])), acc[r]);
-          }
-          if (j % runs_a_group == runs_a_group - 1) {
-            const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
-            const float* bg = biases + g * kTile;
-            for (int r = 0; r < kTile; ++r)
-              acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bg[r]), gsv, acc[r]);
-          }
+      each_run([&](int64_t j, const int32_t* sums) {
+        const int64_t g = j / runs_a_group;
+        const __m512 xsv = _mm512_loadu_ps(xs + j * kTile);
+        const float* sg = scales + g * kTile;
+        for (int r = 0; r < kTile; ++r) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(valid, sums + r * n));
+          acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(xsv, _mm512_set1_ps(sg[r])), acc[r]);
         }
-      }
+        if (j % runs_a_group == runs_a_group - 1) {
+          const __m512 gsv = _mm512_loadu_ps(gs + g * kTile);
+          const float* bg = biases + g * kTile;
+          for (int r = 0; r < kTile; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bg[r]), gsv, acc[r]);
+        }
+      });
       const int rows = static_cast<int>(std::min<int64_t>(kTile, a.rows - b * kTile));
       for (int r = 0; r < m; ++r) {
         _mm512_store_ps(lanes, acc[r]);
