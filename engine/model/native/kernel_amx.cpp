@@ -74,17 +74,19 @@ void configure(int m, int n) {
   _tile_loadconfig(&c);
 }
 
-// The activation rows as the tiles take them, in blocks of 16 rows (zero rows past the last):
-// q: [block][run] B tiles; scales: [block][run][16] (xs); group_sums: [block][group][16], each
-// the run-by-run sum of xs times the run's sum of q, as kernel_impl.h's quantize_rows.
+// The activation rows as the product's path takes them, in blocks of 16 rows (zero rows past
+// the last): q, [block][run] B tiles for tile products or the rows in order for lane sums (1-3
+// rows); scales: [block][run][16] (xs); group_sums: [block][group][16], each the run-by-run
+// sum of xs times the run's sum of q, as kernel_impl.h's quantize_rows.
 void quantize(const ProductArgs& a, QuantizedRows& out) {
   const WeightView& w = a.w;
   const int64_t runs = w.in / kRun;
   const int64_t groups = w.in / w.group;
   const int runs_a_group = w.group / kRun;
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
-  // the tiles, then the rows in order (lane_row's operand)
-  out.q.assign(static_cast<size_t>(blocks * runs * kBTile + a.rows * w.in), 0);
+  // B tiles for tile products, the rows in order for lane sums (lane_rows)
+  const bool tiled = a.rows > kLaneRows;
+  out.q.assign(static_cast<size_t>(tiled ? blocks * runs * kBTile : a.rows * w.in), 0);
   out.scales.assign(static_cast<size_t>(blocks * runs * kTile), 0.0f);
   out.group_sums.assign(static_cast<size_t>(blocks * groups * kTile), 0.0f);
   int8_t q[kRun];
@@ -95,9 +97,12 @@ void quantize(const ProductArgs& a, QuantizedRows& out) {
     for (int64_t j = 0; j < runs; ++j) {
       int32_t run_sum = 0;
       const float scale = quantize_run(xr + j * kRun, q, run_sum);
-      int8_t* tile = out.q.data() + (b * runs + j) * kBTile;
-      for (int k = 0; k < kRun; ++k) tile[(k / 4) * 64 + n * 4 + k % 4] = q[k];
-      std::memcpy(out.q.data() + blocks * runs * kBTile + t * w.in + j * kRun, q, kRun);
+      if (tiled) {
+        int8_t* tile = out.q.data() + (b * runs + j) * kBTile;
+        for (int k = 0; k < kRun; ++k) tile[(k / 4) * 64 + n * 4 + k % 4] = q[k];
+      } else {
+        std::memcpy(out.q.data() + t * w.in + j * kRun, q, kRun);
+      }
       out.scales[(b * runs + j) * kTile + n] = scale;
       float& sum = out.group_sums[(b * groups + j / runs_a_group) * kTile + n];
       sum = __builtin_fmaf(scale, static_cast<float>(run_sum), sum);
@@ -160,10 +165,10 @@ inline void transpose_groups(const void* src, Real type, int64_t o0, int m, int6
   }
 }
 
-// The run sums of one row by the VNNI instruction instead of tiles: each weight row's 64-code
-// block against the row's quantized activation gives 16 lane sums of 4 codes, and a tree of
-// 16 rows' vectors adds each run's 8 lanes (integers: the tiles' exact sums); then the same
-// float work per run as a tile's one-row product, so the outputs are its bits.
+// The run sums of N (1-3) rows by the VNNI instruction instead of tiles: each weight row's
+// 64-code block against a row's quantized activation gives 16 lane sums of 4 codes, and a tree
+// of 16 weight rows' vectors adds each run's 8 lanes (integers: the tiles' exact sums); then
+// the same float work per run as the tile paths, so a row's outputs are the same bits.
 template <int N>
 inline void lane_rows(const uint8_t* codes, int64_t row_bytes, int m, int64_t in,
                       int runs_a_group, const int8_t* q, const float* xs, const float* gs,
@@ -221,11 +226,11 @@ inline void lane_rows(const uint8_t* codes, int64_t row_bytes, int m, int64_t in
   for (int t = 0; t < N; ++t) _mm512_store_ps(lanes[t], acc[t]);
 }
 
-// Tile products of runs .. j0 + count - 1 (count 1..4) into `c`, rows `cs` bytes apart: product j of
-// the A tile at a + j * a_step (rows a_stride apart) and the B tile at b + j * b_step.
-inline void run_tiles(const uint8_t* a, int64_t a_stride, int64_t a_step, const int8_t* b,
-                      int64_t b_step, int64_t j0, int count, int64_t cs,
-                      int32_t (*c)[kTile * kTile]) {
+// Tile products of runs j0 .. j0 + count - 1 (count 1..4) into `c`, rows `cs` bytes apart: run
+// j's codes at a + j * 32 (rows a_stride apart) against its B tile at b + j * kBTile.
+inline void run_tiles(const uint8_t* a, int64_t a_stride, const int8_t* b, int64_t j0, int count,
+                      int64_t cs, int32_t (*c)[kTile * kTile]) {
+  constexpr int64_t a_step = kRun, b_step = kBTile;
   _tile_zero(0);
   _tile_loadd(4, a + j0 * a_step, a_stride);
   _tile_loadd(6, b + j0 * b_step, 64);
@@ -286,8 +291,21 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
     transpose_groups(w.scales, w.scale_type, o0, m, groups, scales);
     transpose_groups(w.biases, w.scale_type, o0, m, groups, biases);
     const uint8_t* codes = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
-    const uint8_t* tile_a = codes;
-    const int64_t a_stride = row_bytes;
+    if (n <= kLaneRows) {  // up to three rows (one block): the VNNI instruction's sums
+      alignas(64) float rows_out[kLaneRows][kTile];
+      const int8_t* q = xq.q.data();
+      const float* xs = xq.scales.data();
+      const float* gs = xq.group_sums.data();
+      if (n == 1)
+        lane_rows<1>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+      else if (n == 2)
+        lane_rows<2>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+      else
+        lane_rows<3>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
+      for (int t = 0; t < n; ++t)
+        for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, t * out + o0 + r, rows_out[t][r]);
+      continue;
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       const int8_t* tile_b = xq.q.data() + b * runs * kBTile;
       const float* xs = xq.scales.data() + b * runs * kTile;
@@ -302,22 +320,9 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
             __builtin_prefetch(p, 0, 2);
             __builtin_prefetch(p + 64, 0, 2);
           }
-        run_tiles(tile_a, a_stride, kRun, tile_b, kBTile, 4 * k,
+        run_tiles(codes, row_bytes, tile_b, 4 * k,
                   static_cast<int>(std::min<int64_t>(4, runs - 4 * k)), n * 4, c[k & 1]);
       };
-      if (n <= kLaneRows) {  // up to three rows: the VNNI instruction's sums
-        alignas(64) float rows_out[3][kTile];
-        const int8_t* q = xq.q.data() + blocks * runs * kBTile;
-        if (n == 1)
-          lane_rows<1>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-        else if (n == 2)
-          lane_rows<2>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-        else
-          lane_rows<3>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-        for (int t = 0; t < n; ++t)
-          for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, t * out + o0 + r, rows_out[t][r]);
-        continue;
-      }
       // every run in order, body(run, its sums), batch k's sums combined while batch k + 1's
       // tile products run
       const auto each_run = [&](auto&& body) {

@@ -73,7 +73,7 @@ void columns_avx512(const ProductArgs&, int64_t first, int64_t last);
 void columns_avx512_vnni(const ProductArgs&, int64_t first, int64_t last);
 #endif
 #ifdef MTPSERVE_AMX
-// AVX-512 VNNI with AMX-INT8 tiles for 4- and 8-bit weights (kernel_amx.cpp); usable where the
+// AVX-512 VNNI with AMX-INT8 tiles for 8-bit weights (kernel_amx.cpp); usable where the
 // CPU has the tiles and the OS grants this process their state.
 void columns_amx(const ProductArgs&, int64_t first, int64_t last);
 bool amx_usable();
