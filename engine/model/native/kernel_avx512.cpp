@@ -38,6 +38,25 @@ struct Avx512 {
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(reg v) { return _mm512_reduce_add_ps(v); }
+  // out[i] = sum(v[i]) for eight vectors (J), each added in sum's order (lanes i and i + 8,
+  // then i + 4, i + 2, i + 1: the same bits), the eight sums sharing their shuffles and adds
+  // (one at a time they took a tenth of a 4-bit product of 1,024 columns)
+  static void sums8(const reg* v, float* out) {
+    reg h[4], q[2];
+    for (int i = 0; i < 4; ++i)  // [v_2i lanes 0-7 + 8-15, v_2i+1 likewise]
+      h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; ++i)  // 128-bit lane k: output 4i + k's lanes 0-3 + 4-7
+      q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
+    // lane k of 128: [q0 out k: 0+2, 1+3, q1 out 4+k: 0+2, 1+3]
+    const reg e =
+        _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xee));
+    const reg f = _mm512_add_ps(_mm512_shuffle_ps(e, e, 0x88), _mm512_shuffle_ps(e, e, 0xdd));
+    // 128-bit lane k: [out k, out 4 + k, out k, out 4 + k]
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f)));
+  }
   static reg load_bf16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));

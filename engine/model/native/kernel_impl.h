@@ -385,9 +385,10 @@ inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int 
 
 // n reals of `type` from element `first` of `src` as fp32 in `dst`, then V::W zeros (two short
 // runs for each row of a tile, 16 floats at the 0.8B shape: with a fill and a scalar tail call
-// they took a quarter of a 4-bit product's samples).
+// they took a quarter of a 4-bit product's samples; as a call of its own, a fifth).
 template <class V>
-inline void widen_padded(const void* src, Real type, int64_t first, int64_t n, float* dst) {
+__attribute__((always_inline)) inline void widen_padded(const void* src, Real type, int64_t first,
+                                                        int64_t n, float* dst) {
   constexpr int W = V::W;
   int64_t i = 0;
   if (type == Real::f32) {
@@ -423,6 +424,7 @@ template <class V, int Bits>
 inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int64_t kn, int tn,
                        const QuantizedRows& xq, int t_begin, const float* group_sums,
                        int64_t gs_stride, float* tile_scales, float* tile_biases,
+                       typename V::ireg lanes, typename V::ireg runs,
                        typename V::reg (*acc)[V::J]) {
   constexpr int B = block_codes<Bits, V>();
   const int64_t groups_per_row = wv.in / wv.group;
@@ -441,9 +443,6 @@ inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int
   }
   const int64_t blocks = kn / B;
   const int tail_bytes = static_cast<int>((kn % B) * Bits / 8);
-  const int codes_per_lane = Bits == 4 ? 8 : 4;
-  const typename V::ireg lanes = V::lane_groups(codes_per_lane, wv.group);
-  const typename V::ireg runs = V::lane_groups(codes_per_lane, kRun);
   const int8_t* q = xq.q.data() + t_begin * xq.q_stride + k0;
   const float* xscale = xq.scales.data() + t_begin * xq.scale_stride + k0 / kRun;
   for (int t0 = 0; t0 < tn; t0 += V::AR)
@@ -480,7 +479,13 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
   thread_local std::vector<float> tile_scales;  // integer path: a tile's scales of one chunk
   thread_local std::vector<float> tile_biases;  // and its biases, laid out alike
   int64_t gs_stride = 0;
+  // integer path: each lane's group and activation run from a block's first (once a call: as
+  // constants of each tile they took 32 divisions a tile, a tenth of a 4-bit product)
+  typename V::ireg lanes{}, runs{};
   if (integer) {
+    const int codes_per_lane = wv.bits == 4 ? 8 : 4;
+    lanes = V::lane_groups(codes_per_lane, wv.group);
+    runs = V::lane_groups(codes_per_lane, kRun);
     const int64_t groups = chunk / wv.group;
     if (tile_scales.size() < static_cast<size_t>(J * (groups + V::W)))
       tile_scales.resize(J * (groups + V::W));
@@ -520,10 +525,10 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
           const float* gs = quantized->group_sums.data() + t_begin * gs_stride;
           if (wv.bits == 8)
             code_tiles<V, 8>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
-                             tile_scales.data(), tile_biases.data(), acc);
+                             tile_scales.data(), tile_biases.data(), lanes, runs, acc);
           else
             code_tiles<V, 4>(wv, j0, jn, k0, kn, tn, *quantized, t_begin, gs, gs_stride,
-                             tile_scales.data(), tile_biases.data(), acc);
+                             tile_scales.data(), tile_biases.data(), lanes, runs, acc);
         } else if (wv.kind == WeightKind::f32) {
           F32Rows<V> rows{};
           rows.ahead = J * in * 4;
@@ -545,10 +550,15 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
           }
         }
       }
-      for (int t = 0; t < tn; ++t)
+      for (int t = 0; t < tn; ++t) {
+        alignas(64) float sums[J];
+        if constexpr (requires { V::sums8(acc[t], sums); })
+          V::sums8(acc[t], sums);  // all J: the accumulators past jn hold zeros
+        else
+          for (int j = 0; j < jn; ++j) sums[j] = V::sum(acc[t][j]);
         for (int j = 0; j < jn; ++j)
-          store_real(a.y, a.y_type, (t_begin + t) * out + j0 + j,
-                     V::sum(acc[t][j]));
+          store_real(a.y, a.y_type, (t_begin + t) * out + j0 + j, sums[j]);
+      }
     }
   }
 }
