@@ -287,6 +287,13 @@ struct CodeRows {
   int64_t ahead = 0;  // bytes from a row to the same row of the next tile
 };
 
+// The line at p of the next J-row tile into L1 and of the sixth tile on into L2 (the next
+// tile into L2 alone, as for floats: 4-bit products of one row at the 0.8B shape ~5% slower).
+inline void prefetch_codes(const uint8_t* p, int64_t ahead) {
+  __builtin_prefetch(p + ahead, 0, 3);
+  __builtin_prefetch(p + 6 * ahead, 0, 2);
+}
+
 // RN activation rows by JN weight rows (from column `jb` of the J-row tile) over `blocks`
 // whole blocks and `tail_bytes` of one partial block.
 template <class V, int Bits, int RN, int JN>
@@ -316,7 +323,7 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
       }
       for (int j = 0; j < JN; ++j) {
         const uint8_t* p = w.codes + (jb + j) * w.row_bytes + m * BB;
-        if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
+        if ((m * BB) % 64 == 0) prefetch_codes(p, w.ahead);
         const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
         const ireg lo = V::low_nibbles(v);
         const ireg hi = V::high_nibbles(v);
@@ -331,7 +338,7 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
       for (int r = 0; r < RN; ++r) xq[r] = V::bytes(q + r * qs + m * B);
       for (int j = 0; j < JN; ++j) {
         const uint8_t* p = w.codes + (jb + j) * w.row_bytes + m * BB;
-        if ((m * BB) % 64 == 0) __builtin_prefetch(p + w.ahead, 0, 2);
+        if ((m * BB) % 64 == 0) prefetch_codes(p, w.ahead);
         const ireg v = m < blocks ? V::bytes(p) : V::bytes_partial(p, tail_bytes);
         const reg ws = V::expand(w.scales + (jb + j) * w.scale_stride + g, lanes);
         for (int r = 0; r < RN; ++r) {
