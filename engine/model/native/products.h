@@ -129,24 +129,51 @@ constexpr int kActivationRun = 32;
 // One run of activations as the integer paths multiply it: q[i] the nearest integer (ties to
 // even) of x[i] * 127 / max|x|, within [-127, 127], added to `sum`; returns the run's scale
 // max|x| / 127, NaN where an element is not finite (its outputs become NaN, as a float
-// product's would).
+// product's would; its q are zeros). In 16-lane vectors (GCC's vector extensions, as wide as
+// the file's instruction set allows): element by element it took ~3 µs a 1,024-wide row, a
+// product's whole arithmetic at a few hundred outputs. Adding and subtracting 1.5 * 2^23
+// rounds a float below 2^22 to the nearest integer, ties to even (nearbyint's bits).
 static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
-  float amax = 0.0f;
+  typedef float floats __attribute__((vector_size(64)));
+  typedef int32_t ints __attribute__((vector_size(64)));
+  typedef int8_t bytes __attribute__((vector_size(16)));
+  static_assert(kActivationRun == 32, "a run is two 16-lane vectors");
+  floats v[2];
+  __builtin_memcpy(v, x, sizeof v);
+  // magnitudes' bits: a float is finite when they are below infinity's, and finite
+  // magnitudes order as their bits do
+  const ints m0 = (ints)v[0] & 0x7fffffff, m1 = (ints)v[1] & 0x7fffffff;
+  const ints finite_lanes = (m0 < 0x7f800000) & (m1 < 0x7f800000);
+  const ints first = m0 > m1;  // masks and selects, not ?: (which not every compiler takes)
+  const ints larger = (m0 & first) | (m1 & ~first);
   bool finite = true;
-  for (int i = 0; i < kActivationRun; ++i) {
-    finite = finite && std::isfinite(x[i]);
-    amax = std::max(amax, std::fabs(x[i]));
+  int32_t amax_bits = 0;
+  for (int i = 0; i < 16; ++i) {
+    finite = finite && finite_lanes[i];
+    amax_bits = std::max(amax_bits, larger[i]);
   }
-  const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int i = 0; i < kActivationRun; ++i) {
-    const float v = std::nearbyint(x[i] * inverse);
-    q[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-    sum += q[i];
+  if (!finite) {
+    __builtin_memset(q, 0, kActivationRun);
+    return std::nanf("");
   }
-  return finite ? amax / 127.0f : std::nanf("");
+  float amax;
+  __builtin_memcpy(&amax, &amax_bits, 4);
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const float shift = 12582912.0f;  // 1.5 * 2^23
+  ints total = {};
+  for (int h = 0; h < 2; ++h) {
+    const floats r = (v[h] * inverse + shift) - shift;  // |r| <= 127 but for rounding
+    ints codes = __builtin_convertvector(r, ints);
+    const ints low = codes < -127, high = codes > 127;
+    codes = (codes & ~(low | high)) | (-127 & low) | (127 & high);
+    const bytes narrow = __builtin_convertvector(codes, bytes);
+    __builtin_memcpy(q + 16 * h, &narrow, 16);
+    total += codes;
+  }
+  for (int i = 0; i < 16; ++i) sum += total[i];
+  return amax / 127.0f;
 }
 
-// One code of an affine-quantized row: codes are a little-endian bit stream.
 static inline uint32_t code_at(const uint8_t* row, int bits, int64_t i) {
   int64_t bit = i * bits;
   const uint8_t* p = row + (bit >> 3);
