@@ -120,6 +120,23 @@ void renormalise(float* p, int k) {
   for (int j = 0; j < k; ++j) p[j] = p[j] / sum;
 }
 
+// Column of `row` [W] at `uniform` by the inverse CDF, never past the last column with mass
+// (sampling/distribution.py's `inverse_cdf_index`): a truncated row's draw and the acceptance
+// rule's emitted token both take it, so the two draw alike.
+int inverse_cdf_column(const float* row, int width, float uniform) {
+  thread_local std::vector<float> cdf;
+  cdf.resize(width);
+  float running = 0.0f;
+  for (int j = 0; j < width; ++j) cdf[j] = running = running + row[j];
+  const float target = uniform * cdf[width - 1];
+  int index = 0;
+  for (int j = 0; j < width; ++j) index += cdf[j] <= target;
+  int last = width - 1;  // the last column with mass (the last column if none has any)
+  while (last > 0 && !(row[last] > 0.0f)) --last;
+  if (!(row[last] > 0.0f)) last = width - 1;
+  return std::min(index, last);
+}
+
 // One row: probs and ids [k], and the drawn token when `uniform` is given.
 void truncate_row(const float* logits, int64_t vocab, const Truncation& t, float* probs,
                   int32_t* ids, const float* uniform, int32_t* token) {
@@ -163,18 +180,7 @@ void truncate_row(const float* logits, int64_t vocab, const Truncation& t, float
       if (!(probs[j] >= threshold)) probs[j] = 0.0f;
     renormalise(probs, k);
   }
-  if (uniform == nullptr) return;
-  thread_local std::vector<float> cdf;
-  cdf.resize(k);
-  float running = 0.0f;
-  for (int j = 0; j < k; ++j) cdf[j] = running = running + probs[j];
-  const float target = *uniform * cdf[k - 1];
-  int index = 0;
-  for (int j = 0; j < k; ++j) index += cdf[j] <= target;
-  int last = k - 1;  // the last column with mass (the last column if none has any)
-  while (last > 0 && !(probs[last] > 0.0f)) --last;
-  if (!(probs[last] > 0.0f)) last = k - 1;
-  *token = ids[std::min(index, last)];
+  if (uniform != nullptr) *token = ids[inverse_cdf_column(probs, k, *uniform)];
 }
 
 void truncate_rows(std::vector<mx::array>& in, std::vector<mx::array>& out, const Truncation& t) {
@@ -309,22 +315,6 @@ const int32_t* packed_ints(const mx::array& a, std::vector<int32_t>& scratch) {
     scratch[e] = base[offset];
   }
   return scratch.data();
-}
-
-// Column of `row` [W] at `uniform` by the inverse CDF, never past the last column with mass
-// (sampling/distribution.py's `inverse_cdf_index`).
-int inverse_cdf_column(const float* row, int width, float uniform) {
-  thread_local std::vector<float> cdf;
-  cdf.resize(width);
-  float running = 0.0f;
-  for (int j = 0; j < width; ++j) cdf[j] = running = running + row[j];
-  const float target = uniform * cdf[width - 1];
-  int index = 0;
-  for (int j = 0; j < width; ++j) index += cdf[j] <= target;
-  int last = width - 1;
-  while (last > 0 && !(row[last] > 0.0f)) --last;
-  if (!(row[last] > 0.0f)) last = width - 1;
-  return std::min(index, last);
 }
 
 // sampling/acceptance.py's rule on top_k candidate rows, for one row of a batch: drafts [K],
