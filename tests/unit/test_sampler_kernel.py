@@ -243,6 +243,12 @@ def test_acceptance_rule_is_mlxs_formulation(k: int) -> None:
     mapped = mx.vmap(native.accept_candidates, in_axes=(0, 0, 0, 0, 0, 1, 0))
     vn, vtokens = mapped(*args[:5], args[5].T, args[6])  # one operand mapped along another axis
     assert vn.tolist() == n.tolist() and vtokens.tolist() == tokens.tolist()
+    # int operands as strided views (read by a walk of their strides, not as their buffers)
+    every_other = mx.array(np.repeat(drafts, 2, axis=-1))[..., ::2]
+    q_ids_t, p_ids_t = (mx.array(np.swapaxes(a, 1, 2)).swapaxes(1, 2) for a in (q_ids, p_ids))
+    views = (every_other, args[1], q_ids_t, args[3], p_ids_t, *args[5:])
+    wn, wtokens = native.accept_candidates(*views)
+    assert wn.tolist() == n.tolist() and wtokens.tolist() == tokens.tolist()
     for b in range(batch):
         want = _candidate_rule(*(a[b] for a in args))
         alone = native.accept_candidates(*(a[b] for a in args))

@@ -1,4 +1,4 @@
-// Reading mlx arrays as packed fp32 rows, and the CPU stream (primitive.h).
+// Reading mlx arrays as packed fp32 or int32 rows, and the CPU stream (primitive.h).
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -10,20 +10,29 @@ namespace mx = mlx::core;
 
 namespace mtpserve {
 
+namespace {
+
+// The offset in elements of row r of `a` along its last axis (rows in row-major order of the
+// leading axes, any strides).
+int64_t row_offset(const mx::array& a, int64_t r) {
+  int64_t offset = 0;
+  for (int d = a.ndim() - 2; d >= 0; --d) {
+    offset += (r % a.shape(d)) * a.strides()[d];
+    r /= a.shape(d);
+  }
+  return offset;
+}
+
+}  // namespace
+
 void widen_rows(const mx::array& x, int64_t rows, int64_t in, int64_t stride, float* dst) {
   const Real type = real_of(x.dtype());
   const auto* base = x.data<char>();
   const size_t item = x.itemsize();
   const int nd = x.ndim();
-  const auto& shape = x.shape();
   const auto& strides = x.strides();
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t offset = 0;  // of row r, in elements
-    int64_t rest = r;
-    for (int d = nd - 2; d >= 0; --d) {
-      offset += (rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
+    const int64_t offset = row_offset(x, r);
     float* row = dst + r * stride;
     const int64_t step = strides[nd - 1];
     if (type == Real::f32 && step == 1) {
@@ -46,6 +55,21 @@ void pack(const mx::array& a, std::vector<float>& dst) {
 const float* packed(const mx::array& a, std::vector<float>& scratch) {
   if (a.dtype() == mx::float32 && a.flags().row_contiguous) return a.data<float>();
   pack(a, scratch);
+  return scratch.data();
+}
+
+const int32_t* packed_ints(const mx::array& a, std::vector<int32_t>& scratch) {
+  if (a.dtype() != mx::int32) throw std::invalid_argument("packed_ints: the array must be int32");
+  if (a.flags().row_contiguous) return a.data<int32_t>();
+  scratch.resize(a.size());
+  if (a.size() == 0) return scratch.data();
+  const int64_t last = a.shape(-1);
+  const int64_t step = a.strides().back();
+  const int32_t* base = a.data<int32_t>();
+  for (int64_t r = 0; r < static_cast<int64_t>(a.size()) / last; ++r) {
+    const int32_t* row = base + row_offset(a, r);
+    for (int64_t k = 0; k < last; ++k) scratch[r * last + k] = row[k * step];
+  }
   return scratch.data();
 }
 

@@ -1,4 +1,4 @@
-// What every mlx primitive of the module shares: reading an operand as packed fp32 rows, the
+// What every mlx primitive of the module shares: reading an operand as packed rows, the
 // CPU stream the primitives run on, and handing a primitive's work to that stream's thread.
 #pragma once
 
@@ -20,6 +20,10 @@ void pack(const mlx::core::array& a, std::vector<float>& dst);
 
 // `a`'s floats, packed: its own buffer when it is row-contiguous fp32, else `scratch` filled.
 const float* packed(const mlx::core::array& a, std::vector<float>& scratch);
+
+// `a`'s int32 elements, packed row-major: its own buffer when it is row-contiguous, else
+// `scratch` filled (invalid_argument for another type).
+const int32_t* packed_ints(const mlx::core::array& a, std::vector<int32_t>& scratch);
 
 // The default stream when it is the CPU's (invalid_argument naming `what` otherwise).
 mlx::core::Stream cpu_stream(const char* what);

@@ -298,25 +298,6 @@ mx::array argmax(const mx::array& x) {
                    std::make_shared<RowsArgmax>(stream), {x});
 }
 
-// `a`'s int32 elements, packed row-major: its own buffer when row-contiguous, else `scratch`.
-const int32_t* packed_ints(const mx::array& a, std::vector<int32_t>& scratch) {
-  if (a.dtype() != mx::int32) throw std::invalid_argument("accept_candidates: ids must be int32");
-  if (a.flags().row_contiguous) return a.data<int32_t>();
-  scratch.resize(a.size());
-  const int nd = a.ndim();
-  const int32_t* base = a.data<int32_t>();
-  for (size_t e = 0; e < a.size(); ++e) {
-    int64_t offset = 0;
-    int64_t rest = static_cast<int64_t>(e);
-    for (int d = nd - 1; d >= 0; --d) {
-      offset += (rest % a.shape(d)) * a.strides()[d];
-      rest /= a.shape(d);
-    }
-    scratch[e] = base[offset];
-  }
-  return scratch.data();
-}
-
 // sampling/acceptance.py's rule on top_k candidate rows, for one row of a batch: drafts [K],
 // q and q_ids [K, W], p and p_ids [K + 1, W], uniforms [K] and [K + 1]. Accept draft i iff
 // u_i q_i(d_i) < p_i(d_i), stop at the first rejection m, and draw the emitted token from the
