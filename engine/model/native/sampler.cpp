@@ -54,6 +54,16 @@ struct Truncation {
 // ones run on the stream's thread.
 constexpr int64_t kShareColumns = 32768;
 
+// row(r) for each of `rows` rows `width` wide: over the pool's threads when there are several
+// rows of at least kShareColumns, else one after another on the calling thread.
+template <class Row>
+void for_each_row(int64_t rows, int64_t width, const Row& row) {
+  if (rows > 1 && width >= kShareColumns)
+    current_kernels().pool->share(rows, row);
+  else
+    for (int64_t r = 0; r < rows; ++r) row(r);
+}
+
 // A block of candidates' logits: scanned as vectors of 16 (GCC's vector extensions, lowered to
 // the instruction set of each clone), where a loop over elements stayed scalar.
 constexpr int kBlock = 128;
@@ -197,10 +207,7 @@ void truncate_rows(std::vector<mx::array>& in, std::vector<mx::array>& out, cons
     truncate_row(x + r * vocab, vocab, t, probs + r * t.top_k, ids + r * t.top_k,
                  u ? u + r : nullptr, tokens ? tokens + r : nullptr);
   };
-  if (rows > 1 && vocab >= kShareColumns)
-    current_kernels().pool->share(rows, row);
-  else
-    for (int64_t r = 0; r < rows; ++r) row(r);
+  for_each_row(rows, vocab, row);
 }
 
 class TopKTruncate : public mx::Primitive {
@@ -272,10 +279,7 @@ class RowsArgmax : public mx::UnaryPrimitive {
         float value;
         select_top_k(x + r * width, width, 1, ids + r, &value);
       };
-      if (rows > 1 && width >= kShareColumns)
-        current_kernels().pool->share(rows, row);
-      else
-        for (int64_t r = 0; r < rows; ++r) row(r);
+      for_each_row(rows, width, row);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
