@@ -115,7 +115,13 @@ def argmax_ids(logits: mx.array) -> mx.array:
     """The index of each row's largest logit (ties: the first), int32 ``[...]`` for ``[..., V]``:
     on a CPU with mtpserve's kernels one native op (mlx's CPU argmax walks a row element by
     element: ~0.23 ms a 248,320-token row, 1.2 ms for a verify's five against ~0.1 ms),
-    elsewhere ``mx.argmax``."""
+    elsewhere ``mx.argmax``.
+
+    On NaN logits the two differ: the native op counts a NaN as -inf (a NaN is picked only
+    where nothing in its row exceeds -inf), where ``mx.argmax``, like numpy's, may return a
+    NaN's index. A process runs one of them for every greedy draw, draft and target alike, so the
+    acceptance rule compares argmaxes taken by one rule and greedy decoding stays exact within
+    a process; no op is spent on the mlx path to make it agree."""
     if on_native() and logits.dtype == mx.float32:
         return native().argmax(logits)
     return mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -213,9 +219,14 @@ def _native_truncation(logits: mx.array, params: SamplingParams) -> ModuleType |
     kernels, with top_k narrower than the vocabulary (Qwen's defaults). mlx's formulation is
     ~45 primitives, each its own task on the CPU stream's one thread (a sampled plain step of
     the demo model spent ~0.2 ms of ~1.2 ms on them). Elsewhere, and without top_k, None: the
-    compiled mlx formulation runs. Both give each row the same distribution; their bits may
-    differ in the last place, and a process uses one of them for every draft, target and
-    plain draw."""
+    compiled mlx formulation runs.
+
+    The two give each row the same distribution except where logits tie at the k-th place:
+    the native op keeps the lower token ids, mlx's argpartition (``top_k_ids``) may keep
+    either; the native op also counts a NaN logit as -inf, where mlx's partition gives it no
+    defined place. Their probabilities may differ in the last bits. A process uses one of the
+    two for every draft, target and plain draw, so each such row is resolved one way
+    throughout and q and p stay truncated alike."""
     if 0 < params.top_k < logits.shape[-1] and logits.ndim == 2 and on_native():
         return native()
     return None

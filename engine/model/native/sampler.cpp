@@ -9,7 +9,11 @@
 // ~1.2 ms step on them with the demo model.
 //
 // The rules are sampling/distribution.py's, row by row and independent of the other rows:
-//   candidates  the k largest logits (ties: the lower token id), in increasing token order;
+//   candidates  the k largest logits (ties: the lower token id; a NaN counts as -inf), in
+//               increasing token order. Here alone the two formulations part: mlx's
+//               argpartition may keep either of logits tied at the k-th place and gives a NaN
+//               no defined place; a process runs one formulation for every draw, so such a
+//               row is resolved one way throughout;
 //   softmax     of candidate / temperature, less its largest, summed in token order;
 //   top_p       in decreasing probability (ties: the lower column first), keep a candidate
 //               while the mass before it (running sum less itself) is below top_p;
@@ -261,8 +265,10 @@ std::vector<mx::array> top_k_truncate(const mx::array& logits, float temperature
 }
 
 // The index of each row's largest value along the last axis (ties: the first; NaN counts as
-// -inf), int32: mlx's CPU argmax walks a row one element at a time (~0.23 ms a 248,320-token
-// row, 1.2 ms for a verify's five), this scans it in blocks as the top-k selection does.
+// -inf, where mx.argmax may return a NaN's index: a process takes one of the two for every
+// argmax), int32: mlx's CPU argmax walks a row one element at a time (~0.23 ms a
+// 248,320-token row, 1.2 ms for a verify's five), this scans it in blocks as the top-k
+// selection does.
 class RowsArgmax : public mx::UnaryPrimitive {
  public:
   explicit RowsArgmax(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
@@ -468,12 +474,14 @@ void bind_sampler(nb::module_& m) {
   m.def("top_k_truncate", &top_k_truncate, "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a,
         "min_p"_a, "uniforms"_a = nb::none(),
         "Each row of logits [T, V] (any float type) truncated as sampling/distribution.py "
-        "truncates it with top_k in [1, V): [probs [T, k] float32, ids [T, k] int32 in "
+        "truncates it with top_k in [1, V) (logits tied at the k-th place: the lower ids "
+        "kept; NaN counted as -inf): [probs [T, k] float32, ids [T, k] int32 in "
         "increasing order], and with uniforms [T] also [tokens [T] int32], row t's inverse-CDF "
         "draw at uniforms[t]. Lazy, like any op; rows independent of each other.");
   m.def("argmax", &argmax, "x"_a,
         "The index of the largest value along the last axis of x [..., V] (any float type; "
-        "ties: the first, NaN counted as -inf): int32 [...]. Lazy, like any op.");
+        "ties: the first, NaN counted as -inf where mx.argmax may return a NaN's index): "
+        "int32 [...]. Lazy, like any op.");
   m.def("accept_candidates", &accept_candidates, "drafts"_a, "q"_a, "q_ids"_a, "p"_a, "p_ids"_a,
         "u_accept"_a, "u_emit"_a,
         "sampling/acceptance.py's rejection-sampling rule on top_k candidate rows, for B rows: "
