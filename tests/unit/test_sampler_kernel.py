@@ -1,16 +1,19 @@
 """The native sampler ops (engine/model/native/sampler.cpp) against mlx's formulations of the
 same rules (sampling/distribution.py, sampling/acceptance.py) and numpy: ``top_k_truncate``
 gives the same candidates in token order, the same probabilities to rounding and the same
-draws (ties, -inf and NaN logits, vocabularies that are not a multiple of its scan block, rows
-wide enough to be shared over threads; each row its own whatever the row count);
-``argmax`` is numpy's; ``accept_candidates`` accepts as many drafts and emits the same token as
-``_candidate_rule``, batched or alone; and their errors."""
+draws (-inf logits, vocabularies that are not a multiple of its scan block, rows wide enough to
+be shared over threads; each row its own whatever the row count), and where mlx's formulation
+has no one answer — logits tied at the k-th place, NaN logits — its own rule: the lower ids,
+NaN as -inf; ``argmax`` is numpy's on rows without NaN and never picks a NaN over a number,
+where numpy and ``mx.argmax`` return a NaN's index; ``accept_candidates`` accepts as many
+drafts and emits the same token as ``_candidate_rule``, batched or alone; and their errors."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from graphs import primitive_names
 
 import sampling.distribution as distribution
 from engine.model import products
@@ -87,9 +90,10 @@ def test_a_large_top_k_is_mlxs_formulation_too(top_k: int) -> None:
 
 
 def test_ties_keep_the_lower_token_and_infinities_and_nans_never_win() -> None:
-    """Equal logits at the k-th place: the lower token ids are the candidates; -inf (tokens
-    outside a draft vocabulary) and NaN take a place only when nothing else is left, with
-    probability 0 (-inf)."""
+    """The op's own rule where mlx's formulation has no one answer: of equal logits at the
+    k-th place the lower token ids are the candidates (mlx's argpartition may keep either);
+    -inf (tokens outside a draft vocabulary) and NaN (counted as -inf) take a place only when
+    nothing else is left, with probability 0."""
     logits = np.full((1, 1000), -np.inf, dtype=np.float32)
     logits[0, [900, 5, 600, 7, 300]] = 2.0
     logits[0, 42] = 3.0
@@ -115,8 +119,9 @@ def test_a_draw_never_lands_on_a_token_without_mass() -> None:
 
 
 def test_sampling_runs_the_native_op_on_cpus_with_top_k() -> None:
-    """``truncate`` and ``truncate_and_sample`` take the one op where top_k is set, and mlx's
-    compiled formulation without it: both give the same rows."""
+    """``truncate`` and ``truncate_and_sample`` take the one op where top_k is set (their graphs
+    hold ``TopKTruncate``), and mlx's compiled formulation without it (theirs do not): the op
+    gives the rows of mlx's formulation."""
     rng = np.random.default_rng(9)
     logits = mx.array(rng.standard_normal((3, 2048)).astype(np.float32))
     p = SamplingParams(temperature=0.8, top_k=30, top_p=0.9)
@@ -124,6 +129,11 @@ def test_sampling_runs_the_native_op_on_cpus_with_top_k() -> None:
     assert distribution._native_truncation(logits, SamplingParams(temperature=0.8)) is None
     rows = truncate(logits, p)
     q, tokens = truncate_and_sample(logits, p, mx.array([0.1, 0.5, 0.9]))
+    assert "TopKTruncate" in primitive_names(rows.probs, rows.ids)
+    assert "TopKTruncate" in primitive_names(q.probs, q.ids, tokens)
+    whole = truncate(logits, SamplingParams(temperature=0.8, top_p=0.9))
+    whole_names = primitive_names(whole.probs)
+    assert whole_names and "TopKTruncate" not in whole_names
     want_probs, want_ids = _mlx_rows(np.array(logits), p)
     np.testing.assert_array_equal(np.array(rows.ids), want_ids)
     np.testing.assert_allclose(np.array(q.probs), want_probs, rtol=1e-5, atol=1e-7)
@@ -146,10 +156,12 @@ def test_inside_compile_and_its_errors() -> None:
         native.top_k_truncate(logits, 1.0, 8, 1.0, 0.0, mx.array([0.5]))
 
 
-def test_argmax_is_numpys_with_ties_first_and_nan_as_minus_infinity() -> None:
+def test_argmax_is_numpys_without_nans_and_never_picks_a_nan_over_a_number() -> None:
     """``argmax`` of rows of any width (not a multiple of its scan block, wide enough to be
     shared over threads), of 3-D and strided operands and half-precision rows, against numpy;
-    of equal values the first; a NaN never wins unless the row holds nothing else."""
+    of equal values the first. A NaN counts as -inf: it never wins over a number, where
+    ``mx.argmax`` (as numpy's) returns a NaN's index — the two differ there, and a process
+    takes one of them for every argmax (``argmax_ids``)."""
     rng = np.random.default_rng(11)
     for shape in [(1, 7), (5, 300), (3, 4097), (2, 3, 40_000), (64, 1000)]:
         x = rng.standard_normal(shape).astype(np.float32)
@@ -167,6 +179,7 @@ def test_argmax_is_numpys_with_ties_first_and_nan_as_minus_infinity() -> None:
     ties[1, 600] = -np.inf
     ties[1, 800] = -5.0
     assert native.argmax(mx.array(ties)).tolist() == [300, 800]
+    assert np.isnan(ties[1, mx.argmax(mx.array(ties[1:]), axis=-1).item()])  # mlx's: a NaN
 
 
 def test_greedy_tokens_take_the_native_argmax() -> None:
@@ -176,15 +189,7 @@ def test_greedy_tokens_take_the_native_argmax() -> None:
     want = np.argmax(np.array(x), axis=-1)
     assert np.array_equal(np.array(argmax_ids(x)), want)
     assert np.array_equal(np.array(greedy_tokens(x, SamplingParams(temperature=0.0))), want)
-    assert "RowsArgmax" in _graph(argmax_ids(x))
-
-
-def _graph(*outputs: mx.array) -> str:
-    import io
-
-    buffer = io.StringIO()
-    mx.export_to_dot(buffer, *outputs)
-    return buffer.getvalue()
+    assert "RowsArgmax" in primitive_names(argmax_ids(x))
 
 
 def _candidate_rows(rng: np.random.Generator, rows: int, width: int, vocab: int) -> np.ndarray:
