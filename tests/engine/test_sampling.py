@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints import VARIANTS
+from graphs import primitive_names
 from reference_head import ReferenceHead
 from scipy.stats import chi2 as chi2_dist
 from scipy.stats import chi2_contingency
@@ -63,6 +64,30 @@ def truncation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "mlx":
         monkeypatch.setattr(distribution, "_native_truncation", lambda logits, params: None)
     return request.param
+
+
+@pytest.fixture
+def acceptance_rule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The implementation of the candidate acceptance rule a test runs, ``request.param``: the
+    native op ("native", a CPU with mtpserve's kernels) or mlx's compiled formulation ("mlx",
+    GPUs and CPUs without them — which a machine with the kernel would otherwise never run).
+    The dense rule (no top_k) has only mlx's, so its cases run as "mlx" alone."""
+    import sampling.acceptance as acceptance
+    from engine.model import products
+
+    if request.param == "native" and not products.on_native():
+        pytest.skip("the native kernel is not built")
+    if request.param == "mlx":
+        monkeypatch.setattr(acceptance, "_native_rule", lambda draft_ids: None)
+    return request.param
+
+
+def assert_rule_ran(acceptance_rule: str, *outputs: mx.array) -> None:
+    """The (unevaluated) graph behind an acceptance's outputs holds the native op exactly when
+    the test asked for it: the path under test is the one that ran."""
+    names = primitive_names(*outputs)
+    assert names, "the outputs were evaluated before their graph was read"
+    assert ("AcceptCandidates" in names) == (acceptance_rule == "native"), sorted(names)
 
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
@@ -303,10 +328,15 @@ def test_greedy_acceptance_over_rows_is_each_rows_own() -> None:
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("top_k", [0, 6])
-def test_sampled_acceptance_over_rows_is_each_rows_own(top_k: int) -> None:
+@pytest.mark.parametrize(
+    ("top_k", "acceptance_rule"),
+    [(0, "mlx"), (6, "native"), (6, "mlx")],
+    indirect=["acceptance_rule"],
+)
+def test_sampled_acceptance_over_rows_is_each_rows_own(top_k: int, acceptance_rule: str) -> None:
     """``accept_drafts_rows`` gives each row, bit for bit, what ``accept_drafts_with`` gives
-    it alone, at K = 1..4, with every count of accepted drafts 0..K met."""
+    it alone, at K = 1..4, with every count of accepted drafts 0..K met; under top_k by the
+    native op and by mlx's formulation."""
     rng = np.random.default_rng(5)
     params = SamplingParams(temperature=1.0, top_k=top_k)
     rows, vocab = 32, 12
@@ -333,23 +363,32 @@ def test_sampled_acceptance_over_rows_is_each_rows_own(top_k: int) -> None:
             u_accept,
             u_emit,
         )
+        assert_rule_ran(acceptance_rule, n_rows, next_rows)
         seen = set()
         for b in range(rows):
             mine_q, mine_p = slice(b * k, (b + 1) * k), slice(b * (k + 1), (b + 1) * (k + 1))
             one_q = Truncated(q.probs[mine_q], None if q.ids is None else q.ids[mine_q])
             one_p = Truncated(p.probs[mine_p], None if p.ids is None else p.ids[mine_p])
             n, token = accept_drafts_with(drafts[b], one_q, one_p, u_accept[b], u_emit[b])
+            if b == 0:
+                assert_rule_ran(acceptance_rule, n, token)
             assert (n_rows[b].item(), next_rows[b].item()) == (n.item(), token.item()), b
             seen.add(n.item())
         assert seen == set(range(k + 1)), f"K={k}: accepted counts met {sorted(seen)}"
 
 
-@pytest.mark.parametrize("candidates", [False, True])
-def test_acceptance_rule_reproduces_target_distribution(candidates: bool) -> None:
+@pytest.mark.parametrize(
+    ("candidates", "acceptance_rule"),
+    [(False, "mlx"), (True, "native"), (True, "mlx")],
+    indirect=["acceptance_rule"],
+)
+def test_acceptance_rule_reproduces_target_distribution(
+    candidates: bool, acceptance_rule: str
+) -> None:
     """Unit check of accept_drafts: emitted first token ~ p_1 whatever q is, and a draft is
     accepted with probability sum_y min(p_1(y), q_1(y)). With candidate rows, p and q hold
     different, partly overlapping token sets (in different orders): a residual or an acceptance
-    that read the wrong column would show."""
+    that read the wrong column would show — by the native op and by mlx's formulation."""
     rng = np.random.default_rng(3)
     v, width = 10, 6
     if candidates:
@@ -374,6 +413,8 @@ def test_acceptance_rule_reproduces_target_distribution(candidates: bool) -> Non
     for i in range(n):
         d = drafts[i : i + 1].astype(mx.int32)
         m, nxt = accept_drafts(d, draft, target, keys[i])
+        if i == 0:
+            assert_rule_ran(acceptance_rule, m, nxt)
         m = m.item()
         first = d.item() if m >= 1 else nxt.item()
         counts[first] += 1
