@@ -260,15 +260,21 @@ def launch_cycles(
     return launched
 
 
+def _raw_logits(seq: Sequence) -> bool:
+    """Whether nothing of the row's own comes between its logits and its truncation (no logit
+    bias, penalties or grammar): only such rows draw as one op with other rows."""
+    params = seq.params
+    return not params.logit_bias and not params.uses_history and seq.constraint is None
+
+
+def _truncation_setting(params: SamplingParams) -> tuple[float, int, float, float]:
+    """What truncates a row's logits: rows of one setting truncate alike (one op over rows)."""
+    return (params.temperature, params.top_k, params.top_p, params.min_p)
+
+
 def _plain_greedy(seq: Sequence) -> bool:
     """Whether the row's every draw is the argmax of the raw logits."""
-    params = seq.params
-    return (
-        params.greedy
-        and not params.logit_bias
-        and not params.uses_history
-        and seq.constraint is None
-    )
+    return seq.params.greedy and _raw_logits(seq)
 
 
 def _accept_greedy_rows(
@@ -287,16 +293,12 @@ def _accept_greedy_rows(
 def _shared_sampling(seqs: list[Sequence]) -> bool:
     """Whether every row samples by one truncation setting and nothing else decides its
     draws: no logit bias, penalties, grammar or confidence cut (``_accept_sampled_rows``)."""
-    first = seqs[0].params
-    setting = (first.temperature, first.top_k, first.top_p, first.min_p)
+    setting = _truncation_setting(seqs[0].params)
     return all(
         not seq.params.greedy
-        and not seq.params.logit_bias
-        and not seq.params.uses_history
-        and seq.constraint is None
+        and _raw_logits(seq)
         and seq.draft_confidence is None
-        and (seq.params.temperature, seq.params.top_k, seq.params.top_p, seq.params.min_p)
-        == setting
+        and _truncation_setting(seq.params) == setting
         for seq in seqs
     )
 
