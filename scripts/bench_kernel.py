@@ -317,4 +317,7 @@ def table(result: dict, rows: list[int]) -> str:
 
 
 if __name__ == "__main__":
+    from engine.allocator import reexec_under_jemalloc
+
+    reexec_under_jemalloc()  # the weights in the memory the server gives them (huge pages)
     raise SystemExit(main())

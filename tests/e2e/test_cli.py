@@ -144,19 +144,23 @@ def test_a_model_that_is_not_there_is_one_line(tmp_path: Path, capsys) -> None:
 @pytest.mark.fast
 def test_jemalloc_is_preloaded_once_and_can_be_declined(monkeypatch) -> None:
     """engine.allocator: the re-executed environment puts jemalloc first in LD_PRELOAD and keeps
-    what was there, and the re-executed process puts it back for its children; a process that
-    already preloads it is not re-executed again (no loop); MTPSERVE_MALLOC=system keeps the
-    system's malloc."""
+    what was there, with huge pages in MALLOC_CONF ahead of the user's own options (so theirs
+    win), and the re-executed process puts both back for its children; a process that already
+    preloads it is not re-executed again (no loop); MTPSERVE_MALLOC=system keeps the system's
+    malloc."""
     from engine.allocator import jemalloc_path, preload_environment, restore_environment
 
-    env = preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so", "HOME": "/h"})
+    started = {"LD_PRELOAD": "/lib/other.so", "MALLOC_CONF": "narenas:2", "HOME": "/h"}
+    env = preload_environment("/lib/je.so", dict(started))
     assert env is not None and env["LD_PRELOAD"] == "/lib/je.so /lib/other.so"
+    assert env["MALLOC_CONF"] == "thp:always,narenas:2"
     assert env["HOME"] == "/h"
     restore_environment(env)  # what the re-executed process does: children start as before
-    assert env == {"LD_PRELOAD": "/lib/other.so", "HOME": "/h"}
+    assert env == started
     assert preload_environment("/lib/je.so", {"LD_PRELOAD": "/lib/other.so:/lib/je.so"}) is None
     env = preload_environment("/lib/je.so", {})
     assert env is not None and env["LD_PRELOAD"] == "/lib/je.so"
+    assert env["MALLOC_CONF"] == "thp:always"
     restore_environment(env)
     assert env == {}
     monkeypatch.setenv("MTPSERVE_MALLOC", "system")
@@ -178,8 +182,9 @@ def test_the_command_keeps_its_arguments_and_exit_status_across_the_reexec() -> 
 
 
 def test_the_reexecuted_process_runs_under_jemalloc_and_its_children_do_not() -> None:
-    """The process that re-executed itself has jemalloc mapped; its environment, which programs
-    it starts inherit, is the one it was started with."""
+    """The process that re-executed itself has jemalloc mapped, advising its mappings for huge
+    pages (jemalloc's own ``opt.thp``); its environment, which programs it starts inherit, is
+    the one it was started with."""
     import os
 
     import pytest
@@ -191,17 +196,21 @@ def test_the_reexecuted_process_runs_under_jemalloc_and_its_children_do_not() ->
     code = (
         "from engine.allocator import malloc_in_use, reexec_under_jemalloc\n"
         "reexec_under_jemalloc()\n"
-        "import os, subprocess, sys\n"
-        "child = 'import os; print(repr(os.environ.get(\"LD_PRELOAD\")))'\n"
-        "print(malloc_in_use())\n"
+        "import ctypes, os, subprocess, sys\n"
+        "from engine.allocator import jemalloc_mallctl\n"
+        'child = \'import os; print(repr(os.environ.get("LD_PRELOAD")), '
+        'repr(os.environ.get("MALLOC_CONF")))\'\n'
+        "thp, size = ctypes.c_char_p(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_char_p))\n"
+        "jemalloc_mallctl()(b'opt.thp', ctypes.byref(thp), ctypes.byref(size), None, 0)\n"
+        "print(malloc_in_use(), thp.value.decode())\n"
         "sys.stdout.flush()\n"
         "subprocess.run([sys.executable, '-c', child])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert out.returncode == 0, out.stderr
     mapped, child = out.stdout.split("\n")[:2]
-    assert "libjemalloc" in mapped
-    assert child == "None"
+    assert "libjemalloc" in mapped and mapped.endswith(" always")
+    assert child == "None None"
