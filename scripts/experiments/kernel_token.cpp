@@ -13,7 +13,9 @@
 //
 // ISA is `vnni` (AVX-512 VNNI) or `amx` (AMX tiles for 8 bits, else VNNI). Two builds from two
 // checkouts, run in turns, compare two versions of the kernel. The codes are random bytes, the
-// scales and biases constants: the time does not depend on them.
+// scales and biases constants: the time does not depend on them. The weights lie in transparent
+// huge pages, as the server's do under jemalloc (engine/allocator.py); SMALL_PAGES=1 in the
+// environment keeps them in 4 KiB pages.
 #include <immintrin.h>
 
 #include <atomic>
@@ -22,10 +24,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <random>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "products.h"
 
@@ -40,10 +45,29 @@ using Shape = std::pair<int64_t, int64_t>;  // [out, in]
 
 namespace {
 
+// Whole 2 MiB pages, advised for transparent huge pages unless SMALL_PAGES is set.
+template <class T>
+struct PageAllocator {
+  using value_type = T;
+  PageAllocator() = default;
+  template <class U>
+  PageAllocator(const PageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    constexpr size_t kPage = 2u << 20;
+    const size_t bytes = (n * sizeof(T) + kPage - 1) / kPage * kPage;
+    void* p = std::aligned_alloc(kPage, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    if (std::getenv("SMALL_PAGES") == nullptr) madvise(p, bytes, MADV_HUGEPAGE);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  bool operator==(const PageAllocator&) const { return true; }
+};
+
 struct Weight {
   Shape shape;
-  std::vector<uint8_t> codes;
-  std::vector<uint16_t> scales, biases;  // bf16
+  std::vector<uint8_t, PageAllocator<uint8_t>> codes;
+  std::vector<uint16_t, PageAllocator<uint16_t>> scales, biases;  // bf16
   double bytes() const { return codes.size() + 2.0 * (scales.size() + biases.size()); }
 };
 
