@@ -18,7 +18,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,29 +26,15 @@ SETTINGS = {"huge pages": {}, "4 KiB pages": {"MALLOC_CONF": "thp:default"}}
 
 def measure(model: str, tokens: int, reps: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compare_llamacpp import mtpserve_plain_tps
+
     import engine  # noqa: F401  (the fast BLAS before mlx)
-    from engine.api import GenerationRequest
     from engine.runtime import Engine
-    from sampling.params import SamplingParams
 
     ours = Engine.load(model, draft_tokens=0)
-
-    def tokens_per_s(n: int) -> float:
-        request = GenerationRequest(
-            [1, 2, 3], SamplingParams(temperature=0.0), n + 1, draft_tokens=0, ignore_eos=True
-        )
-        first, count = None, 0
-        for event in ours.generate(request):
-            now = time.perf_counter()
-            if first is None:
-                first = now
-                continue
-            count += len(event.token_ids)
-        assert first is not None
-        return count / (now - first)
-
-    tokens_per_s(4)  # warm-up: the first steps compile
-    best = max(tokens_per_s(tokens) for _ in range(reps))
+    mtpserve_plain_tps(ours, 4)  # warm-up: the first steps compile
+    best = max(mtpserve_plain_tps(ours, tokens) for _ in range(reps))
     rollup = Path("/proc/self/smaps_rollup").read_text()
     huge_kb = int(re.search(r"AnonHugePages:\s+(\d+)", rollup).group(1))
     return {"tokens_per_s": best, "huge_mb": huge_kb / 1024}
