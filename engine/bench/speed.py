@@ -40,7 +40,7 @@ from engine.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from engine.bench.speed_report import format_table, plot
 from engine.blas import blas_in_use
 from engine.scheduling.autok import representative_sampler
-from engine.scheduling.costs import decoding_kind, measure_costs
+from engine.scheduling.costs import decoding_kind, head_bytes_ratio, measure_costs
 
 
 @dataclass
@@ -55,6 +55,12 @@ class Row:
     split: dict[str, float] = field(default_factory=dict)
     speedup: float = 0.0
     predicted_speedup: float | None = None
+    #: the speed-up were every step to cost only its weights' read (a verify of K+1 positions
+    #: as cheap as one, no per-op cost): tokens a cycle over 1 + (head steps a cycle) x a head
+    #: step's bytes / a plain step's, at the acceptance this row measured. Where steps are bound
+    #: by reading weights speculation cannot beat it: it sets a measured speed-up against what
+    #: this checkpoint's head could give.
+    bytes_bound: float | None = None
     bandwidth_gbps: float = 0.0
     gap_note: str = ""
 
@@ -71,6 +77,7 @@ class Row:
             split=self.split,
             speedup=self.speedup,
             predicted_speedup=self.predicted_speedup,
+            bytes_bound=self.bytes_bound,
             bandwidth_gbps=self.bandwidth_gbps,
             gap_note=self.gap_note,
         )
@@ -185,6 +192,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if not engine.trunk.args.tie_word_embeddings
         else 0
     )  # an untied embedding is gathered, not streamed: only lm_head counts as read per step
+    head_ratio = head_bytes_ratio(engine) if engine.has_head else 0.0
     # The bench always measures afresh, one table per decoding kind (truncation and sampling
     # add work per cycle that greedy decoding does not have), and installs it in the engine's
     # auto K: the prediction and the `auto` rows decide from the same figures. Samplers of one
@@ -306,6 +314,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         row.bandwidth_gbps = (trunk_bytes * t.cycles + head_bytes * head_steps) / (
             t.generation_seconds * 1e9
         )
+        if t.cycles:
+            row.bytes_bound = t.tokens_per_cycle / (1 + head_steps / t.cycles * head_ratio)
         table = tables.get(sname)
         if table and cname.startswith("K=") and "," not in cname and t.cycles:
             k = int(cname[2:])
@@ -344,6 +354,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "trunk_bytes": trunk_bytes,
         "head_bytes": head_bytes,
+        "head_bytes_ratio": head_ratio,
         "costs": {name: asdict(table) for name, table in tables.items()},
         "costs_at_start": {name: asdict(table) for name, table in sampler_costs.items()},
         "costs_at_end": {name: asdict(table) for name, table in late_costs.items()},

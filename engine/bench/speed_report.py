@@ -10,7 +10,8 @@ from typing import Any
 def format_table(result: dict[str, Any]) -> str:
     head = (
         f"{'sampler':<14}{'config':<12}{'decode tok/s':>13}{'prefill tok/s':>14}{'speed-up':>9}"
-        f"{'predicted':>10}{'accept':>8}{'per position':>26}{'tok/cycle':>10}{'GB/s':>7}"
+        f"{'predicted':>10}{'bytes bound':>12}{'accept':>8}{'per position':>26}"
+        f"{'tok/cycle':>10}{'GB/s':>7}"
         f"{'peak MiB':>9}  split ms (draft/verify/accept/rollback/overhead)"
     )
     lines = [head, "-" * len(head)]
@@ -29,9 +30,10 @@ def format_table(result: dict[str, Any]) -> str:
             else ""
         )
         predicted = f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else ""
+        bound = f"{r['bytes_bound']:.2f}x" if r.get("bytes_bound") else ""
         lines.append(
             f"{r['sampler']:<14}{r['config']:<12}{r['decode_tps']:>13.1f}{r['prefill_tps']:>14.0f}"
-            f"{r['speedup']:>8.2f}x{predicted:>10}{r['acceptance']:>8.2f}{per_pos:>26}"
+            f"{r['speedup']:>8.2f}x{predicted:>10}{bound:>12}{r['acceptance']:>8.2f}{per_pos:>26}"
             f"{r['tokens_per_cycle']:>10.2f}{r['bandwidth_gbps']:>7.2f}"
             f"{r['peak_memory_bytes'] / 2**20:>9.1f}  {split}"
         )
@@ -49,7 +51,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"weights read per trunk pass {result['trunk_bytes'] / 2**20:.1f} MiB, head "
         f"{result['head_bytes'] / 2**20:.1f} MiB (+{result['draft_vocab_bytes'] / 2**20:.1f} MiB "
-        f"for a draft vocabulary of {result['draft_vocab_size']});"
+        f"for a draft vocabulary of {result['draft_vocab_size']}): a head step reads "
+        f"{result.get('head_bytes_ratio', 0):.3f}x a trunk pass's bytes (the bytes bound's ratio);"
         f" BLAS: {result['blas']}; malloc: {result['malloc']}"
     )
     # one calibration per decoding kind: seeded and unseeded samplers share theirs

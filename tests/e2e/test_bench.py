@@ -33,6 +33,7 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
         assert f"{row['decode_tps']:.1f}" in table
         if config == "K=0":
             assert row["speedup"] == 1.0 and row["acceptance"] == 0.0
+            assert row["bytes_bound"] == 1.0  # no head step: nothing for speculation to give
         if config == "K=2":
             assert row["proposed"] > 0 and 0.0 <= row["acceptance"] <= 1.0
             assert sum(row["proposed_per_position"]) == row["proposed"]
@@ -44,6 +45,14 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
             assert row["cycles"] == 0 and row["speedup"] > 0
     k2 = rows[("greedy", "K=2")]
     assert k2["tokens_per_cycle"] == k2["completion_tokens"] / k2["cycles"]
+    # up to two head steps a cycle (fewer near the token limit), each reading the head's share
+    # of a plain step's bytes
+    ratio = result["head_bytes_ratio"]
+    head_steps = sum(k * n for k, n in enumerate(k2["k_histogram"]))
+    assert 0 < ratio < 1 and k2["cycles"] < head_steps <= 2 * k2["cycles"]
+    bound = k2["tokens_per_cycle"] / (1 + head_steps / k2["cycles"] * ratio)
+    assert k2["bytes_bound"] == pytest.approx(bound)
+    assert f"{k2['bytes_bound']:.2f}x" in table
     assert result["head_bytes"] > 0 and result["trunk_bytes"] > result["head_bytes"]
     memory = result["memory"]
     assert memory["trunk_only"]["head_bytes"] == 0 and memory["with_head"]["head_bytes"] > 0
