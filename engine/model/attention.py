@@ -24,6 +24,18 @@ On a CPU with the native kernel ``attend`` is one op (``Attend``) whose every qu
 its own visible keys alone, in key order, so the same holds there by construction.
 ``tests/unit/test_attention.py`` checks a row alone against the same row in batches of other
 lengths, bit for bit.
+
+Writes. mlx's slice update and scatter copy the whole buffer unless nothing else holds it, and
+the decode loop evaluates step n + 1 while step n's tasks still hold it: each step would copy
+every attention layer's cache, a cost that grows with the context. On the native kernel a
+write is ``write_positions``, in place (the output shares the buffer's memory; tasks run in the
+order they are handed out, so what was handed out before reads the old values and what comes
+after reads the new). It takes a buffer only while the cache owns it alone: a buffer that code
+outside the decode path has read (a conversation-cache snapshot's lazy copy) or set is written
+once with mlx's copying update, and the copy is the cache's own again. Positions a write
+replaces are never read by ops handed out before it: a step writes past the cache's length,
+and a rollback (a verify's rejected positions) moves the length back only after the cycle
+that wrote them has been read.
 """
 
 from __future__ import annotations
@@ -100,31 +112,60 @@ class RowKVCache(KVCache):
     def __init__(self) -> None:
         self._batch: BatchKV | None = None
         self._row = 0
+        #: whether the buffers are this cache's alone since its last write: no reader outside
+        #: the decode path has seen them (the module's notes, "Writes")
+        self._owned = False
         super().__init__()
 
     @property
     def keys(self) -> mx.array | None:
         if self._batch is not None:
             self._batch.release(self)
+        self._owned = False
         return self._keys
 
     @keys.setter
     def keys(self, value: mx.array | None) -> None:
         if self._batch is not None:
             self._batch.release(self)
+        self._owned = False
         self._keys = value
 
     @property
     def values(self) -> mx.array | None:
         if self._batch is not None:
             self._batch.release(self)
+        self._owned = False
         return self._values
 
     @values.setter
     def values(self, value: mx.array | None) -> None:
         if self._batch is not None:
             self._batch.release(self)
+        self._owned = False
         self._values = value
+
+    def own_buffers(self) -> tuple[mx.array | None, mx.array | None]:
+        """The buffers, read by the decode path itself (ownership unchanged; out of any
+        batch first)."""
+        if self._batch is not None:
+            self._batch.release(self)
+        return self._keys, self._values
+
+    def write(self, start: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``keys``, ``values [1, Hkv, T, D]`` at positions ``start..start+T-1`` (room
+        reserved); returns the buffers. In place while the cache owns them, else by mlx's
+        copying update, after which it does."""
+        native = products.native_for(keys, values)
+        if native is not None and self._owned and self._batch is None:
+            positions = mx.arange(start, start + keys.shape[2], dtype=mx.int32)[None]
+            self._keys = native.write_positions(self._keys, keys, positions)
+            self._values = native.write_positions(self._values, values, positions)
+        else:
+            self.keys[..., start : start + keys.shape[2], :] = keys
+            self.values[..., start : start + keys.shape[2], :] = values
+        self._owned = True
+        return self._keys, self._values
 
     def buffers(self) -> list[mx.array]:
         """What the next cycle reads of this cache (its batch's buffers while it has one)."""
@@ -145,11 +186,18 @@ def _widened(buffer: mx.array, kept: int, width: int) -> mx.array:
     return mx.concatenate([head, zeros], axis=2)
 
 
+def _buffers(cache: KVCache) -> tuple[mx.array | None, mx.array | None]:
+    """A cache's buffers as the decode path reads them (a ``RowKVCache`` keeps owning its own)."""
+    if isinstance(cache, RowKVCache):
+        return cache.own_buffers()
+    return cache.keys, cache.values
+
+
 def reserve(cache: KVCache, length: int) -> None:
     """Make room in a row's own buffers for ``length`` positions, a multiple of ``KV_BLOCK``
     (new positions are zeros)."""
     width = padded(length)
-    keys, values = cache.keys, cache.values
+    keys, values = _buffers(cache)
     if keys is not None and keys.shape[2] >= width and keys.shape[2] % KV_BLOCK == 0:
         return
     if keys is None:
@@ -163,15 +211,18 @@ def attend_row(queries: mx.array, keys: mx.array, values: mx.array, cache: KVCac
     and ``attend`` with its scaled queries ``[1, Hq, Tq, D]`` (the last Tq of the T
     positions): ``[1, Tq, Hq * D]``."""
     new = keys.shape[2]
-    if cache.keys is None:
+    if _buffers(cache)[0] is None:
         cache.keys, cache.values = _widened(keys, 0, padded(new)), _widened(values, 0, padded(new))
     start = cache.offset
     reserve(cache, start + new)
-    cache.keys[..., start : start + new, :] = keys
-    cache.values[..., start : start + new, :] = values
+    if isinstance(cache, RowKVCache):
+        row_keys, row_values = cache.write(start, keys, values)
+    else:
+        cache.keys[..., start : start + new, :] = keys
+        cache.values[..., start : start + new, :] = values
+        row_keys, row_values = cache.keys, cache.values
     cache.offset = start + new
     width = padded(cache.offset)
-    row_keys, row_values = cache.keys, cache.values
     if row_keys.shape[2] != width:
         row_keys, row_values = row_keys[..., :width, :], row_values[..., :width, :]
     return attend(queries, row_keys, row_values, (cache.offset,))
@@ -234,8 +285,15 @@ class BatchKV:
         return all(c._batch is self and c._row == b for b, c in enumerate(caches))
 
     def write(self, positions: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Row b's new keys and values ``[B, Hkv, T, D]`` at its positions ``positions[b]``
-        (one scatter each; the old buffers are donated when nothing else holds them)."""
+        """Row b's new keys and values ``[B, Hkv, T, D]`` at its positions ``positions[b]``.
+        The stacked buffers are the batch's alone (made by it; a row leaving takes a copy, and
+        the rows that stay stack anew), so on the native kernel in place (the module's notes,
+        "Writes"); else one scatter each."""
+        native = products.native_for(keys, values)
+        if native is not None:
+            self.keys = native.write_positions(self.keys, keys, positions)
+            self.values = native.write_positions(self.values, values, positions)
+            return
         index = positions[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(index, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(
@@ -246,6 +304,7 @@ class BatchKV:
         """Give ``cache`` its own copy of its row and take it out of the batch."""
         row = mx.array([cache._row])
         cache._batch = None
+        cache._owned = False
         cache._keys = mx.take(self.keys, row, axis=0)
         cache._values = mx.take(self.values, row, axis=0)
 

@@ -5,8 +5,10 @@ every row's own positions."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from engine.model import products
 from engine.model.attention import KV_BLOCK, RowKVCache, attend_row, attend_rows
 
 Q_HEADS, KV_HEADS, DIM = 4, 2, 64
@@ -171,3 +173,65 @@ def test_a_query_attends_bit_for_bit_alone_and_among_a_verify_s_positions() -> N
         assert mx.array_equal(alone, together[:, j : j + 1]).item(), j
     shorter = native.attend(queries, keys[:, :, :412], values[:, :, :412], ends)
     assert mx.array_equal(shorter, together).item()
+
+
+def _address(a: mx.array) -> int:
+    """Where ``a``'s elements lie (evaluated first)."""
+    mx.eval(a)
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+needs_kernel = pytest.mark.skipif(
+    products.native_for(mx.zeros(1)) is None, reason="the in-place write is the native kernel's"
+)
+
+
+@needs_kernel
+def test_decode_steps_write_the_cache_in_place_while_it_owns_its_buffers() -> None:
+    """mlx's slice update copies the whole buffer while the step before still holds it (every
+    decode step, as the loop runs ahead), a cost that grows with the context: while a cache
+    owns its buffers, its steps write where the buffer lies."""
+    cache = _cache(40, seed=40)
+    queries, keys, values = _step(1, 1, seed=10)
+    mx.eval(attend_row(queries, keys, values, cache))  # one copying write: now the cache owns it
+    first = _address(cache._keys)
+    for seed in range(11, 14):
+        queries, keys, values = _step(1, 1, seed=seed)
+        mx.async_eval(attend_row(queries, keys, values, cache))
+    assert _address(cache._keys) == first and cache.offset == 44
+    assert mx.array_equal(cache.keys[..., 43:44, :], keys).item()
+
+
+@needs_kernel
+def test_a_view_read_out_of_the_cache_keeps_its_values_through_later_writes() -> None:
+    """A reader outside the decode path (a conversation-cache snapshot's lazy copy) ends the
+    cache's sole ownership: the next write copies, so the view, evaluated after a rollback has
+    rewritten the positions it covers, still holds what it saw."""
+    cache = _cache(40, seed=41)
+    queries, keys, values = _step(1, 1, seed=20)
+    mx.eval(attend_row(queries, keys, values, cache))
+    seen = cache.keys[..., :41, :]  # lazy, not evaluated yet
+    before = mx.array(np.array(memoryview(cache._keys))[..., :41, :])  # a copy, for the check
+    cache.offset = 35  # a rollback over positions the view covers
+    for seed in range(21, 27):
+        queries, keys, values = _step(1, 1, seed=seed)
+        mx.async_eval(attend_row(queries, keys, values, cache))
+    assert mx.array_equal(seen, before).item()
+    assert not mx.array_equal(cache.keys[..., 35:41, :], before[..., 35:41, :]).item()
+
+
+@needs_kernel
+def test_stacked_rows_write_in_place_and_bit_for_bit_as_a_scatter() -> None:
+    lengths = [30, 60]
+    caches = [_cache(n, seed=50 + b) for b, n in enumerate(lengths)]
+    queries, keys, values = _step(2, 1, seed=30)
+    mx.eval(attend_rows(queries, keys, values, caches))
+    batch = caches[0]._batch
+    first = _address(batch.keys)
+    queries, keys, values = _step(2, 3, seed=31)
+    mx.async_eval(attend_rows(queries, keys, values, caches))
+    assert _address(batch.keys) == first
+    index = mx.array([[31, 32, 33], [61, 62, 63]])[:, None, :, None]
+    for stacked, new in ((batch.keys, keys), (batch.values, values)):
+        want = mx.take_along_axis(stacked, mx.broadcast_to(index, new.shape), axis=2)
+        assert mx.array_equal(want, new).item()
