@@ -6,7 +6,7 @@ ops per row and layer (slices, the cache write, the attention and its mask); on 
 decode step is bound by per-op dispatch, that was most of what an 8-row cycle added over a
 one-row cycle. Here the rows' keys and values live in one stacked buffer between cycles
 (``BatchKV``, ``[B, H_kv, P, D]``, P the longest row rounded up to ``KV_BLOCK``), every row's
-new positions are written with one scatter, and one masked attention runs over all rows.
+new positions are written with one op, and one masked attention runs over all rows.
 
 Exactness. A row's result must not depend on its neighbours, so every decode-time attention —
 a row alone too — is ``attend``: over the cache padded to a multiple of ``KV_BLOCK`` positions,

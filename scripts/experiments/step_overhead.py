@@ -8,8 +8,8 @@ plain step's weight products alone (``weights_ms``): one ``[1, in]`` product by 
 linear layer of the trunk and by the vocabulary projection, evaluated together on mlx's one CPU
 stream, alternating with the decoding runs — what reading the weights once costs one core on
 this machine at the time, against the whole step's ``wall_ms``. On Linux ``busy`` is the share of
-the decoding runs' wall time that the calling thread and the busiest other thread (mlx's stream
-thread, which runs the kernels) spent on a CPU, and ``stolen`` the share of the machine's CPU
+the decoding runs' wall time that the calling thread and the two busiest others (mlx's stream
+thread, which runs the kernels, and the product pool's worker) spent on a CPU, and ``stolen`` the share of the machine's CPU
 time the hypervisor gave to other guests meanwhile (``steal`` in ``/proc/stat``): a shared
 machine's threads wait, runnable, for that share.
 
@@ -148,8 +148,14 @@ def per_token(
     if ticks:
         row["stolen"] = round(steal / total, 2) if total else 0.0
         share = {tid: n / os.sysconf("SC_CLK_TCK") / seconds for tid, n in ticks.items()}
-        other = max((v for tid, v in share.items() if tid != os.getpid()), default=0.0)
-        row["busy"] = {"calling": round(share.get(os.getpid(), 0.0), 2), "stream": round(other, 2)}
+        # the busiest other threads: mlx's stream thread, then the product pool's worker
+        others = sorted((v for tid, v in share.items() if tid != os.getpid()), reverse=True)
+        others += [0.0, 0.0]
+        row["busy"] = {
+            "calling": round(share.get(os.getpid(), 0.0), 2),
+            "stream": round(others[0], 2),
+            "worker": round(others[1], 2),
+        }
     return row
 
 

@@ -1,0 +1,85 @@
+"""What one more mlx op costs a demo decode step: ``--ops`` views (reshapes, which copy
+nothing) or as many tiny computing ops (a multiply or add of the ``[1, 1, H]`` hidden state)
+inserted before the vocabulary projection of every plain step, taking turns with the step as it
+is in one process::
+
+    python scripts/experiments/op_cost.py --model models/qwen3.5-demo --ops 30
+
+Greedy plain decoding of one prompt; the median of ``--rounds`` turns each, and the added
+microseconds an op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from engine import blas  # noqa: E402  (preloads the fast BLAS before mlx)
+
+blas.use_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+
+import engine.cycle.speculative as speculative  # noqa: E402
+from engine.api import GenerationRequest  # noqa: E402
+from engine.runtime import Engine  # noqa: E402
+from sampling.params import SamplingParams  # noqa: E402
+
+PROMPT = "The history of the city goes back to a small fishing village on the river."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/qwen3.5-demo")
+    parser.add_argument("--ops", type=int, default=30)
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    engine = Engine.load(args.model, draft_tokens=0)
+    ids = list(engine.tokenizer.encode(PROMPT))
+    greedy = SamplingParams(temperature=0.0)
+    project = speculative.project_to_vocab
+    extra = {"kind": "none"}
+
+    def padded(trunk, hidden: mx.array) -> mx.array:  # noqa: ANN001
+        shape = hidden.shape
+        for i in range(args.ops if extra["kind"] != "none" else 0):
+            if extra["kind"] == "views":
+                hidden = hidden.reshape(-1) if i % 2 == 0 else hidden.reshape(shape)
+            else:
+                hidden = hidden * 1.0 if i % 2 == 0 else hidden + 0.0
+        return project(trunk, hidden.reshape(shape))
+
+    def ms_a_token() -> float:
+        seq = engine.new_sequence(ids, greedy, draft=False)
+        request = GenerationRequest(
+            seq.tokens, greedy, args.tokens, draft_tokens=0, ignore_eos=True
+        )
+        start = time.perf_counter()
+        for _ in engine.decode(seq, request):
+            pass
+        return (time.perf_counter() - start) / args.tokens * 1e3
+
+    speculative.project_to_vocab = padded
+    ms_a_token()  # warm up
+    times: dict[str, list[float]] = {"none": [], "views": [], "computing": []}
+    for _ in range(args.rounds):
+        for kind in times:
+            extra["kind"] = kind
+            times[kind].append(ms_a_token())
+    base = statistics.median(times["none"])
+    print(f"the step as it is: {base:.3f} ms a token")
+    for kind in ("views", "computing"):
+        median = statistics.median(times[kind])
+        added = (median - base) * 1e3 / args.ops
+        print(f"{args.ops} more {kind} ops: {median:.3f} ms a token, {added:.1f} us an op")
+
+
+if __name__ == "__main__":
+    main()
