@@ -46,9 +46,62 @@ Strided strided(const mx::array& a) {
   return {a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2]};
 }
 
+// lane_dot(q + r * q_stride, k, n) for r < 4, the same bits: the key read once for the four,
+// and four independent chains of adds (one dot alone waits on each of its adds).
+__attribute__((always_inline)) inline void lane_dots4(const float* q, int64_t q_stride,
+                                                      const float* k, int64_t n, float* out) {
+  ExpLanes acc[4] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    ExpLanes kv, qv;
+    std::memcpy(&kv, k + i, sizeof kv);
+    for (int r = 0; r < 4; ++r) {
+      std::memcpy(&qv, q + r * q_stride + i, sizeof qv);
+      acc[r] += qv * kv;
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    float lanes[kLanes];
+    std::memcpy(lanes, &acc[r], sizeof lanes);
+    for (int64_t l = 0, j = i; j < n; ++j, ++l) lanes[l] += q[r * q_stride + j] * k[j];
+    out[r] = lane_sum(lanes);
+  }
+}
+
+// Keys a block of the value pass takes (their values read while in cache for every query and
+// every part of the head dimension), and the dimensions a query's sums keep in registers.
+constexpr int64_t kKeyBlock = 128;
+constexpr int64_t kDimBlock = 2 * kLanes;
+
+// out_i += p_ij v_j for j in [first, last) of four queries' probabilities (rows of `p`, `width`
+// apart) over dimensions [d0, d0 + kDimBlock): each sum in key order, as the one-query loop.
+__attribute__((always_inline)) inline void weigh4(const float* p, int64_t width,
+                                                  const Strided& values, int64_t row,
+                                                  int64_t kv_head, int64_t first, int64_t last,
+                                                  int64_t d0, float* out, int64_t dim) {
+  ExpLanes acc[4][2];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 2; ++c) std::memcpy(&acc[r][c], out + r * dim + d0 + c * kLanes, 64);
+  for (int64_t j = first; j < last; ++j) {
+    const float* v = values.at(row, kv_head, j) + d0;
+    ExpLanes v0, v1;
+    std::memcpy(&v0, v, 64);
+    std::memcpy(&v1, v + kLanes, 64);
+    for (int r = 0; r < 4; ++r) {
+      const float pr = p[r * width + j];
+      acc[r][0] = acc[r][0] + pr * v0;
+      acc[r][1] = acc[r][1] + pr * v1;
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 2; ++c) std::memcpy(out + r * dim + d0 + c * kLanes, &acc[r][c], 64);
+}
+
 // The queries of one row that share a KV head (`count` of them, query i at q + i * dim, seeing
 // keys j < limits[i], writing out + i * dim): out_i = softmax(q_i . k_j) . v_j. Each key and
-// value vector is read once for all of them; every query's own sums run in key order.
+// value vector is read once for all of them; every query's own sums run in key order. Four
+// queries go together where they can (a decode step's grouped heads, a verify's positions):
+// the same operations on the same values, interleaved.
 MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, int64_t count,
                                          const Strided& keys, const Strided& values,
                                          int64_t row, int64_t kv_head, int64_t dim,
@@ -58,9 +111,16 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
   const int64_t width = (most + kLanes - 1) / kLanes * kLanes;
   scores.resize(count * width);
   std::fill(out, out + count * dim, 0.0f);
+  const int64_t fours = count / 4 * 4;  // queries taken four at a time
   for (int64_t j = 0; j < most; ++j) {
     const float* k = keys.at(row, kv_head, j);
-    for (int64_t i = 0; i < count; ++i)
+    int64_t i = 0;
+    for (; i < fours; i += 4) {  // a score past a query's limit is never read
+      float s[4];
+      lane_dots4(q + i * dim, dim, k, dim, s);
+      for (int r = 0; r < 4; ++r) scores[(i + r) * width + j] = s[r];
+    }
+    for (; i < count; ++i)
       if (j < limits[i]) scores[i * width + j] = lane_dot(q + i * dim, k, dim);
   }
   for (int64_t i = 0; i < count; ++i) {
@@ -81,18 +141,37 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
     }
     float lanes[kLanes];
     std::memcpy(lanes, &sums, sizeof lanes);
-    for (int width_ = kLanes / 2; width_ > 0; width_ /= 2)
-      for (int l = 0; l < width_; ++l) lanes[l] += lanes[l + width_];
-    const float inverse = 1.0f / lanes[0];
+    const float inverse = 1.0f / lane_sum(lanes);
     for (int64_t j = 0; j < limit; ++j) s[j] = s[j] * inverse;
   }
-  for (int64_t j = 0; j < most; ++j) {
-    const float* v = values.at(row, kv_head, j);
-    for (int64_t i = 0; i < count; ++i) {
-      if (j >= limits[i]) continue;
-      const float p = scores[i * width + j];
-      float* o = out + i * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * v[d];
+  // the values: four queries' sums over the keys they all see, block by block, in registers;
+  // then each query's own last keys (a verify's later positions see a few more) and the
+  // queries left over, one at a time, continuing the same sums in key order
+  int64_t i = 0;
+  if (dim % kDimBlock == 0) {
+    for (; i < fours; i += 4) {
+      int64_t common = limits[i];
+      for (int r = 1; r < 4; ++r) common = std::min(common, limits[i + r]);
+      for (int64_t j0 = 0; j0 < common; j0 += kKeyBlock)
+        for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock)
+          weigh4(scores.data() + i * width, width, values, row, kv_head, j0,
+                 std::min(common, j0 + kKeyBlock), d0, out + i * dim, dim);
+      for (int r = 0; r < 4; ++r) {
+        const float* p = scores.data() + (i + r) * width;
+        float* o = out + (i + r) * dim;
+        for (int64_t j = std::max<int64_t>(common, 0); j < limits[i + r]; ++j) {
+          const float* v = values.at(row, kv_head, j);
+          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
+        }
+      }
+    }
+  }
+  for (; i < count; ++i) {
+    const float* p = scores.data() + i * width;
+    float* o = out + i * dim;
+    for (int64_t j = 0; j < limits[i]; ++j) {
+      const float* v = values.at(row, kv_head, j);
+      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
     }
   }
 }
