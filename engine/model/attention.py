@@ -158,7 +158,8 @@ class RowKVCache(KVCache):
         copying update, after which it does."""
         native = products.native_for(keys, values)
         if native is not None and self._owned and self._batch is None:
-            positions = mx.arange(start, start + keys.shape[2], dtype=mx.int32)[None]
+            # a constant, not an op: the step dispatches nothing more for it
+            positions = mx.array([list(range(start, start + keys.shape[2]))], dtype=mx.int32)
             self._keys = native.write_positions(self._keys, keys, positions)
             self._values = native.write_positions(self._values, values, positions)
         else:

@@ -5,8 +5,8 @@ is in one process::
 
     python scripts/experiments/op_cost.py --model models/qwen3.5-demo --ops 30
 
-Greedy plain decoding of one prompt; the median of ``--rounds`` turns each, and the added
-microseconds an op.
+Greedy plain decoding (``compare_llamacpp.mtpserve_plain_tps``); the median of ``--rounds``
+turns each, and the added microseconds an op.
 """
 
 from __future__ import annotations
@@ -14,24 +14,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from engine import blas  # noqa: E402  (preloads the fast BLAS before mlx)
 
 blas.use_fast_blas()
 
 import mlx.core as mx  # noqa: E402
+from compare_llamacpp import mtpserve_plain_tps  # noqa: E402
 
 import engine.cycle.speculative as speculative  # noqa: E402
-from engine.api import GenerationRequest  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
-from sampling.params import SamplingParams  # noqa: E402
-
-PROMPT = "The history of the city goes back to a small fishing village on the river."
 
 
 def main() -> None:
@@ -42,8 +39,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     engine = Engine.load(args.model, draft_tokens=0)
-    ids = list(engine.tokenizer.encode(PROMPT))
-    greedy = SamplingParams(temperature=0.0)
     project = speculative.project_to_vocab
     extra = {"kind": "none"}
 
@@ -57,14 +52,7 @@ def main() -> None:
         return project(trunk, hidden.reshape(shape))
 
     def ms_a_token() -> float:
-        seq = engine.new_sequence(ids, greedy, draft=False)
-        request = GenerationRequest(
-            seq.tokens, greedy, args.tokens, draft_tokens=0, ignore_eos=True
-        )
-        start = time.perf_counter()
-        for _ in engine.decode(seq, request):
-            pass
-        return (time.perf_counter() - start) / args.tokens * 1e3
+        return 1e3 / mtpserve_plain_tps(engine, args.tokens)
 
     speculative.project_to_vocab = padded
     ms_a_token()  # warm up
