@@ -97,6 +97,16 @@ __attribute__((always_inline)) inline void weigh4(const float* p, int64_t width,
     for (int c = 0; c < 2; ++c) std::memcpy(out + r * dim + d0 + c * kLanes, &acc[r][c], 64);
 }
 
+// o += p_j v_j for j in [first, last) of one query, each dimension's sum in key order.
+__attribute__((always_inline)) inline void weigh1(const float* p, const Strided& values,
+                                                  int64_t row, int64_t kv_head, int64_t first,
+                                                  int64_t last, float* o, int64_t dim) {
+  for (int64_t j = first; j < last; ++j) {
+    const float* v = values.at(row, kv_head, j);
+    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
+  }
+}
+
 // The queries of one row that share a KV head (`count` of them, query i at q + i * dim, seeing
 // keys j < limits[i], writing out + i * dim): out_i = softmax(q_i . k_j) . v_j. Each key and
 // value vector is read once for all of them; every query's own sums run in key order. Four
@@ -156,24 +166,13 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
         for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock)
           weigh4(scores.data() + i * width, width, values, row, kv_head, j0,
                  std::min(common, j0 + kKeyBlock), d0, out + i * dim, dim);
-      for (int r = 0; r < 4; ++r) {
-        const float* p = scores.data() + (i + r) * width;
-        float* o = out + (i + r) * dim;
-        for (int64_t j = std::max<int64_t>(common, 0); j < limits[i + r]; ++j) {
-          const float* v = values.at(row, kv_head, j);
-          for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
-        }
-      }
+      for (int r = 0; r < 4; ++r)
+        weigh1(scores.data() + (i + r) * width, values, row, kv_head, std::max<int64_t>(common, 0),
+               limits[i + r], out + (i + r) * dim, dim);
     }
   }
-  for (; i < count; ++i) {
-    const float* p = scores.data() + i * width;
-    float* o = out + i * dim;
-    for (int64_t j = 0; j < limits[i]; ++j) {
-      const float* v = values.at(row, kv_head, j);
-      for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
-    }
-  }
+  for (; i < count; ++i)
+    weigh1(scores.data() + i * width, values, row, kv_head, 0, limits[i], out + i * dim, dim);
 }
 
 void attend_all(std::vector<mx::array>& in, mx::array& out) {
