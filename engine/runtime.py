@@ -134,7 +134,7 @@ class Engine:
             # sampler is what they measure it with; a cached decision costs nothing.
             defaults = resolve(engine.sampling_defaults)
             if not defaults.greedy:
-                engine.autok.seeded_k(defaults)
+                engine.autok.seeded_plan(defaults)
         return engine
 
     @classmethod
@@ -256,8 +256,9 @@ class Engine:
             if params.seed is not None and not params.greedy:
                 # Rejection sampling's text depends on which positions were drafted: a seed
                 # repeats only under a K that is a function of the request, never of timings
-                # or neighbours (``EngineAutoK.seeded_k``).
-                return DraftPolicy(fixed=self.autok.seeded_k(params))
+                # or neighbours (``EngineAutoK.seeded_plan``): not the batch's K either.
+                chooser = self.autok.for_seeded_request(params)
+                return DraftPolicy(fixed=None, chooser=chooser, batched=False)
             return DraftPolicy(fixed=None, chooser=self.autok.for_request(params))
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
@@ -472,7 +473,7 @@ class Engine:
                 def own_k(remaining: int = remaining) -> int:
                     return policy.choose(seq, remaining) if seq.can_draft else 0
 
-                need = CycleNeed(seq, own_k, remaining - 1, policy.fixed is None, chooser)
+                need = CycleNeed(seq, own_k, remaining - 1, policy.batched_auto, chooser)
                 try:
                     result = yield need
                 except GeneratorExit:  # dropped while waiting: the sequence is consistent

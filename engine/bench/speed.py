@@ -10,9 +10,10 @@ Speed-ups are ratios against K=0 *of the same run*.
 
 The default samplers are greedy decoding, Qwen's sampler seeded per prompt (``preset:qwen``) and
 the same sampler unseeded (``unseeded:qwen``). Both sampled rows are needed because automatic K
-treats them differently: a seeded sampled request drafts one fixed K every cycle
-(``EngineAutoK.seeded_k``, so that its seed repeats its text), an unseeded one follows the live
-chooser, so the two ``auto`` rows measure different policies.
+treats them differently: a seeded sampled request chooses from a plan measured once per build
+and machine and from its own draws alone (``EngineAutoK.seeded_plan``, so that its seed repeats
+its text), an unseeded one follows the live chooser and timings, so the two ``auto`` rows
+measure different policies.
 
 A second, profiled pass per (sampler, K) syncs after each cycle stage to split cycle time into
 draft / verify / accept / rollback (commit) / overhead; the timed pass never does. The cost

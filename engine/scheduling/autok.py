@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.api import GenerationRequest
@@ -27,13 +30,13 @@ from engine.scheduling.costs import (
     MAX_AUTO_K,
     CostProbe,
     CostTable,
-    best_k,
     cached_costs,
     decoding_kind,
     estimate_costs,
+    expected_tokens,
     load_or_measure,
     save_costs,
-    seeded_k_path,
+    seeded_plan_path,
 )
 from sampling.params import resolve
 
@@ -279,8 +282,8 @@ class EngineAutoK:
     engine: CostProbe
     kinds: dict[str, AutoK] = field(default_factory=dict)
     saved_at: dict[str, int] = field(default_factory=dict)
-    #: ``seeded_k`` once decided
-    seeded: int | None = None
+    #: ``seeded_plan`` once measured or read back
+    seeded: SeededPlan | None = None
 
     def for_request(self, params: Any) -> RequestAutoK:
         self.costs(params)
@@ -312,43 +315,64 @@ class EngineAutoK:
         self.saved_at[kind] = 0
         return costs
 
-    def seeded_k(self, params: Any) -> int:
-        """The K every seeded sampled request under automatic K drafts, every cycle.
+    def seeded_plan(self, params: Any) -> SeededPlan:
+        """What a seeded sampled request under automatic K chooses its K from: the same for
+        every such request on this build and machine (``SeededPlan``).
 
-        Why fixed: with rejection sampling the token emitted at a position depends on whether
-        it was drafted, so a seed repeats only if the row's K per cycle is a function of the
-        request — not of live timings or batch neighbours, which auto K follows. (Coupled
-        draws that repeat whatever K runs accept less: at total-variation distance d between
-        q and p at least (1-d)/(1+d) against rejection sampling's 1-d.) So it is decided once
-        per build and machine: the K the sampled kind's cost table favours at the acceptance
-        the model shows on fixed texts (``probe_acceptance``), kept in the cost cache beside
-        the table (``seeded_k_path``) and read back on every later start. (Deciding from the
-        kind's prior instead, 0.6 and falling, picked K=1 on the demo model, whose sampled
-        drafts are accepted ~0.79 at every position: 4-5% below K=2 and K=3.)"""
+        Why not live: with rejection sampling the token emitted at a position depends on
+        whether it was drafted, so a seed repeats only if the row's K per cycle is a function
+        of the request — not of live timings or batch neighbours, which the unseeded chooser
+        follows. (Coupled draws that repeat whatever K runs accept less: at total-variation
+        distance d between q and p at least (1-d)/(1+d) against rejection sampling's 1-d.) So
+        the plan is measured once per build and machine: the acceptance the model shows on
+        fixed texts (``probe_acceptance``) and the cycle times of every K on the same texts
+        (``time_probe_cycles``), kept in the cost cache (``seeded_plan_path``) and read back on
+        every later start. A request then follows its own acceptance (``SeededAutoK``).
+
+        Why the cycles are timed here and not read from the cost table: at start-up the table
+        is a few timed forwards, which leave out the sampler, the host syncs and plain cycles'
+        overlap (the live calibration learns those later), and a single timing each wanders by
+        ~10% on a busy machine. Priced by that table, the same probe's acceptance made one
+        fixed K of 0, 1, 2 or 4 on the demo model's builds, and K=0 ran its seeded row at 0.86x
+        of the best fixed K."""
         if self.seeded is not None:
             return self.seeded
-        path = seeded_k_path(self.engine)
+        path = seeded_plan_path(self.engine)
         try:
-            self.seeded = int(json.loads(path.read_text())["k"])
+            record = json.loads(path.read_text())
+            self.seeded = SeededPlan(
+                int(record["k"]),
+                [float(a) for a in record["acceptance"]],
+                [float(c) for c in record["cycle_seconds"]],
+            )
             return self.seeded
         except (OSError, KeyError, TypeError, ValueError):
             pass
-        self.costs(params)
-        auto = self.kinds[decoding_kind(params)]
-        acceptance = probe_acceptance(self.engine, representative_sampler(self.engine, params))
-        self.seeded = best_k(auto.costs, acceptance)
+        sampler = representative_sampler(self.engine, params)
+        timings: list[tuple[int, int, float]] = []
+        sequences = probe_sequences(self.engine, sampler)  # each text prefilled once
+        acceptance = probe_acceptance(self.engine, sampler, timings=timings, sequences=sequences)
+        for k in range(MAX_AUTO_K):
+            time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
+        seconds = probe_cycle_seconds(timings)
+        self.seeded = SeededPlan(measured_best_k(seconds, acceptance), acceptance, seconds)
         log.info(
-            "auto K: seeded sampled requests draft K=%d (acceptance %s, cycle costs %s ms)",
-            self.seeded,
+            "auto K: seeded sampled requests start at K=%d (acceptance %s, cycles timed on the "
+            "probe texts %s ms)",
+            self.seeded.k,
             [round(a, 3) for a in acceptance],
-            [round(1e3 * c, 2) for c in auto.costs.cycle],
+            [round(1e3 * c, 2) for c in seconds],
         )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"k": self.seeded, "acceptance": acceptance}))
+            path.write_text(json.dumps(asdict(self.seeded)))
         except OSError:
             pass
         return self.seeded
+
+    def for_seeded_request(self, params: Any) -> SeededAutoK:
+        """The chooser of one seeded sampled request (``seeded_plan``)."""
+        return self.seeded_plan(params).chooser()
 
     def save_refined(self, kind: str) -> None:
         """Write the kind's calibrated table to the disk cache once it has enough new timings."""
@@ -358,9 +382,16 @@ class EngineAutoK:
             self.saved_at[kind] = auto.timed_cycles
 
 
-#: drafting cycles ``probe_acceptance`` runs on each of its texts: 36 in all, ~0.3 s on the demo
-#: model, ~4 s at the 0.8B shape, once per build and machine
-ACCEPTANCE_PROBE_CYCLES = 12
+#: drafting cycles ``probe_acceptance`` runs on each of its texts, once per build and machine
+#: (~0.5 s on the demo model). The probe's draws are keyed, so its sampling error is the same
+#: on every build: with 12 a text, the demo model's first position read 0.716 (seed 0; 0.61
+#: and 0.82 with seeds 1 and 2) where 48 read 0.79 (0.74, 0.79), as its bench prompts accept,
+#: and the plan's K went from a tie with plain decoding to K=2-3
+ACCEPTANCE_PROBE_CYCLES = 48
+#: cycles of each K below ``MAX_AUTO_K`` that ``seeded_plan`` times on each probe text
+TIMED_PROBE_CYCLES = 6
+#: each probe text's first cycles, not timed
+PROBE_WARM_CYCLES = 2
 #: the texts ``probe_acceptance`` continues: code, prose and a question. On one text alone the
 #: estimate follows that text (the demo model's first-position acceptance: 0.92 on a
 #: docstring, 0.74 on prose, 0.77 on a question; 0.79 over the bench prompts)
@@ -373,22 +404,28 @@ ACCEPTANCE_PROBE_TEXTS = (
 
 
 def probe_acceptance(
-    engine: CostProbe, params: Any, cycles: int = ACCEPTANCE_PROBE_CYCLES
+    engine: CostProbe,
+    params: Any,
+    cycles: int = ACCEPTANCE_PROBE_CYCLES,
+    timings: list[tuple[int, int, float]] | None = None,
+    sequences: list[Any] | None = None,
 ) -> list[float]:
     """Per-position acceptance estimates (a_i given 1..i-1 accepted, as ``AcceptanceCounts``)
     from ``cycles`` cycles drafting ``MAX_AUTO_K`` under ``params`` on each of
     ``ACCEPTANCE_PROBE_TEXTS``, their counts pooled. The draws are keyed by ``params``' seed,
     so on one build and machine the probe, and what is decided from it, comes out the same
-    every time."""
+    every time. ``timings`` collects the cycles as ``time_probe_cycles`` does; ``sequences``
+    (``probe_sequences``) are continued instead of fresh ones."""
     counts = AcceptanceCounts()
-    for text in ACCEPTANCE_PROBE_TEXTS:
-        seq = engine.new_sequence(list(engine.tokenizer.encode(text)), params, draft=True)
+    for seq in sequences or probe_sequences(engine, params):
         request = GenerationRequest(
             seq.tokens, params, cycles * (MAX_AUTO_K + 1), draft_tokens=MAX_AUTO_K, ignore_eos=True
         )
         events = engine.decode(seq, request)
+        clock = _CycleClock(timings)
         seen = 0
         for event in events:
+            clock.tick(event)
             k = event.cycle_draft_tokens
             if k:
                 accepted = sum(event.drafted or [])
@@ -406,6 +443,86 @@ def probe_acceptance(
         [round(a, 3) for a in estimates],
     )
     return estimates
+
+
+def probe_sequences(engine: CostProbe, params: Any) -> list[Any]:
+    """A fresh sequence (prefilled) for each of ``ACCEPTANCE_PROBE_TEXTS``."""
+    return [
+        engine.new_sequence(list(engine.tokenizer.encode(text)), params, draft=True)
+        for text in ACCEPTANCE_PROBE_TEXTS
+    ]
+
+
+@dataclass
+class _CycleClock:
+    """Times a decode loop's cycles from its events into ``timings`` (when not None), each text's
+    first ``PROBE_WARM_CYCLES`` left out (compilation, the prompt's catch-up, a pipeline not
+    yet filled): ``(K, tokens the cycle before committed, seconds since that cycle's event)``."""
+
+    timings: list[tuple[int, int, float]] | None
+    seen: int = 0
+    last: tuple[float, int] | None = None
+
+    def tick(self, event: Any) -> None:
+        now = time.perf_counter()
+        self.seen += 1
+        if self.timings is not None and self.last is not None and self.seen > PROBE_WARM_CYCLES:
+            self.timings.append((event.cycle_draft_tokens, self.last[1], now - self.last[0]))
+        self.last = (now, len(event.token_ids))
+
+
+def time_probe_cycles(
+    engine: CostProbe,
+    params: Any,
+    k: int,
+    timings: list[tuple[int, int, float]],
+    cycles: int = TIMED_PROBE_CYCLES,
+    sequences: list[Any] | None = None,
+) -> None:
+    """Append to ``timings`` the ``k``-cycles the decode loop runs under ``params`` on each of
+    ``ACCEPTANCE_PROBE_TEXTS`` (plain ones launched one ahead of the other, as requests run
+    them), as ``(K, tokens the cycle before committed, seconds since that cycle's event)``;
+    ``sequences`` (``probe_sequences``) are continued instead of fresh ones (no prefill)."""
+    for seq in sequences or probe_sequences(engine, params):
+        request = GenerationRequest(
+            seq.tokens, params, cycles * (k + 1), draft_tokens=k, ignore_eos=True
+        )
+        events = engine.decode(seq, request)
+        clock = _CycleClock(timings)
+        for event in events:
+            clock.tick(event)
+            if clock.seen == cycles:
+                break
+        events.close()
+
+
+def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
+    """Each K's cycle seconds from ``timings``, K = 0..MAX_AUTO_K: plain cycles' median, and
+    for drafting cycles the least-squares line through each K's median. Why a line: a drafting
+    cycle is its one catch-up, K-1 further head steps and a verify of K+1 positions, each
+    further K about one head step and one verify position more (the demo model's bench rows:
+    1.88 / 2.32-2.42 / 2.75-2.86 / 3.17-3.32 ms at K=1..4), while a median of a dozen cycles
+    wanders by ~10% on a busy machine (one probe timed K=2 at 2.76 ms, above its K=3): the
+    line takes the four medians' common slope, and one stray median moves it by a quarter.
+    The median, not the mean, within a K: one preempted cycle must not move it. A K without
+    timings gets infinity, never the choice."""
+    by_k: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
+    for k, _, seconds in timings:
+        by_k[min(k, MAX_AUTO_K)].append(seconds)
+    medians = [statistics.median(xs) if xs else math.inf for xs in by_k]
+    drafting = [(k, m) for k, m in enumerate(medians) if k > 0 and m < math.inf]
+    if len(drafting) < 2:
+        return medians
+    slope, intercept = statistics.linear_regression(*zip(*drafting, strict=True))
+    line = [intercept + slope * k if by_k[k] else math.inf for k in range(1, MAX_AUTO_K + 1)]
+    return [medians[0], *line]
+
+
+def measured_best_k(cycle_seconds: list[float], acceptance: list[float]) -> int:
+    """The K of the most expected tokens a second: ``expected_tokens(acceptance, K)`` over
+    ``cycle_seconds[K]``."""
+    rates = [expected_tokens(acceptance, k) / c for k, c in enumerate(cycle_seconds)]
+    return max(range(len(rates)), key=rates.__getitem__)
 
 
 def representative_sampler(engine: CostProbe, params: Any) -> Any:
@@ -533,6 +650,50 @@ class RequestAutoK:
         if seconds is None or previous_k is None or (previous_k > 0) != (k > 0):
             return
         self.shared.calibrate(k, before if k > 0 else 1, seconds)
+
+
+#: pseudo-trials per position with which a seeded request's long-run acceptance starts from
+#: the plan's probe (``SeededPlan.chooser``). That long run is the request's own, so it must be
+#: steadier than a kind's pooled one: simulated on the demo model's plan and costs, 256-token
+#: requests at a steady acceptance of 0.6-0.85 came to 0.95-0.99x of the best fixed K with 8
+#: (a few misses in a row sent a request plain: 1,278 of 3,030 cycles at 0.8), 0.97-0.995x
+#: with 32, and 128 held them at K=2 where K=4 was best (0.952x at 0.85)
+SEEDED_PRIOR_TRIALS = 32.0
+
+
+@dataclass(frozen=True)
+class SeededPlan:
+    """The costs and prior a seeded sampled request under automatic K chooses with, measured
+    once per build and machine (``EngineAutoK.seeded_plan``): ``k`` the K of the most tokens a
+    second at the probe's acceptance, where a request starts; ``acceptance`` the probe's
+    per-position estimates; ``cycle_seconds[K]`` a K-cycle as the decode loop ran it on the
+    probe texts (the catch-up included)."""
+
+    k: int
+    acceptance: list[float]
+    cycle_seconds: list[float]
+
+    def chooser(self) -> SeededAutoK:
+        """A fresh chooser: auto K's rules (``RequestAutoK``) over a kind of its own — this
+        plan's costs, never calibrated, and a long-run acceptance that starts from the probe's
+        and learns from this request alone — so that its K per cycle is a function of the plan
+        and of the request's own draws, which its seed fixes."""
+        zeros = [0.0] * len(self.cycle_seconds)
+        costs = CostTable(cycle=list(self.cycle_seconds), trunk=zeros, head_step=0.0, absorb=zeros)
+        prior = AcceptanceCounts(
+            hits=[a * SEEDED_PRIOR_TRIALS for a in self.acceptance],
+            trials=[SEEDED_PRIOR_TRIALS] * len(self.acceptance),
+        )
+        own = AutoK(costs, prior, drafting_cycles_seen=EXPLORE_CYCLES, policy=POLICIES["sampled"])
+        return SeededAutoK(own, AcceptanceCounts(), current=self.k)
+
+
+class SeededAutoK(RequestAutoK):
+    """``RequestAutoK`` for a seeded request (``SeededPlan.chooser``): it ignores cycle
+    timings, which would make its K, and so its text, depend on the machine's moment."""
+
+    def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
+        pass
 
 
 @dataclass

@@ -24,8 +24,8 @@ Rows are independent: a row's draws are keyed by its own seed and sequence posit
 (``sampling.distribution.keyed_uniform``), it has its own penalty history and caches, and its
 commit keeps its own accepted length, so what a row emits does not depend on the other rows
 (tests/engine/test_batching.py checks it against the same request alone). A seeded sampled row never
-shares the batch's automatic K: it drafts ``EngineAutoK.seeded_k``, a function of the build and
-machine, so its text repeats beside any neighbours.
+shares the batch's automatic K: its own chooser (``EngineAutoK.seeded_plan``) follows the build
+and machine's measured plan and the row's own draws, so its text repeats beside any neighbours.
 
 Plain cycles run one ahead, as a request alone runs them (``engine.cycle.speculative``'s
 docstring): when every row of the batch is decoding, they all run a plain cycle together and
@@ -437,7 +437,7 @@ class BatchDecoder:
             return False
         for need, cycle in zip(needs, current, strict=True):
             commit_unread(need.seq, cycle)
-            if need.auto:  # what the row would tell auto K after reading (``row_steps``)
+            if need.chooser is not None:  # what the row tells it after reading (``row_steps``)
                 need.chooser.observe(0, 0)
         batch_k = None
         if autos > 1:

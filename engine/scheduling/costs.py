@@ -472,10 +472,10 @@ def cost_cache_path(engine: CostProbe, kind: str) -> Path:
     return CACHE_DIR / f"costs-{key}-v{engine.draft_vocab_size}-{kind}.json"
 
 
-def seeded_k_path(engine: CostProbe) -> Path:
-    """Where ``EngineAutoK.seeded_k`` keeps its decision (per build, machine and model)."""
+def seeded_plan_path(engine: CostProbe) -> Path:
+    """Where ``EngineAutoK.seeded_plan`` keeps its plan (per build, machine and model)."""
     key = machine_key(engine.model_dir)
-    return CACHE_DIR / f"seeded-k-{key}-v{engine.draft_vocab_size}.json"
+    return CACHE_DIR / f"seeded-plan-{key}-v{engine.draft_vocab_size}.json"
 
 
 def cached_costs(engine: CostProbe, kind: str) -> CostTable | None:

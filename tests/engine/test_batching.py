@@ -135,9 +135,10 @@ def test_seeded_sampled_rows_equal_each_request_alone(
     engine: Engine, widest_cycle: list[int]
 ) -> None:
     """Each row's draws are keyed by (its seed, position) and its K per cycle is a function of
-    the request (a seeded row under automatic K drafts ``EngineAutoK.seeded_k``), so a seeded
-    row's text is the text of the same request alone, whatever else runs beside it: two
-    batches with other neighbours, joining at other steps, each give every row's own text."""
+    the request (a seeded row under automatic K follows ``EngineAutoK.seeded_plan`` and its own
+    draws), so a seeded row's text is the text of the same request alone, whatever else runs
+    beside it: two batches with other neighbours, joining at other steps, each give every row's
+    own text."""
     reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
     reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]  # greedy and sampled rows mix
     expected = [alone(engine, r) for r in reqs]
@@ -156,22 +157,35 @@ def test_seeded_sampled_rows_equal_each_request_alone(
             assert got[j] == expected[i], f"row {i} (K={ROWS[i][0]}) beside other rows"
 
 
-@pytest.mark.parametrize("seeded_k", [0, 1, 3])
-def test_seeded_auto_rows_equal_each_request_alone_at_any_seeded_k(
-    load_engine, seeded_k: int
+#: seeded plans that start plain, at K=1 and at K=3, with cycle costs that make drafting pay
+#: only at good acceptance, so that rows move between K as their own drafts fare
+SEEDED_PLANS = {
+    "plain-first": ([0.3, 0.3, 0.3, 0.3], [1.0, 1.4, 1.7, 2.0, 2.3], 0),
+    "k1": ([0.6, 0.6, 0.6, 0.6], [1.0, 1.3, 1.7, 2.1, 2.5], 1),
+    "k3": ([0.9, 0.9, 0.9, 0.9], [1.0, 1.2, 1.4, 1.6, 2.4], 3),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(SEEDED_PLANS))
+def test_seeded_auto_rows_equal_each_request_alone_under_any_seeded_plan(
+    load_engine, plan: str
 ) -> None:
-    """Whichever K the build and machine decided for seeded rows under automatic K (a cost
-    table decides it, so the suite's own machine may pick any): plain rows too (K=0, no head),
-    which draw from the verify rows of a batched trunk pass."""
+    """Whatever plan the build and machine measured for seeded rows under automatic K (the
+    suite's own machine may measure any): each row's K follows the plan and its own draws, so
+    its text is its text alone; plain rows too (K=0, no head), which draw from the verify rows
+    of a batched trunk pass."""
+    from engine.scheduling.autok import SeededPlan
+
     engine = load_engine("dense-tied")
     engine.policy(None, sampled(0))
-    engine.autok.seeded = seeded_k
+    acceptance, seconds, k = SEEDED_PLANS[plan]
+    engine.autok.seeded = SeededPlan(k, acceptance, seconds)
     reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
     reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]
     expected = [alone(engine, r) for r in reqs]
     got, _ = batched(engine, reqs, capacity=5)
     for i, want in enumerate(expected):
-        assert got[i] == want, f"row {i} (K={ROWS[i][0]}, seeded K={seeded_k})"
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]}, seeded plan {plan})"
 
 
 @pytest.mark.parametrize("mix", ["greedy", "greedy-and-seeded", "seeded", "seeded-top-p"])
@@ -624,3 +638,27 @@ def test_sampled_rows_of_a_batch_are_distributed_as_plain_sampling(
     for position in range(3):
         p = _homogeneity_pvalue(plain[:, position], together[:, position])
         assert p > ALPHA, f"position {position + 1}: p={p:.2g}"
+
+
+def test_a_seeded_rows_chooser_sees_every_cycle_plain_look_aheads_too(
+    load_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded row's next K follows every cycle it ran, the plain cycles the batch committed
+    unread to launch the next one ahead included: had those gone unobserved, its K (and so its
+    text) would depend on when its batch happened to look ahead."""
+    from engine.scheduling.autok import SeededAutoK, SeededPlan
+
+    engine = load_engine("dense-tied")
+    engine.policy(None, sampled(0))
+    acceptance, seconds, _ = SEEDED_PLANS["plain-first"]
+    engine.autok.seeded = SeededPlan(0, acceptance, seconds)
+    observed: list[int] = []
+    observe = SeededAutoK.observe
+    monkeypatch.setattr(
+        SeededAutoK, "observe", lambda self, k, n: observed.append(k) or observe(self, k, n)
+    )
+    request = requests(engine, [sampled(7)] * len(ROWS))[0]
+    events = list(engine.generate(replace(request, max_tokens=40, draft_tokens=None)))
+    histogram = events[-1].stats.k_histogram
+    assert histogram[0] > 2  # plain cycles, launched one ahead of the other
+    assert len(observed) == sum(histogram) and observed.count(0) == histogram[0]

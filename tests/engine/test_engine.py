@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -277,47 +277,54 @@ def test_a_request_asks_for_automatic_k_whatever_the_engines_default(load_engine
 
 
 def test_seeded_auto_k_request_gives_the_same_text_every_run(load_engine) -> None:
-    """Auto K follows the machine's timings; a seeded sampled request under it drafts the one
-    K decided for the build and machine (``EngineAutoK.seeded_k``) every cycle, and its draws
-    are keyed by (seed, position), so its text is the same on every run — the text of that
-    fixed K, at rejection sampling's acceptance. Three runs, the auto K costs skewed between
-    them (as a slow spell of the machine would), and a fresh engine that reads the decision
-    back from the cache."""
+    """Auto K follows the machine's timings; a seeded sampled request under it chooses its K
+    from the plan measured once for the build and machine and from its own draws alone
+    (``EngineAutoK.seeded_plan``), and its draws are keyed by (seed, position), so its text
+    and its K per cycle are the same on every run. Three runs with the unseeded kind's
+    calibration skewed between them (as a slow spell of the machine would), each with a fresh
+    auto K that reads the plan back from the cache."""
+    from engine.scheduling.autok import SeededPlan
+    from engine.scheduling.costs import seeded_plan_path
+
     engine = load_engine("dense-untied-sharded")
     prompt = engine.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(temperature=8.0, top_k=40, presence_penalty=0.5, seed=11)
     request = GenerationRequest(prompt, params, 48, draft_tokens=None, ignore_eos=True)
     runs = []
     for calibration in ([1.0, 1.0], [0.3, 3.0], [3.0, 0.3]):  # as measured, plain, drafting
-        engine.autok = None  # a fresh auto K each run: only the cache carries the decision
+        engine.autok = None  # a fresh auto K each run: only the cache carries the plan
         engine.policy(None, SamplingParams(temperature=1.0))  # the sampled kind's costs exist
         engine.autok.kinds["sampled"].calibration = calibration
         tokens, event = run(engine, request)
         runs.append((tokens, event.stats.k_histogram))
     assert runs[0] == runs[1] == runs[2] and len(runs[0][0]) == 48
-    seeded_k = engine.autok.seeded_k(params)
-    histogram = runs[0][1]
-    # every cycle drafts seeded_k, but those that max_tokens cuts short (at most seeded_k)
-    assert sum(histogram[seeded_k + 1 :]) == 0 and sum(histogram[:seeded_k]) <= seeded_k
-    fixed, _ = run(engine, replace(request, draft_tokens=seeded_k))
-    assert fixed == runs[0][0]
+    record = json.loads(seeded_plan_path(engine).read_text())
+    assert engine.autok.seeded_plan(params) == SeededPlan(**record)
 
 
-def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
-    load_engine, monkeypatch, tmp_path
-) -> None:
-    """The seeded K comes from the model's own acceptance on a fixed text, not from the prior:
-    the probe counts a_i (draft i accepted given 1..i-1 were) as the request's stats do,
-    repeats itself exactly (keyed draws), and the decision follows it: drafts always accepted
-    favour the longest K, drafts never accepted K=0."""
+def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tmp_path) -> None:
+    """The seeded plan comes from the model's own acceptance on fixed texts, not from the prior:
+    the probe counts a_i (draft i accepted given 1..i-1 were) as the request's stats do and
+    repeats itself exactly (keyed draws). Its cycles are timed through the decode loop, and
+    the K a seeded request starts at is the one those times and that acceptance favour, not
+    the cost table's: drafts always accepted favour the longest K, drafts never accepted K=0,
+    whatever the table says."""
     from engine.scheduling import autok
     from engine.scheduling.costs import MAX_AUTO_K, CostTable
 
     engine = load_engine("dense-untied-sharded")
     params = SamplingParams(temperature=1.0, top_k=20, seed=0)
     cycles = 6
-    probed = autok.probe_acceptance(engine, params, cycles)
+    timings: list[tuple[int, int, float]] = []
+    probed = autok.probe_acceptance(engine, params, cycles, timings=timings)
     assert autok.probe_acceptance(engine, params, cycles) == probed
+    texts = len(autok.ACCEPTANCE_PROBE_TEXTS)
+    assert len(timings) == texts * (cycles - autok.PROBE_WARM_CYCLES)
+    assert all(k == MAX_AUTO_K and 1 <= n <= MAX_AUTO_K + 1 and t > 0 for k, n, t in timings)
+    plain: list[tuple[int, int, float]] = []
+    autok.time_probe_cycles(engine, params, 0, plain, cycles)
+    assert len(plain) == texts * (cycles - autok.PROBE_WARM_CYCLES)
+    assert all(k == 0 and n == 1 and t > 0 for k, n, t in plain)
 
     counts = autok.AcceptanceCounts()
     for text in autok.ACCEPTANCE_PROBE_TEXTS:  # each text's stats after `cycles` cycles
@@ -337,39 +344,50 @@ def test_seeded_k_is_decided_at_the_acceptance_the_model_shows(
             counts.trials[i] += revealed[i]
     assert probed == pytest.approx(counts.estimates())
 
+    def probe(*_, acceptance, timings, **__) -> list[float]:
+        timings.append((MAX_AUTO_K, 1, 1.4))
+        return acceptance
+
+    def time_cycles(_engine, _params, k, timings, *_, **__) -> None:
+        timings.append((k, 1, 1.0 + 0.1 * k))
+
+    monkeypatch.setattr(autok, "time_probe_cycles", time_cycles)
     engine.autok = None
     engine.policy(None, SamplingParams(temperature=1.0))
-    # A table where drafting is cheap (a tiny model's timed forwards, on a busy machine, can
-    # price any K above plain): the decision must then follow the acceptance alone.
+    # A table that prices drafting far above plain decoding (start-up's few timed forwards
+    # can be that wrong): the plan follows the probe's own cycle times instead.
     engine.autok.kinds["sampled"].costs = CostTable(
-        cycle=[1.0, 1.1, 1.2, 1.3, 1.4], trunk=[1.0] * 5, head_step=0.01, absorb=[0.01] * 5
+        cycle=[1.0, 9.0, 9.0, 9.0, 9.0], trunk=[1.0] * 5, head_step=1.0, absorb=[1.0] * 5
     )
     for acceptance, want in (([1.0] * MAX_AUTO_K, MAX_AUTO_K), ([0.0] * MAX_AUTO_K, 0)):
-        monkeypatch.setattr(autok, "probe_acceptance", lambda *_, a=acceptance: a)
-        monkeypatch.setattr(autok, "seeded_k_path", lambda _, a=acceptance: tmp_path / f"{a}")
+        monkeypatch.setattr(autok, "probe_acceptance", partial(probe, acceptance=acceptance))
+        monkeypatch.setattr(autok, "seeded_plan_path", lambda _, a=acceptance: tmp_path / f"{a}")
         engine.autok.seeded = None
-        assert engine.autok.seeded_k(params) == want
+        plan = engine.autok.seeded_plan(params)
+        assert plan.k == want
+        assert plan.cycle_seconds == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
 
 
-def test_the_seeded_k_is_decided_when_the_engine_loads(
+def test_the_seeded_plan_is_measured_when_the_engine_loads(
     make_checkpoint, monkeypatch, tmp_path
 ) -> None:
-    """A checkpoint that samples by default gets its seeded K (the acceptance probe) at load, so
-    the first seeded request waits no longer than the second; an empty cost cache makes the
+    """A checkpoint that samples by default gets its seeded plan (the acceptance probe) at load,
+    so the first seeded request waits no longer than the second; an empty cost cache makes the
     probe run."""
     from engine.scheduling import autok, costs
 
     monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
     probes: list[object] = []
     probe = autok.probe_acceptance
-    monkeypatch.setattr(autok, "probe_acceptance", lambda *a: probes.append(a) or probe(*a))
+    monkeypatch.setattr(
+        autok, "probe_acceptance", lambda *a, **k: probes.append(a) or probe(*a, **k)
+    )
     engine = Engine.load(str(make_checkpoint(VARIANTS["dense-tied"])))
     assert len(probes) == 1 and engine.autok.seeded is not None
     prompt = engine.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(temperature=1.0, seed=5)
     tokens, event = run(engine, GenerationRequest(prompt, params, 12, ignore_eos=True))
     assert len(probes) == 1 and len(tokens) == 12
-    assert sum(event.stats.k_histogram[engine.autok.seeded + 1 :]) == 0
 
 
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:

@@ -320,9 +320,9 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
     monkeypatch.setattr(autok, "estimate_costs", counted)
     model = str(make_checkpoint(VARIANTS["dense-tied"]))
     engine = Engine.load(model)
-    # the seeded K, decided at load (the checkpoint samples), started the sampled kind's table
-    # from the greedy one: still one estimate
-    assert estimates == [1] and set(engine.autok.kinds) == {"greedy", "sampled"}
+    # the seeded plan, measured at load (the checkpoint samples), times its own cycles: one
+    # estimate, the greedy kind's
+    assert estimates == [1] and set(engine.autok.kinds) == {"greedy"}
     assert engine.autok.seeded is not None
     sampled = SamplingParams(temperature=1.0, top_k=20)
     for _ in range(2):
@@ -354,3 +354,50 @@ def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch)
     assert costs.trunk == [costs.cycle[0]] * (MAX_AUTO_K + 1)
     assert costs.head_step == pytest.approx(costs.cycle[0] * ratio)
     assert costs.cycle[2] == pytest.approx(costs.cycle[0] * (1 + 2 * ratio))
+
+
+def test_a_seeded_chooser_follows_its_plan_and_its_own_draws_only() -> None:
+    """A seeded request's K per cycle is a function of its plan and of its own outcomes: it
+    starts at the plan's K, moves to drafting when its drafts land and back to plain when they
+    do not, and cycle timings (a slow spell, a fast one) change nothing, so two choosers that
+    see the same drafts choose the same K every cycle."""
+    from engine.scheduling.autok import SeededPlan
+
+    plan = SeededPlan(0, [0.4] * MAX_AUTO_K, [1.0, 1.5, 1.9, 2.3, 2.7])
+    assert plan.chooser().choose(None) == 0  # at the probe's acceptance plain decoding wins
+
+    def follow(hit: bool, plain_timing: float) -> list[int]:
+        """300 cycles whose drafts all land (or none), plain cycles timed at ``plain_timing``
+        times the plan's."""
+        chooser = plan.chooser()
+        choices = []
+        for _ in range(300):
+            choices.append(k := chooser.choose(None))
+            chooser.observe(k, k if hit else 0)
+            slow = plain_timing if k == 0 else 1.0
+            chooser.observe_seconds(k, 1 + (k if hit else 0), plan.cycle_seconds[k] * slow)
+        return choices
+
+    landing = follow(True, 1.0)
+    assert follow(True, 0.5) == follow(True, 1.9) == landing  # timings never enter
+    assert min(landing[-PROBE_EVERY:]) >= 1  # its drafts land: it drafts
+    missing = follow(False, 1.0)
+    assert missing.count(0) > 0.9 * len(missing)  # its drafts miss: it stays plain
+    assert plan.chooser().shared is not plan.chooser().shared  # no state shared across requests
+
+
+def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> None:
+    """Plain cycles keep their median; drafting cycles take the least-squares line through each
+    K's median, so one K's stray median (here K=2 timed above K=3) moves the plan by a quarter
+    of its error, not all of it; within a K a preempted cycle does not count (the median)."""
+    from engine.scheduling.autok import probe_cycle_seconds
+
+    timings = [(0, 1, 1.0), (0, 1, 1.1), (0, 1, 9.0)]  # one plain cycle preempted
+    for k, seconds in ((1, 1.9), (2, 2.9), (3, 2.8), (4, 3.2)):
+        timings += [(k, 2, seconds), (k, 3, seconds), (k, 1, 50.0 if k == 3 else seconds)]
+    plan = probe_cycle_seconds(timings)
+    assert plan[0] == pytest.approx(1.1)
+    steps = [b - a for a, b in zip(plan[1:], plan[2:], strict=False)]
+    assert steps == pytest.approx([steps[0]] * 3) and steps[0] > 0  # one line, rising
+    assert 2.4 < plan[2] < 2.6  # K=2's stray 2.9: near the line of its neighbours
+    assert probe_cycle_seconds([(0, 1, 1.0), (4, 1, 2.0)])[1:] == [float("inf")] * 3 + [2.0]
