@@ -351,7 +351,13 @@ class EngineAutoK:
         sampler = representative_sampler(self.engine, params)
         timings: list[tuple[int, int, float]] = []
         sequences = probe_sequences(self.engine, sampler)  # each text prefilled once
-        acceptance = probe_acceptance(self.engine, sampler, timings=timings, sequences=sequences)
+        counts, started = AcceptanceCounts(), time.perf_counter()
+        for _ in range(ACCEPTANCE_PROBE_ROUNDS):
+            acceptance = probe_acceptance(
+                self.engine, sampler, timings=timings, sequences=sequences, counts=counts
+            )
+            if time.perf_counter() - started >= ACCEPTANCE_PROBE_SECONDS:
+                break
         for k in range(MAX_AUTO_K):
             time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
         seconds = probe_cycle_seconds(timings)
@@ -382,14 +388,20 @@ class EngineAutoK:
             self.saved_at[kind] = auto.timed_cycles
 
 
-#: drafting cycles ``probe_acceptance`` runs on each of its texts, once per build and machine
-#: (~0.5 s on the demo model). The probe's draws are keyed, so its sampling error is the same
-#: on every build: with 12 a text, the demo model's first position read 0.716 (seed 0; 0.61
-#: and 0.82 with seeds 1 and 2) where 48 read 0.79 (0.74, 0.79), as its bench prompts accept,
-#: and the plan's K went from a tie with plain decoding to K=2-3
-ACCEPTANCE_PROBE_CYCLES = 48
+#: drafting cycles ``probe_acceptance`` runs on each of its texts, a round
+ACCEPTANCE_PROBE_CYCLES = 12
+#: ``seeded_plan`` probes up to this many rounds, until ``ACCEPTANCE_PROBE_SECONDS`` have
+#: passed. The probe's draws are keyed, so its sampling error is the same on every build: with
+#: one round the demo model's first position read 0.716 (seed 0; 0.61 and 0.82 with seeds 1
+#: and 2) where four read 0.79 (0.74, 0.79), as its bench prompts accept, and the plan's K went
+#: from a tie with plain decoding to K=2-3. A round takes ~0.15 s there and ~8 s at the
+#: 0.8B shape, where one round is all start-up waits for: there a head step is 6-7% of a plain
+#: step's time (the demo's ~20%), so drafting pays at a lower acceptance and the same error
+#: in it moves the decision less
+ACCEPTANCE_PROBE_ROUNDS = 4
+ACCEPTANCE_PROBE_SECONDS = 2.0
 #: cycles of each K below ``MAX_AUTO_K`` that ``seeded_plan`` times on each probe text
-TIMED_PROBE_CYCLES = 6
+TIMED_PROBE_CYCLES = 5
 #: each probe text's first cycles, not timed
 PROBE_WARM_CYCLES = 2
 #: the texts ``probe_acceptance`` continues: code, prose and a question. On one text alone the
@@ -409,14 +421,16 @@ def probe_acceptance(
     cycles: int = ACCEPTANCE_PROBE_CYCLES,
     timings: list[tuple[int, int, float]] | None = None,
     sequences: list[Any] | None = None,
+    counts: AcceptanceCounts | None = None,
 ) -> list[float]:
     """Per-position acceptance estimates (a_i given 1..i-1 accepted, as ``AcceptanceCounts``)
     from ``cycles`` cycles drafting ``MAX_AUTO_K`` under ``params`` on each of
     ``ACCEPTANCE_PROBE_TEXTS``, their counts pooled. The draws are keyed by ``params``' seed,
     so on one build and machine the probe, and what is decided from it, comes out the same
     every time. ``timings`` collects the cycles as ``time_probe_cycles`` does; ``sequences``
-    (``probe_sequences``) are continued instead of fresh ones."""
-    counts = AcceptanceCounts()
+    (``probe_sequences``) are continued instead of fresh ones, and ``counts`` (an earlier
+    round's) added to instead of fresh ones."""
+    counts = AcceptanceCounts() if counts is None else counts
     for seq in sequences or probe_sequences(engine, params):
         request = GenerationRequest(
             seq.tokens, params, cycles * (MAX_AUTO_K + 1), draft_tokens=MAX_AUTO_K, ignore_eos=True
@@ -436,7 +450,7 @@ def probe_acceptance(
                 break
         events.close()
     estimates = counts.estimates()
-    log.info(
+    log.debug(
         "auto K: %d drafting cycles on %d fixed texts accept %s per position",
         cycles * len(ACCEPTANCE_PROBE_TEXTS),
         len(ACCEPTANCE_PROBE_TEXTS),

@@ -383,11 +383,12 @@ def test_the_seeded_plan_is_measured_when_the_engine_loads(
         autok, "probe_acceptance", lambda *a, **k: probes.append(a) or probe(*a, **k)
     )
     engine = Engine.load(str(make_checkpoint(VARIANTS["dense-tied"])))
-    assert len(probes) == 1 and engine.autok.seeded is not None
+    rounds = len(probes)  # a round a call, as many as fit its time
+    assert 1 <= rounds <= autok.ACCEPTANCE_PROBE_ROUNDS and engine.autok.seeded is not None
     prompt = engine.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(temperature=1.0, seed=5)
     tokens, event = run(engine, GenerationRequest(prompt, params, 12, ignore_eos=True))
-    assert len(probes) == 1 and len(tokens) == 12
+    assert len(probes) == rounds and len(tokens) == 12
 
 
 def test_drafting_after_a_plain_stretch_catches_up_on_the_latest_positions(load_engine) -> None:
