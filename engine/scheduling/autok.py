@@ -670,7 +670,7 @@ class RequestAutoK:
 #: the plan's probe (``SeededPlan.chooser``). That long run is the request's own, so it must be
 #: steadier than a kind's pooled one: simulated on the demo model's plan and costs, 256-token
 #: requests at a steady acceptance of 0.6-0.85 came to 0.95-0.99x of the best fixed K with 8
-#: (a few misses in a row sent a request plain: 1,278 of 3,030 cycles at 0.8), 0.97-0.995x
+#: (a few misses in a row sent a request plain: 1,278 of 3,030 cycles at 0.8), 0.966-0.995x
 #: with 32, and 128 held them at K=2 where K=4 was best (0.952x at 0.85)
 SEEDED_PRIOR_TRIALS = 32.0
 
