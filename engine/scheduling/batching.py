@@ -197,8 +197,9 @@ class RowEngine(Protocol):
 class CycleNeed:
     """A batch row asking for its next cycle: the K its own policy chooses (``own_k``, asked
     only when the batch does not choose for it), the most it may draft (``max_k``: never past
-    max_tokens) and, for automatic K, its chooser (the batch decides K for its automatic rows
-    together from their estimates: ``BatchK``)."""
+    max_tokens), for automatic K its chooser, and ``auto``: whether the batch decides its K
+    together with its other automatic rows' from their estimates (``BatchK``) — never for a
+    seeded row, whose chooser decides alone (``DraftPolicy.batched``)."""
 
     seq: Sequence
     own_k: Callable[..., int]
