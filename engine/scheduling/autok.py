@@ -22,7 +22,10 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
+from itertools import islice
 from typing import Any
 
 from engine.api import GenerationRequest
@@ -341,7 +344,6 @@ class EngineAutoK:
         try:
             record = json.loads(path.read_text())
             self.seeded = SeededPlan(
-                int(record["k"]),
                 [float(a) for a in record["acceptance"]],
                 [float(c) for c in record["cycle_seconds"]],
             )
@@ -361,7 +363,7 @@ class EngineAutoK:
         for k in range(MAX_AUTO_K):
             time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
         seconds = probe_cycle_seconds(timings)
-        self.seeded = SeededPlan(measured_best_k(seconds, acceptance), acceptance, seconds)
+        self.seeded = SeededPlan(acceptance, seconds)
         log.info(
             "auto K: seeded sampled requests start at K=%d (acceptance %s, cycles timed on the "
             "probe texts %s ms)",
@@ -432,23 +434,18 @@ def probe_acceptance(
     round's) added to instead of fresh ones."""
     counts = AcceptanceCounts() if counts is None else counts
     for seq in sequences or probe_sequences(engine, params):
-        request = GenerationRequest(
-            seq.tokens, params, cycles * (MAX_AUTO_K + 1), draft_tokens=MAX_AUTO_K, ignore_eos=True
-        )
-        events = engine.decode(seq, request)
-        clock = _CycleClock(timings)
-        seen = 0
-        for event in events:
-            clock.tick(event)
-            k = event.cycle_draft_tokens
-            if k:
-                accepted = sum(event.drafted or [])
-                for position in range(min(accepted + 1, k)):
-                    counts.observe(position, position < accepted)
-                seen += 1
-            if seen == cycles:
-                break
-        events.close()
+        budget = cycles * (MAX_AUTO_K + 1)
+        with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, budget, timings)) as events:
+            seen = 0
+            for event in events:
+                k = event.cycle_draft_tokens
+                if k:
+                    accepted = sum(event.drafted or [])
+                    for position in range(min(accepted + 1, k)):
+                        counts.observe(position, position < accepted)
+                    seen += 1
+                if seen == cycles:
+                    break
     estimates = counts.estimates()
     log.debug(
         "auto K: %d drafting cycles on %d fixed texts accept %s per position",
@@ -467,22 +464,30 @@ def probe_sequences(engine: CostProbe, params: Any) -> list[Any]:
     ]
 
 
-@dataclass
-class _CycleClock:
-    """Times a decode loop's cycles from its events into ``timings`` (when not None), each text's
-    first ``PROBE_WARM_CYCLES`` left out (compilation, the prompt's catch-up, a pipeline not
-    yet filled): ``(K, tokens the cycle before committed, seconds since that cycle's event)``."""
-
-    timings: list[tuple[int, int, float]] | None
-    seen: int = 0
+def _timed_cycles(
+    engine: CostProbe,
+    seq: Any,
+    params: Any,
+    k: int,
+    max_tokens: int,
+    timings: list[tuple[int, int, float]] | None,
+) -> Iterator[Any]:
+    """The decode loop's events continuing ``seq`` at ``k`` (close it to stop), each cycle after
+    the first ``PROBE_WARM_CYCLES`` (compilation, the prompt's catch-up, a pipeline not yet
+    filled) timed into ``timings`` when given: ``(K, tokens the cycle before committed, seconds
+    since that cycle's event)``."""
+    request = GenerationRequest(seq.tokens, params, max_tokens, draft_tokens=k, ignore_eos=True)
+    events = engine.decode(seq, request)
     last: tuple[float, int] | None = None
-
-    def tick(self, event: Any) -> None:
-        now = time.perf_counter()
-        self.seen += 1
-        if self.timings is not None and self.last is not None and self.seen > PROBE_WARM_CYCLES:
-            self.timings.append((event.cycle_draft_tokens, self.last[1], now - self.last[0]))
-        self.last = (now, len(event.token_ids))
+    try:
+        for seen, event in enumerate(events, 1):
+            now = time.perf_counter()
+            if timings is not None and last is not None and seen > PROBE_WARM_CYCLES:
+                timings.append((event.cycle_draft_tokens, last[1], now - last[0]))
+            last = (now, len(event.token_ids))
+            yield event
+    finally:
+        events.close()
 
 
 def time_probe_cycles(
@@ -498,16 +503,9 @@ def time_probe_cycles(
     them), as ``(K, tokens the cycle before committed, seconds since that cycle's event)``;
     ``sequences`` (``probe_sequences``) are continued instead of fresh ones (no prefill)."""
     for seq in sequences or probe_sequences(engine, params):
-        request = GenerationRequest(
-            seq.tokens, params, cycles * (k + 1), draft_tokens=k, ignore_eos=True
-        )
-        events = engine.decode(seq, request)
-        clock = _CycleClock(timings)
-        for event in events:
-            clock.tick(event)
-            if clock.seen == cycles:
-                break
-        events.close()
+        with closing(_timed_cycles(engine, seq, params, k, cycles * (k + 1), timings)) as events:
+            for _ in islice(events, cycles):
+                pass
 
 
 def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
@@ -522,7 +520,7 @@ def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
     timings gets infinity, never the choice."""
     by_k: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
     for k, _, seconds in timings:
-        by_k[min(k, MAX_AUTO_K)].append(seconds)
+        by_k[k].append(seconds)
     medians = [statistics.median(xs) if xs else math.inf for xs in by_k]
     drafting = [(k, m) for k, m in enumerate(medians) if k > 0 and m < math.inf]
     if len(drafting) < 2:
@@ -678,14 +676,17 @@ SEEDED_PRIOR_TRIALS = 32.0
 @dataclass(frozen=True)
 class SeededPlan:
     """The costs and prior a seeded sampled request under automatic K chooses with, measured
-    once per build and machine (``EngineAutoK.seeded_plan``): ``k`` the K of the most tokens a
-    second at the probe's acceptance, where a request starts; ``acceptance`` the probe's
+    once per build and machine (``EngineAutoK.seeded_plan``): ``acceptance`` the probe's
     per-position estimates; ``cycle_seconds[K]`` a K-cycle as the decode loop ran it on the
     probe texts (the catch-up included)."""
 
-    k: int
     acceptance: list[float]
     cycle_seconds: list[float]
+
+    @property
+    def k(self) -> int:
+        """Where a request starts: the K of the most tokens a second at the probe's acceptance."""
+        return measured_best_k(self.cycle_seconds, self.acceptance)
 
     def chooser(self) -> SeededAutoK:
         """A fresh chooser: auto K's rules (``RequestAutoK``) over a kind of its own — this

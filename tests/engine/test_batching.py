@@ -160,9 +160,9 @@ def test_seeded_sampled_rows_equal_each_request_alone(
 #: seeded plans that start plain, at K=1 and at K=3, with cycle costs that make drafting pay
 #: only at good acceptance, so that rows move between K as their own drafts fare
 SEEDED_PLANS = {
-    "plain-first": ([0.3, 0.3, 0.3, 0.3], [1.0, 1.4, 1.7, 2.0, 2.3], 0),
-    "k1": ([0.6, 0.6, 0.6, 0.6], [1.0, 1.3, 1.7, 2.1, 2.5], 1),
-    "k3": ([0.9, 0.9, 0.9, 0.9], [1.0, 1.2, 1.4, 1.6, 2.4], 3),
+    "plain-first": ([0.3, 0.3, 0.3, 0.3], [1.0, 1.4, 1.7, 2.0, 2.3]),
+    "k1": ([0.6, 0.6, 0.6, 0.6], [1.0, 1.3, 1.7, 2.1, 2.5]),
+    "k3": ([0.9, 0.9, 0.9, 0.9], [1.0, 1.2, 1.4, 1.6, 2.4]),
 }
 
 
@@ -178,8 +178,7 @@ def test_seeded_auto_rows_equal_each_request_alone_under_any_seeded_plan(
 
     engine = load_engine("dense-tied")
     engine.policy(None, sampled(0))
-    acceptance, seconds, k = SEEDED_PLANS[plan]
-    engine.autok.seeded = SeededPlan(k, acceptance, seconds)
+    engine.autok.seeded = SeededPlan(*SEEDED_PLANS[plan])
     reqs = requests(engine, [sampled(100 + i) for i in range(len(ROWS))])
     reqs[2] = requests(engine, [GREEDY] * len(ROWS))[2]
     expected = [alone(engine, r) for r in reqs]
@@ -650,8 +649,7 @@ def test_a_seeded_rows_chooser_sees_every_cycle_plain_look_aheads_too(
 
     engine = load_engine("dense-tied")
     engine.policy(None, sampled(0))
-    acceptance, seconds, _ = SEEDED_PLANS["plain-first"]
-    engine.autok.seeded = SeededPlan(0, acceptance, seconds)
+    engine.autok.seeded = SeededPlan(*SEEDED_PLANS["plain-first"])
     observed: list[int] = []
     observe = SeededAutoK.observe
     monkeypatch.setattr(

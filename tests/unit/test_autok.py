@@ -363,7 +363,7 @@ def test_a_seeded_chooser_follows_its_plan_and_its_own_draws_only() -> None:
     see the same drafts choose the same K every cycle."""
     from engine.scheduling.autok import SeededPlan
 
-    plan = SeededPlan(0, [0.4] * MAX_AUTO_K, [1.0, 1.5, 1.9, 2.3, 2.7])
+    plan = SeededPlan([0.4] * MAX_AUTO_K, [1.0, 1.5, 1.9, 2.3, 2.7])
     assert plan.chooser().choose(None) == 0  # at the probe's acceptance plain decoding wins
 
     def follow(hit: bool, plain_timing: float) -> list[int]:
