@@ -33,10 +33,10 @@ from engine.scheduling.costs import (
     MAX_AUTO_K,
     CostProbe,
     CostTable,
+    best_k,
     cached_costs,
     decoding_kind,
     estimate_costs,
-    expected_tokens,
     load_or_measure,
     save_costs,
     seeded_plan_path,
@@ -530,13 +530,6 @@ def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
     return [medians[0], *line]
 
 
-def measured_best_k(cycle_seconds: list[float], acceptance: list[float]) -> int:
-    """The K of the most expected tokens a second: ``expected_tokens(acceptance, K)`` over
-    ``cycle_seconds[K]``."""
-    rates = [expected_tokens(acceptance, k) / c for k, c in enumerate(cycle_seconds)]
-    return max(range(len(rates)), key=rates.__getitem__)
-
-
 def representative_sampler(engine: CostProbe, params: Any) -> Any:
     """The sampler ``params``' kind of decoding is timed with (``measure_costs``): None for
     greedy decoding. Sampled cycles cost about the same whatever the exact settings; measure
@@ -686,20 +679,25 @@ class SeededPlan:
     @property
     def k(self) -> int:
         """Where a request starts: the K of the most tokens a second at the probe's acceptance."""
-        return measured_best_k(self.cycle_seconds, self.acceptance)
+        return best_k(self.costs(), self.acceptance)
+
+    def costs(self) -> CostTable:
+        """The cycle times as a cost table; their catch-up is in them, so none is added."""
+        zeros = [0.0] * len(self.cycle_seconds)
+        return CostTable(cycle=list(self.cycle_seconds), trunk=zeros, head_step=0.0, absorb=zeros)
 
     def chooser(self) -> SeededAutoK:
         """A fresh chooser: auto K's rules (``RequestAutoK``) over a kind of its own — this
         plan's costs, never calibrated, and a long-run acceptance that starts from the probe's
         and learns from this request alone — so that its K per cycle is a function of the plan
         and of the request's own draws, which its seed fixes."""
-        zeros = [0.0] * len(self.cycle_seconds)
-        costs = CostTable(cycle=list(self.cycle_seconds), trunk=zeros, head_step=0.0, absorb=zeros)
         prior = AcceptanceCounts(
             hits=[a * SEEDED_PRIOR_TRIALS for a in self.acceptance],
             trials=[SEEDED_PRIOR_TRIALS] * len(self.acceptance),
         )
-        own = AutoK(costs, prior, drafting_cycles_seen=EXPLORE_CYCLES, policy=POLICIES["sampled"])
+        own = AutoK(
+            self.costs(), prior, drafting_cycles_seen=EXPLORE_CYCLES, policy=POLICIES["sampled"]
+        )
         return SeededAutoK(own, AcceptanceCounts(), current=self.k)
 
 
