@@ -360,7 +360,7 @@ class EngineAutoK:
             )
             if time.perf_counter() - started >= ACCEPTANCE_PROBE_SECONDS:
                 break
-        for k in range(MAX_AUTO_K):
+        for k in TIMED_PROBE_ORDER:
             time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
         seconds = probe_cycle_seconds(timings)
         self.seeded = SeededPlan(acceptance, seconds)
@@ -402,8 +402,12 @@ ACCEPTANCE_PROBE_CYCLES = 12
 #: in it moves the decision less
 ACCEPTANCE_PROBE_ROUNDS = 4
 ACCEPTANCE_PROBE_SECONDS = 2.0
-#: cycles of each K below ``MAX_AUTO_K`` that ``seeded_plan`` times on each probe text
+#: cycles that ``seeded_plan`` times on each probe text at each turn of ``TIMED_PROBE_ORDER``
 TIMED_PROBE_CYCLES = 5
+#: the K that ``seeded_plan`` times, in this order (``MAX_AUTO_K``'s cycles come from the
+#: acceptance probe). Plain cycles both first and last: the plan decides by the ratio of
+#: drafting to plain cycles, and a busy machine's speed drifts within the measurement
+TIMED_PROBE_ORDER = (0, *range(1, MAX_AUTO_K), 0)
 #: each probe text's first cycles, not timed
 PROBE_WARM_CYCLES = 2
 #: the texts ``probe_acceptance`` continues: code, prose and a question. On one text alone the
@@ -434,7 +438,7 @@ def probe_acceptance(
     round's) added to instead of fresh ones."""
     counts = AcceptanceCounts() if counts is None else counts
     for seq in sequences or probe_sequences(engine, params):
-        budget = cycles * (MAX_AUTO_K + 1)
+        budget = (cycles + 1) * (MAX_AUTO_K + 1)  # a cycle to spare (``time_probe_cycles``)
         with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, budget, timings)) as events:
             seen = 0
             for event in events:
@@ -502,8 +506,11 @@ def time_probe_cycles(
     ``ACCEPTANCE_PROBE_TEXTS`` (plain ones launched one ahead of the other, as requests run
     them), as ``(K, tokens the cycle before committed, seconds since that cycle's event)``;
     ``sequences`` (``probe_sequences``) are continued instead of fresh ones (no prefill)."""
+    # One cycle's tokens to spare: a request's last cycle has no cycle launched behind it and
+    # reads back early (a plain probe's last one timed 0.8 ms where its others took 1.1)
+    budget = (cycles + 1) * (k + 1)
     for seq in sequences or probe_sequences(engine, params):
-        with closing(_timed_cycles(engine, seq, params, k, cycles * (k + 1), timings)) as events:
+        with closing(_timed_cycles(engine, seq, params, k, budget, timings)) as events:
             for _ in islice(events, cycles):
                 pass
 

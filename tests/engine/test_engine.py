@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -321,10 +323,25 @@ def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tm
     texts = len(autok.ACCEPTANCE_PROBE_TEXTS)
     assert len(timings) == texts * (cycles - autok.PROBE_WARM_CYCLES)
     assert all(k == MAX_AUTO_K and 1 <= n <= MAX_AUTO_K + 1 and t > 0 for k, n, t in timings)
-    plain: list[tuple[int, int, float]] = []
-    autok.time_probe_cycles(engine, params, 0, plain, cycles)
-    assert len(plain) == texts * (cycles - autok.PROBE_WARM_CYCLES)
-    assert all(k == 0 and n == 1 and t > 0 for k, n, t in plain)
+    # No timed cycle is its request's last: that one has no cycle launched behind it and
+    # reads back early (its time would pull a plain median down).
+    finished: list[bool] = []
+    decode = engine.decode
+
+    def watched(*args: Any) -> Iterator[Any]:
+        for event in decode(*args):
+            finished.append(event.finish_reason is not None)
+            yield event
+
+    monkeypatch.setattr(engine, "decode", watched)
+    for k in (0, 2):
+        timed: list[tuple[int, int, float]] = []
+        autok.time_probe_cycles(engine, params, k, timed, cycles)
+        assert len(timed) == texts * (cycles - autok.PROBE_WARM_CYCLES)
+        assert all(j == k and t > 0 for j, _, t in timed)
+        assert all(n == 1 for _, n, _ in timed) or k > 0
+    assert len(finished) == 2 * texts * cycles and not any(finished)
+    monkeypatch.undo()
 
     counts = autok.AcceptanceCounts()
     for text in autok.ACCEPTANCE_PROBE_TEXTS:  # each text's stats after `cycles` cycles
