@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +65,9 @@ class Row:
     bytes_bound: float | None = None
     bandwidth_gbps: float = 0.0
     gap_note: str = ""
+    #: each timed generation's seconds, in run order (every configuration of a sampler runs
+    #: the same prompts in the same order, so rows pair up prompt by prompt)
+    seconds: list[float] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """Flat: the statistics' fields next to the derived figures (results.json's rows)."""
@@ -151,14 +155,14 @@ def run_mlx_lm(engine: Any, prompt_ids: list[int], params: Any, max_tokens: int,
     ):
         pass
     assert last is not None
-    row.totals.add(
-        GenerationStats(
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.generation_tokens,
-            prompt_seconds=last.prompt_tokens / max(last.prompt_tps, 1e-9),
-            generation_seconds=last.generation_tokens / max(last.generation_tps, 1e-9),
-        )
+    stats = GenerationStats(
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.generation_tokens,
+        prompt_seconds=last.prompt_tokens / max(last.prompt_tps, 1e-9),
+        generation_seconds=last.generation_tokens / max(last.generation_tps, 1e-9),
     )
+    row.totals.add(stats)
+    row.seconds.append(stats.generation_seconds)
 
 
 def run_ours(
@@ -171,6 +175,7 @@ def run_ours(
     for event in engine.generate(request):
         pass
     row.totals.add(event.stats)
+    row.seconds.append(event.stats.generation_seconds)
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -396,7 +401,29 @@ def price_auto_choices(rows: dict[tuple[str, str], Row], sampler: str) -> dict[s
         "best_fixed": best.config,
         "of_best_fixed": tokens / seconds / best.totals.generation_tps,
         "measured_of_best_fixed": auto.totals.generation_tps / best.totals.generation_tps,
+        "measured_interval": paired_interval(best.seconds, auto.seconds),
     }
+
+
+def paired_interval(
+    baseline: list[float], other: list[float], draws: int = 2000, level: float = 0.9
+) -> list[float] | None:
+    """How precisely one run measures ``other``'s speed over ``baseline``'s (the same prompts,
+    one generation each, the same tokens): the ``level`` interval of sum(baseline) / sum(other)
+    over the prompts resampled with replacement. It holds the spread of prompts and of the
+    machine's noise; not that ``baseline`` was picked as the largest of several noisy rows,
+    which favours it further. None without pairs."""
+    if len(baseline) != len(other) or len(baseline) < 2:
+        return None
+    rng = random.Random(0)
+    n = len(baseline)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(baseline[i] for i in picks) / sum(other[i] for i in picks))
+    ratios.sort()
+    tail = (1 - level) / 2
+    return [ratios[int(tail * draws)], ratios[int((1 - tail) * draws) - 1]]
 
 
 def conditional_acceptance(stats: GenerationStats) -> list[float]:
@@ -499,7 +526,13 @@ def register(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="passes over the prompts, each seeded anew (two: on a 2-core machine one pass "
+        "moves a row by ~2%%, the size of the gaps auto K is judged by)",
+    )
     p.add_argument("--profile-prompts", type=int, default=2)
     p.add_argument(
         "--confidence",

@@ -73,6 +73,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"auto K ({name}): its choices priced at the fixed-K rows' cycles "
             f"{priced['tps']:.1f} tok/s = {priced['of_best_fixed']:.3f}x the best fixed K "
             f"({priced['best_fixed']}); measured {priced['measured_of_best_fixed']:.3f}x"
+            + (
+                f" (90% interval over the prompts {interval[0]:.3f}-{interval[1]:.3f}x)"
+                if (interval := priced.get("measured_interval"))
+                else ""
+            )
         )
     return "\n".join(lines)
 

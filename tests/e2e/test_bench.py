@@ -18,7 +18,7 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
     run_cli(
         tmp_path,
         ["bench", "--model", str(tiny_checkpoint), "--draft-tokens", "0,2,auto"],
-        ["--max-tokens", "12", "--limit", "2"],
+        ["--max-tokens", "12", "--limit", "2", "--repeats", "1"],
         ["--profile-prompts", "1", "--out", str(out_dir)],
     )
     result = json.loads((out_dir / "results.json").read_text())
@@ -181,6 +181,24 @@ def test_auto_choices_are_priced_at_the_fixed_rows_cycles() -> None:
     assert priced["measured_of_best_fixed"] == pytest.approx(200 / 300)
     rows[("s", "auto")] = row("auto", 12, 0.2, 40, {2: 1, 3: 9, 4: 2})
     assert price_auto_choices(rows, "s") is None
+
+
+@pytest.mark.fast
+def test_the_ratio_to_the_best_fixed_k_comes_with_its_spread_over_the_prompts() -> None:
+    """The interval pairs the rows prompt by prompt: a constant ratio has no spread, a ratio
+    that varies between prompts brackets the run's ratio, and wider spreads give wider
+    intervals; unpaired rows give none."""
+    from engine.bench.speed import paired_interval
+
+    assert paired_interval([1.0] * 8, [2.0] * 8) == pytest.approx([0.5, 0.5])
+    steady = [1.0, 2.0, 1.5, 1.2, 0.8, 1.1, 1.9, 1.3]
+    narrow = paired_interval(steady, [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(steady)])
+    wide = paired_interval(steady, [t * (1.4 if i % 2 else 0.6) for i, t in enumerate(steady)])
+    assert narrow is not None and wide is not None
+    point = sum(steady) / sum(t * (1.1 if i % 2 else 0.9) for i, t in enumerate(steady))
+    assert narrow[0] < point < narrow[1]
+    assert wide[0] < narrow[0] and narrow[1] < wide[1]
+    assert paired_interval([1.0, 2.0], [1.0]) is None
 
 
 @pytest.mark.fast
