@@ -401,3 +401,28 @@ def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> Non
     assert steps == pytest.approx([steps[0]] * 3) and steps[0] > 0  # one line, rising
     assert 2.4 < plan[2] < 2.6  # K=2's stray 2.9: near the line of its neighbours
     assert probe_cycle_seconds([(0, 1, 1.0), (4, 1, 2.0)])[1:] == [float("inf")] * 3 + [2.0]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_sampled_request_stops_drafting_only_when_plain_decoding_is_clearly_faster(
+    kind: str,
+) -> None:
+    """A drafting request whose estimates put plain decoding 2% ahead of its K: a greedy one
+    stops at once (its acceptance follows the text), a sampled one drafts on (a few unlucky
+    draws, and stopping waits for a probe); 5% ahead, both stop."""
+    from engine.scheduling.autok import POLICIES
+
+    def choose_at(plain_ahead: float) -> int:
+        # K=1 only (the other K priced out); a_1 = 0.5: K=1 emits 1.5 tokens a cycle
+        costs = CostTable(
+            cycle=[1.0, 1.5 * (1 + plain_ahead), 99.0, 99.0, 99.0], trunk=[1.0] * 5, head_step=0.1
+        )
+        shared = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES, policy=POLICIES[kind])
+        shared.counts = AcceptanceCounts(hits=[5e5] * MAX_AUTO_K, trials=[1e6] * MAX_AUTO_K)
+        request = shared.for_request()
+        request.current = 1
+        return request.choose(None)
+
+    assert choose_at(-0.02) == 1
+    assert choose_at(0.02) == (0 if kind == "greedy" else 1)
+    assert choose_at(0.05) == 0
