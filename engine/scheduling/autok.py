@@ -455,8 +455,7 @@ def probe_acceptance(
     round's) added to instead of fresh ones."""
     counts = AcceptanceCounts() if counts is None else counts
     for seq in sequences or probe_sequences(engine, params):
-        budget = (cycles + 1) * (MAX_AUTO_K + 1)  # a cycle to spare (``time_probe_cycles``)
-        with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, budget, timings)) as events:
+        with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, cycles, timings)) as events:
             seen = 0
             for event in events:
                 k = event.cycle_draft_tokens
@@ -490,14 +489,17 @@ def _timed_cycles(
     seq: Any,
     params: Any,
     k: int,
-    max_tokens: int,
+    cycles: int,
     timings: list[tuple[int, int, float]] | None,
 ) -> Iterator[Any]:
-    """The decode loop's events continuing ``seq`` at ``k`` (close it to stop), each cycle after
-    the first ``PROBE_WARM_CYCLES`` (compilation, the prompt's catch-up, a pipeline not yet
-    filled) timed into ``timings`` when given: ``(K, tokens the cycle before committed, seconds
-    since that cycle's event)``."""
-    request = GenerationRequest(seq.tokens, params, max_tokens, draft_tokens=k, ignore_eos=True)
+    """The decode loop's events continuing ``seq`` at ``k`` for up to ``cycles`` cycles (close
+    it to stop), each cycle after the first ``PROBE_WARM_CYCLES`` (compilation, the prompt's
+    catch-up, a pipeline not yet filled) timed into ``timings`` when given: ``(K, tokens the
+    cycle before committed, seconds since that cycle's event)``."""
+    # One cycle's tokens to spare: a request's last cycle has no cycle launched behind it and
+    # reads back early (a plain probe's last one timed 0.8 ms where its others took 1.1)
+    budget = (cycles + 1) * (k + 1)
+    request = GenerationRequest(seq.tokens, params, budget, draft_tokens=k, ignore_eos=True)
     events = engine.decode(seq, request)
     last: tuple[float, int] | None = None
     try:
@@ -523,11 +525,8 @@ def time_probe_cycles(
     ``ACCEPTANCE_PROBE_TEXTS`` (plain ones launched one ahead of the other, as requests run
     them), as ``(K, tokens the cycle before committed, seconds since that cycle's event)``;
     ``sequences`` (``probe_sequences``) are continued instead of fresh ones (no prefill)."""
-    # One cycle's tokens to spare: a request's last cycle has no cycle launched behind it and
-    # reads back early (a plain probe's last one timed 0.8 ms where its others took 1.1)
-    budget = (cycles + 1) * (k + 1)
     for seq in sequences or probe_sequences(engine, params):
-        with closing(_timed_cycles(engine, seq, params, k, budget, timings)) as events:
+        with closing(_timed_cycles(engine, seq, params, k, cycles, timings)) as events:
             for _ in islice(events, cycles):
                 pass
 
