@@ -31,7 +31,6 @@ using namespace nb::literals;
 namespace mtpserve {
 namespace {
 
-constexpr int kLanes = kNormLanes;
 
 // Strides (in floats) of a [B, H, P, D] array whose last axis is contiguous.
 struct Strided {
@@ -44,28 +43,6 @@ struct Strided {
 
 Strided strided(const mx::array& a) {
   return {a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2]};
-}
-
-// lane_dot(q + r * q_stride, k, n) for r < 4, the same bits: the key read once for the four,
-// and four independent chains of adds (one dot alone waits on each of its adds).
-__attribute__((always_inline)) inline void lane_dots4(const float* q, int64_t q_stride,
-                                                      const float* k, int64_t n, float* out) {
-  ExpLanes acc[4] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    ExpLanes kv, qv;
-    std::memcpy(&kv, k + i, sizeof kv);
-    for (int r = 0; r < 4; ++r) {
-      std::memcpy(&qv, q + r * q_stride + i, sizeof qv);
-      acc[r] += qv * kv;
-    }
-  }
-  for (int r = 0; r < 4; ++r) {
-    float lanes[kLanes];
-    std::memcpy(lanes, &acc[r], sizeof lanes);
-    for (int64_t l = 0, j = i; j < n; ++j, ++l) lanes[l] += q[r * q_stride + j] * k[j];
-    out[r] = lane_sum(lanes);
-  }
 }
 
 // Keys a block of the value pass takes (their values read while in cache for every query and
@@ -126,8 +103,9 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
     const float* k = keys.at(row, kv_head, j);
     int64_t i = 0;
     for (; i < fours; i += 4) {  // a score past a query's limit is never read
+      const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim, q + (i + 3) * dim};
       float s[4];
-      lane_dots4(q + i * dim, dim, k, dim, s);
+      dots<4>(rows, k, dim, s);
       for (int r = 0; r < 4; ++r) scores[(i + r) * width + j] = s[r];
     }
     for (; i < count; ++i)
@@ -149,9 +127,7 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
       sums += e;
       std::memcpy(s + j, &e, lanes * sizeof(float));
     }
-    float lanes[kLanes];
-    std::memcpy(lanes, &sums, sizeof lanes);
-    const float inverse = 1.0f / lane_sum(lanes);
+    const float inverse = 1.0f / reduce(sums);
     for (int64_t j = 0; j < limit; ++j) s[j] = s[j] * inverse;
   }
   // the values: four queries' sums over the keys they all see, block by block, in registers;
