@@ -336,7 +336,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     auto_priced = {
         sname: priced
         for sname in samplers
-        if (priced := price_auto_choices(rows, sname)) is not None
+        if (priced := price_auto_choices(rows, sname, args.repeats)) is not None
     }
 
     # Peak memory with and without the head, each in a fresh process (peaks must not mix).
@@ -370,14 +370,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def price_auto_choices(rows: dict[tuple[str, str], Row], sampler: str) -> dict[str, Any] | None:
+def price_auto_choices(
+    rows: dict[tuple[str, str], Row], sampler: str, passes: int = 1
+) -> dict[str, Any] | None:
     """Auto K's choices priced at the fixed-K rows of the same run: its cycles at K (its K
     histogram), each taking the seconds and yielding the tokens of an average cycle of the
     fixed K=k row. Separates the quality of auto's choices from what a run adds on top —
     sampled text (and so acceptance) differs between configurations, and on this 2-core machine
     the same work moves by a few percent between configurations of one run (a sampled auto that
     ran K=3 in 1,644 of 2,094 cycles, with the same 2.93 tokens per cycle as fixed K=3, measured
-    0.96x of it). None when auto or a fixed K it used did not run."""
+    0.96x of it). With several passes over the prompts, also auto against a fixed K picked on
+    the other passes (``held_out_ratio``). None when auto or a fixed K it used did not run."""
     auto = rows.get((sampler, "auto"))
     if auto is None or not auto.totals.cycles:
         return None
@@ -402,7 +405,36 @@ def price_auto_choices(rows: dict[tuple[str, str], Row], sampler: str) -> dict[s
         "of_best_fixed": tokens / seconds / best.totals.generation_tps,
         "measured_of_best_fixed": auto.totals.generation_tps / best.totals.generation_tps,
         "measured_interval": paired_interval(best.seconds, auto.seconds),
+        "held_out": held_out_ratio({r.config: r.seconds for r in fixed_rows}, auto.seconds, passes),
     }
+
+
+def held_out_ratio(
+    fixed: dict[str, list[float]], auto: list[float], passes: int
+) -> dict[str, Any] | None:
+    """Auto's speed over a fixed K picked as a user tuning K would pick it: on runs other than
+    the ones it is compared on. Each pass over the prompts in turn is held out; the fixed K
+    fastest over the other passes is compared with auto on the held-out one, and the held-out
+    seconds add up over the passes (every generation the same tokens: sum of the picks' seconds
+    over auto's). Unlike the best row of the same run, the pick's own lucky draws do not favour
+    it: the largest of five rows that each move by a few percent reads high by itself. Returns
+    the ratio and each pass's pick; None with one pass or unpaired rows."""
+    n = len(auto)
+    if passes < 2 or n % passes or any(len(seconds) != n for seconds in fixed.values()):
+        return None
+    per = n // passes
+    picks: list[str] = []
+    baseline = 0.0
+    for held in range(passes):
+        inside = range(held * per, (held + 1) * per)
+
+        def elsewhere(seconds: list[float], inside: range = inside) -> float:
+            return sum(t for i, t in enumerate(seconds) if i not in inside)
+
+        pick = min(fixed, key=lambda config: elsewhere(fixed[config]))
+        picks.append(pick)
+        baseline += sum(fixed[pick][i] for i in inside)
+    return {"of": baseline / sum(auto), "picks": picks}
 
 
 def paired_interval(

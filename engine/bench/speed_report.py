@@ -78,6 +78,12 @@ def format_table(result: dict[str, Any]) -> str:
                 if (interval := priced.get("measured_interval"))
                 else ""
             )
+            + (
+                f"; {held['of']:.3f}x a fixed K picked on the other passes "
+                f"({'/'.join(held['picks'])})"
+                if (held := priced.get("held_out"))
+                else ""
+            )
         )
     return "\n".join(lines)
 

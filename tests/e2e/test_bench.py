@@ -202,6 +202,25 @@ def test_the_ratio_to_the_best_fixed_k_comes_with_its_spread_over_the_prompts() 
 
 
 @pytest.mark.fast
+def test_auto_is_also_compared_with_a_fixed_k_picked_on_the_other_passes() -> None:
+    """Two passes of two prompts: K=3 is faster over pass 0 and K=2 over pass 1, so pass 1 is
+    compared with K=3 and pass 0 with K=2 (each pick's own pass never picks it), and the
+    held-out seconds add up; one pass, or rows of unequal length, give none."""
+    from engine.bench.speed import held_out_ratio
+
+    fixed = {"K=2": [1.0, 1.0, 0.8, 0.8], "K=3": [0.9, 0.9, 1.0, 1.0]}
+    auto = [0.9, 0.95, 0.9, 0.95]
+    held = held_out_ratio(fixed, auto, passes=2)
+    assert held is not None
+    assert held["picks"] == ["K=2", "K=3"]
+    assert held["of"] == pytest.approx((1.0 + 1.0 + 1.0 + 1.0) / sum(auto))
+    # picking on the same pass would have compared auto with the faster K each time
+    assert held["of"] > (0.9 + 0.9 + 0.8 + 0.8) / sum(auto)
+    assert held_out_ratio(fixed, auto, passes=1) is None
+    assert held_out_ratio({"K=2": [1.0, 1.0, 0.8]}, auto, passes=2) is None
+
+
+@pytest.mark.fast
 def test_bench_batch_writes_its_table_and_checks_every_row(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
