@@ -2,8 +2,10 @@
 
 For each draft count K it reports the primitives mlx evaluates in one cycle (counted from the
 cycle's graph, by kind), and the wall and process-CPU milliseconds per generated token through
-``Engine.generate`` (greedy, EOS ignored, best of ``--repeats``), with a digest of the greedy
-tokens so that two checkouts can be seen to produce the same text. With K=0 it also times the
+``Engine.generate`` (greedy, or with ``--sampled`` Qwen's sampler seeded; EOS ignored, best of
+``--repeats``), with a digest of the tokens so that two checkouts can be seen to produce the
+same text. The weights load as ``--dtype`` says (float32 by default; ``auto`` keeps the
+checkpoint's type, as the server does on the kernel). With K=0 it also times the
 plain step's weight products alone (``weights_ms``): one ``[1, in]`` product by every float
 linear layer of the trunk and by the vocabulary projection, evaluated together on mlx's one CPU
 stream, alternating with the decoding runs — what reading the weights once costs one core on
@@ -12,6 +14,10 @@ the decoding runs' wall time that the calling thread and the two busiest others 
 thread, which runs the kernels, and the product pool's worker) spent on a CPU, and ``stolen`` the share of the machine's CPU
 time the hypervisor gave to other guests meanwhile (``steal`` in ``/proc/stat``): a shared
 machine's threads wait, runnable, for that share.
+
+Where a cycle's time goes, by thread and function: run it long (``--tokens 3000``) and, while it
+decodes, ``perf record -e cpu-clock -F 2000 -p PID -- sleep 8`` (an unstripped build of the
+extension names the kernel's functions: ``cmake -DCMAKE_BUILD_TYPE=RelWithDebInfo``).
 
 On a shared machine, compare two checkouts by running both *at the same time* (each sees the
 same load) and repeating; e.g.::
@@ -43,13 +49,18 @@ from engine.runtime import Engine
 from sampling.params import SamplingOverrides, resolve
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+GREEDY = SamplingOverrides(temperature=0.0)
+#: the checkpoint's generation_config.json sampler (Qwen's), seeded so that runs repeat
+QWEN_SEEDED = SamplingOverrides(temperature=1.0, top_k=20, top_p=0.95, seed=1)
 
 
-def primitives(ours: Engine, prompt: list[int], k: int) -> dict[str, int]:
+def primitives(
+    ours: Engine, prompt: list[int], k: int, sampler: SamplingOverrides
+) -> dict[str, int]:
     """The primitives of one cycle's graph."""
     import mlx.core as mx
 
-    params = resolve(SamplingOverrides(temperature=0.0))
+    params = resolve(sampler)
     seq = start_sequence(ours.trunk, ours.loaded.head, prompt, params, use_head=True)
     mx.eval(seq.trunk_cache.arrays())
     return cycle_primitives(ours, [seq], k)
@@ -118,9 +129,14 @@ def cpu_times() -> tuple[int, int]:
 
 
 def per_token(
-    ours: Engine, prompt: list[int], k: int | None, tokens: int, repeats: int
+    ours: Engine,
+    prompt: list[int],
+    k: int | None,
+    tokens: int,
+    repeats: int,
+    sampler: SamplingOverrides,
 ) -> dict[str, Any]:
-    params = resolve(SamplingOverrides(temperature=0.0))
+    params = resolve(sampler)
     wall = cpu = weights = float("inf")
     digest = ""
     ticks: collections.Counter[int] = collections.Counter()
@@ -142,7 +158,7 @@ def per_token(
         cpu = min(cpu, (time.process_time() - c0) / len(out))
         wall = min(wall, event.stats.generation_seconds / len(out))
         digest = hashlib.sha1(json.dumps(out).encode()).hexdigest()[:10]
-    row = {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "greedy": digest}
+    row = {"wall_ms": round(wall * 1e3, 3), "cpu_ms": round(cpu * 1e3, 3), "tokens": digest}
     if k == 0:
         row["weights_ms"] = round(weights, 3)
     if ticks:
@@ -165,19 +181,22 @@ def main() -> int:
     p.add_argument("--draft-tokens", default="0,4")
     p.add_argument("--tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sampled", action="store_true", help="Qwen's sampler, seeded")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    sampler = QWEN_SEEDED if args.sampled else GREEDY
     kinds = args.draft_tokens.split(",")
     # auto K measures its cost table at load (cached per engine code)
     default = None if "auto" in kinds else 0
-    ours = Engine.load(args.model, draft_tokens=default, dtype="float32")
+    ours = Engine.load(args.model, draft_tokens=default, dtype=args.dtype)
     prompt = list(ours.tokenizer.encode(PROMPT))
     result: dict[str, Any] = {}
     for k in kinds:
         fixed = None if k == "auto" else int(k)
-        row = per_token(ours, prompt, fixed, args.tokens, args.repeats)
+        row = per_token(ours, prompt, fixed, args.tokens, args.repeats, sampler)
         if fixed is not None:
-            row["primitives"] = primitives(ours, prompt, fixed)
+            row["primitives"] = primitives(ours, prompt, fixed, sampler)
         result[f"K={k}"] = row
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
