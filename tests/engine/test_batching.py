@@ -297,7 +297,9 @@ def test_batch_k_explores_then_picks_the_best_rate() -> None:
         seen.append(k)
         # per cycle: K=0 costs 1, drafting costs 1 + 0.05 K: drafting at 0.9 pays
         choice.observe(8, k, 1.0 + 0.05 * k)
-    assert sorted(seen) == [k for k in range(5) for _ in range(EXPLORE_CYCLES)]
+    # plain cycles in a row (so that they run ahead, as a plain stretch does), then the
+    # drafting K's interleaved
+    assert seen == [0] * EXPLORE_CYCLES + [1, 2, 3, 4] * EXPLORE_CYCLES
     assert choice.choose(8, [[0.9] * 4] * 8) == 4
     assert choice.choose(6, [[0.9] * 4] * 6) == 4  # 5-8 rows share what 8 rows measured
     assert choice.choose(3, [[0.9] * 4] * 3) == 0  # 3-4 rows: not measured yet, explore
@@ -380,14 +382,15 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows under automatic K look ahead while BatchK picks K=0 by price; the cycles run
-    ahead are not timed but still count towards re-timing, so a drafting K is priced again
-    within a long plain stretch. Every row emits what it emits alone."""
+    ahead are timed too, by their period (read-back to read-back: what the overlap leaves of
+    them), and count towards re-timing, so a drafting K is priced again within a long plain
+    stretch. Every row emits what it emits alone."""
     choice = BatchK()
     for _ in range(5 * EXPLORE_CYCLES):  # drafting priced at 10x a plain cycle
         k = choice.choose(4, [[0.5] * 4] * 4)
         choice.observe(4, k, 1.0 if k == 0 else 10.0)
     for _ in range(3):  # plain cycles since: a drafting K is the least recently timed
-        assert choice.settled(4) and choice.choose(4, [[0.5] * 4] * 4) == 0
+        assert choice.choose(4, [[0.5] * 4] * 4) == 0
         choice.observe(4, 0, 1.0)
     monkeypatch.setattr(engine, "batch_k", choice)
     ks: list[int] = []
@@ -398,6 +401,14 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
         return launch(trunk, head, seqs, k, profile)
 
     monkeypatch.setattr(batching_module, "launch_cycles", recorded)
+    periods: list[tuple[int, float]] = []
+    observe = choice.observe
+
+    def timed(rows: int, k: int, seconds: float) -> None:
+        periods.append((k, seconds))
+        observe(rows, k, seconds)
+
+    monkeypatch.setattr(choice, "observe", timed)
     reqs = [
         GenerationRequest(engine.tokenizer.encode(p), GREEDY, 90, ignore_eos=True)
         for p in PROMPTS[:4]
@@ -415,6 +426,8 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
         ahead_steps += any(row.ahead is not None for row in batch.rows.values())
     assert [got[i] for i in range(4)] == expected
     assert ahead_steps >= 30
+    plain = [seconds for k, seconds in periods if k == 0]
+    assert len(plain) >= 30 and all(0 < seconds < 1 for seconds in plain)
     plain_then_drafting = [i for i in range(1, len(ks)) if ks[i - 1] == 0 and ks[i] > 0]
     assert plain_then_drafting and ks.index(0) < plain_then_drafting[0]  # re-timed
 
