@@ -131,6 +131,17 @@ MUTATIONS = [
         ("tests/unit/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),
         "CostTable.expected_seconds forgets the head's catch-up over what the last cycle kept",
     ),
+    Mutation(
+        "batch-k-plain-untimed",
+        "engine/scheduling/batching.py",
+        "if len(rows) > 1 and settled and whole and period is not None:",
+        "if len(rows) > 1 and settled and whole and period is not None and not committed:",
+        (
+            "tests/engine/test_batching.py::"
+            "test_automatic_rows_run_plain_stretches_ahead_and_still_retime",
+        ),
+        "BatchK leaves plain cycles launched ahead untimed: K=0 priced without its overlap",
+    ),
 ]
 
 
