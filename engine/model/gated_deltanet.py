@@ -246,10 +246,13 @@ def gated_deltanet(
     position. The norm runs inside the input projections' op and the residual inside the output
     projection's where the kernel takes them (``products.linears``, ``products.linear``).
 
-    With capture (decode steps and verifies) the recurrence is the native kernel's on a CPU that
-    has it (``delta_rule_layer``), else ``delta_rule_step``/``delta_rule_chunk``. Without
-    capture (prefill) it is ``delta_rule_prefill``'s closed-form blocks on CPUs and mlx-lm's
-    elsewhere (its kernel on Metal)."""
+    On a CPU with the native kernel the recurrence is the kernel's (``delta_rule_layer``), with
+    capture (decode steps and verifies) or without (prefill: only the final state is kept);
+    position by position, so a prompt gives the same state however its chunks split it. It
+    made a 512-token prefill at the Qwen3.5-0.8B shape 89 → 145 tokens/s against
+    ``delta_rule_prefill``'s closed-form blocks of 64 (docs/BENCHMARKS.md, "Prefill on the
+    kernel"). Elsewhere ``delta_rule_step``/``delta_rule_chunk`` with capture, and without it
+    ``delta_rule_prefill`` (mlx-lm's kernel on Metal)."""
     B, T, _ = x.shape
     qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x, norm)
 
@@ -260,10 +263,14 @@ def gated_deltanet(
     recurrent = state.recurrent
     if recurrent is None:
         recurrent = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    if capture and native_delta_rule():
+    if native_delta_rule():
         # the kernel splits, normalizes and gates q, k, v itself and serves each value head
         # from its key head: no split, reshape, gate or repeat here
-        y, state.capture = delta_rule_layer(m, conv_out, a, b, recurrent)
+        y, captured = delta_rule_layer(m, conv_out, a, b, recurrent)
+        if capture:
+            state.capture = captured
+        else:
+            recurrent = captured.final
     else:
         y, recurrent = _recurrence(m, conv_out, a, b, state, recurrent, capture, start)
     y = y.astype(x.dtype)

@@ -35,11 +35,14 @@ import mlx.nn as nn
 
 from engine.model import mlx_products
 
-#: Products of more rows than this (prefill chunks) run on BLAS, which threads a product of many
-#: rows itself and computes faster there; half-precision and quantized weights are widened to
-#: float32 for it, one weight at a time. Measured with ``scripts/bench_kernel.py --crossover``
-#: (docs/BENCHMARKS.md, "The native product kernel").
-NATIVE_MAX_ROWS = 64
+#: Products of more rows than this run on BLAS, which threads a product of many rows itself;
+#: half-precision and quantized weights are widened to float32 for it, one weight at a time.
+#: A prefill chunk (``PREFILL_CHUNK``, 128 positions) runs on the kernel: BLAS's products alone
+#: overtake the kernel's past ~64 rows (``scripts/bench_kernel.py --crossover``), but with the
+#: widening a 512-token prefill at the Qwen3.5-0.8B shape ran 84 tokens/s on BLAS past 64 rows
+#: against 145 on the kernel, 30 against 212-219 in mlx 8-bit (docs/BENCHMARKS.md, "Prefill on
+#: the kernel").
+NATIVE_MAX_ROWS = 128
 
 #: set to 0 to run mlx's own products on a CPU even where the kernel is built
 DISABLE_ENV = "MTPSERVE_NATIVE_PRODUCTS"

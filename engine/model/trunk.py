@@ -126,9 +126,10 @@ def trunk_hidden(trunk: Any, token_ids: mx.array, cache: TrunkCache, capture: bo
 
     With ``capture`` (the decode cycle: T = K+1 small) every layer runs as a compiled block and
     the GDN layers keep per-position states; the caller must ``cache.commit(n_keep, T)`` before
-    the next forward. Without it (prefill: long, varying T) the same layers run eagerly, the
-    GDN layers through ``delta_rule_prefill``'s closed-form blocks on CPUs (mlx-lm's recurrence
-    elsewhere: its kernel on Metal), keeping no per-position states.
+    the next forward. Without it (prefill: long, varying T) the same layers run eagerly and the
+    GDN layers keep no per-position states: on the native kernel's recurrence on a CPU, else
+    through ``delta_rule_prefill``'s closed-form blocks (mlx-lm's recurrence elsewhere: its
+    kernel on Metal).
     """
     x = cache.embed(trunk, token_ids, capture)
     if capture and token_ids.shape[1] <= MAX_COMPILED_T:

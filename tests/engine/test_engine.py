@@ -906,6 +906,37 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
             assert run(split, request)[0] == run(whole, request)[0], (prompt, k)
 
 
+@pytest.mark.skipif(not products.on_native(), reason="the native recurrence runs on a CPU only")
+def test_a_prefill_leaves_the_same_gdn_states_however_its_chunks_split_it(load_engine) -> None:
+    """On the native kernel a prefill's Gated-DeltaNet layers run position by position, so a
+    prompt prefilled in one go, resumed at 100, or in pieces ending at 37, 200 and 251 leaves
+    the same conv and recurrent states bit for bit (the closed form's blocks of 64 depended on
+    where the pieces began) and the same first attention layer's keys and values."""
+    from engine.cycle.sequence import new_sequence, prefill
+
+    engine = load_engine("dense-tied", draft_tokens=0)
+    ids = engine.tokenizer.encode(" ".join(PROMPTS) * 12)[:300]
+    assert len(ids) == 300
+
+    def states(ends: list[int]) -> list[mx.array]:
+        seq = new_sequence(engine.trunk, engine.head, ids, GREEDY, True)
+        done = 0
+        for end in [*ends, len(ids) - 1]:
+            prefill(engine.trunk, engine.head, seq, ids[done:end])
+            done = end
+        layers = seq.trunk_cache.layers
+        first_attention = next(c for c in layers if not hasattr(c, "recurrent"))
+        held = [a for c in layers if hasattr(c, "recurrent") for a in (c.conv, c.recurrent)]
+        kv = (first_attention.keys, first_attention.values)
+        held += [a[..., : first_attention.offset, :] for a in kv]
+        mx.eval(held)
+        return held
+
+    whole = states([])
+    for ends in ([100], [37, 200, 251]):
+        assert all(mx.array_equal(a, b).item() for a, b in zip(whole, states(ends), strict=True))
+
+
 def _mlx_lm_rule(q, k, v, a, b, a_log, dt_bias, start, n: int) -> tuple[mx.array, mx.array]:
     """mlx-lm's step-by-step gated delta rule over the first ``n`` positions: (y, state)."""
     from mlx_lm.models.gated_delta import gated_delta_update
