@@ -154,8 +154,9 @@ class BatchK:
         return max(ks, key=rate)
 
     def count(self, rows: int) -> None:
-        """A cycle at this batch size that is not timed (one launched ahead) still brings the
-        next re-time nearer, so that a plain stretch run ahead prices the drafting K anew."""
+        """A cycle at this batch size that is not timed (no period: the batch's rows changed
+        since the last read-back, or its rows ran in several groups) still brings the next
+        re-time nearer."""
         size = self.size_class(rows)
         self.cycles[size] = self.cycles.get(size, 0) + 1
 
