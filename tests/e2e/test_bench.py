@@ -56,7 +56,14 @@ def test_bench_writes_table_json_and_plot(tiny_checkpoint: Path, tmp_path: Path)
     assert result["head_bytes"] > 0 and result["trunk_bytes"] > result["head_bytes"]
     memory = result["memory"]
     assert memory["trunk_only"]["head_bytes"] == 0 and memory["with_head"]["head_bytes"] > 0
-    assert memory["with_head"]["generate_peak"] > memory["trunk_only"]["generate_peak"]
+    # each peak holds what its process loaded; the head's weights show in the load. (On a
+    # checkpoint this small, decoding's transient buffers, which vary with how far the host runs
+    # ahead of the device, outweigh the head: the two generate peaks may come either way.)
+    for run in ("trunk_only", "with_head"):
+        held = memory[run]["trunk_bytes"] + memory[run]["head_bytes"]
+        assert memory[run]["generate_peak"] >= memory[run]["load_peak"] >= held
+    head = memory["with_head"]["head_bytes"]
+    assert memory["with_head"]["load_peak"] > memory["trunk_only"]["load_peak"] + head // 2
     assert "peak memory (fresh processes" in table
     for sampler in samplers:
         factors = result["auto_calibration"][sampler]

@@ -907,11 +907,13 @@ def test_weights_split_across_streams_change_no_token(load_engine, make_checkpoi
 
 
 @pytest.mark.skipif(not products.on_native(), reason="the native recurrence runs on a CPU only")
-def test_a_prefill_leaves_the_same_gdn_states_however_its_chunks_split_it(load_engine) -> None:
-    """On the native kernel a prefill's Gated-DeltaNet layers run position by position, so a
-    prompt prefilled in one go, resumed at 100, or in pieces ending at 37, 200 and 251 leaves
-    the same conv and recurrent states bit for bit (the closed form's blocks of 64 depended on
-    where the pieces began) and the same first attention layer's keys and values."""
+def test_a_prefill_leaves_the_same_caches_however_its_chunks_split_it(load_engine) -> None:
+    """On the native kernel a prefill's Gated-DeltaNet layers run position by position and its
+    attention query by query over the keys each query sees, so a prompt prefilled in one go,
+    resumed at 100, or in pieces ending at 37, 200 and 251 leaves the same caches bit for bit:
+    every GDN layer's conv and recurrent states (the closed form's blocks of 64 depended on
+    where the pieces began) and every attention layer's keys and values (mlx's attention over
+    a chunk depended on the chunk)."""
     from engine.cycle.sequence import new_sequence, prefill
 
     engine = load_engine("dense-tied", draft_tokens=0)
@@ -924,11 +926,12 @@ def test_a_prefill_leaves_the_same_gdn_states_however_its_chunks_split_it(load_e
         for end in [*ends, len(ids) - 1]:
             prefill(engine.trunk, engine.head, seq, ids[done:end])
             done = end
-        layers = seq.trunk_cache.layers
-        first_attention = next(c for c in layers if not hasattr(c, "recurrent"))
-        held = [a for c in layers if hasattr(c, "recurrent") for a in (c.conv, c.recurrent)]
-        kv = (first_attention.keys, first_attention.values)
-        held += [a[..., : first_attention.offset, :] for a in kv]
+        held = []
+        for c in seq.trunk_cache.layers:
+            if hasattr(c, "recurrent"):
+                held += [c.conv, c.recurrent]
+            else:
+                held += [a[..., : c.offset, :] for a in (c.keys, c.values)]
         mx.eval(held)
         return held
 
