@@ -45,6 +45,10 @@ Strided strided(const mx::array& a) {
   return {a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2]};
 }
 
+// Scores (floats) a thread keeps allocated between calls: a decode step's or a chat-sized
+// prompt chunk's (512 queries over 8,192 keys) stay, longer contexts' are freed after use.
+constexpr size_t kKeptScores = size_t{1} << 22;
+
 // Keys a block of the value pass takes (their values read while in cache for every query and
 // every part of the head dimension), and the dimensions a query's sums keep in registers.
 constexpr int64_t kKeyBlock = 128;
@@ -173,6 +177,9 @@ void attend_all(std::vector<mx::array>& in, mx::array& out) {
     const int64_t at = (row * Hq + kv_head * group) * T * D;
     attend_group(q + at, limits.data(), count, keys, values, row, kv_head, D, scores,
                  outs.data());
+    // a prompt chunk's scores over a long context (a 128-position chunk's 512 queries of a
+    // 0.8B KV head over 32,768 keys: 64 MiB) are not kept by the thread between calls
+    if (scores.capacity() > kKeptScores) std::vector<float>().swap(scores);
     for (int64_t i = 0; i < count; ++i) {  // to [B, T, Hq * D]: the heads of a position joined
       const int64_t head = kv_head * group + i / T, t = i % T;
       std::memcpy(y + ((row * T + t) * Hq + head) * D, outs.data() + i * D, D * sizeof(float));
