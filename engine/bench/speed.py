@@ -426,14 +426,10 @@ def held_out_ratio(
     picks: list[str] = []
     baseline = 0.0
     for held in range(passes):
-        inside = range(held * per, (held + 1) * per)
-
-        def elsewhere(seconds: list[float], inside: range = inside) -> float:
-            return sum(t for i, t in enumerate(seconds) if i not in inside)
-
-        pick = min(fixed, key=lambda config: elsewhere(fixed[config]))
+        inside = slice(held * per, (held + 1) * per)
+        pick = min(fixed, key=lambda c: sum(fixed[c]) - sum(fixed[c][inside]))
         picks.append(pick)
-        baseline += sum(fixed[pick][i] for i in inside)
+        baseline += sum(fixed[pick][inside])
     return {"of": baseline / sum(auto), "picks": picks}
 
 
