@@ -134,10 +134,14 @@ def tool_call_grammar(
     call_ids: tuple[int, int],
     reasoning_end: int | None = None,
     parallel: bool = True,
+    answer_schema: dict[str, Any] | None = None,
 ) -> str:
     """The grammar of a reply that must call tools (``tool_choice`` required or a named
     function): one or more of Qwen's XML tool calls (the chat template's format; the blocks
-    ``server.core.toolcalls`` parses) of the tools given, and nothing else.
+    ``server.core.toolcalls`` parses) of the tools given, and nothing else. With
+    ``answer_schema`` (structured output beside tools the model may call: an agent with an
+    output type) the reply is either those calls or JSON valid under that schema, laid out as
+    ``json_schema_grammar`` lays it out.
 
     ``call_ids``: the ids of the ``<tool_call>`` and ``</tool_call>`` tokens. A function whose
     JSON schema lists properties takes them in the schema's order, each at most once, every
@@ -185,9 +189,14 @@ def tool_call_grammar(
                 rules.append(f"{rule}: {tag} TEXT_VALUE")
             body.append(rule if key in required else f"{rule}?")
         rules.append(f'f{i}: {name} ">\\n" {" ".join(body)}'.rstrip())
-    start = "start: calls"
+    reply = "calls"
+    if answer_schema is not None:
+        laid_out = {"x-guidance": JSON_LAYOUT} | closed_objects(answer_schema)
+        rules.append(f"answer: %json {json.dumps(laid_out)}")
+        reply = "(calls | answer)"
+    start = f"start: {reply}"
     if reasoning_end is not None:
-        start = f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" calls\nREASONING: /(?s:.*)/'
+        start = f'start: REASONING <[{int(reasoning_end)}]> "\\n\\n" {reply}\nREASONING: /(?s:.*)/'
 
     def lark(free: set[str]) -> str:
         """The grammar with the JSON values of the rules in ``free`` written as free text."""
@@ -200,7 +209,7 @@ def tool_call_grammar(
                 values.append(f"j{rule}: %json {json.dumps(schema)}")
         return "\n".join([start, *rules, *values]) + "\n"
 
-    what = "cannot force a call of these tools"
+    what = "cannot constrain a reply to calls of these tools"
     try:
         return _checked(lambda: LLMatcher.grammar_from_lark(lark(set())), what)
     except GrammarError:

@@ -131,23 +131,15 @@ def output_schema(kind: str | None, schema: Any, param: str) -> dict[str, Any] |
     return schema
 
 
-def check_structured(
-    tools: list[dict[str, Any]] | None, param: str, prefill_param: str | None = None
-) -> None:
-    """What structured output (named by ``param``) cannot go with, each a 400: tools shown to
-    the model (the grammar has no room for a tool call) and a prefill (``prefill_param``: the
-    field holding the continued text; the schema covers the whole reply)."""
+def check_structured(param: str, prefill_param: str | None) -> None:
+    """What structured output (named by ``param``) cannot go with, a 400: a prefill
+    (``prefill_param``: the field holding the continued text; the schema covers the whole
+    reply)."""
     if prefill_param is not None:
         raise bad_request(
             f"a prefill (a continued final assistant message) cannot be combined with {param}: "
             "the schema covers the whole reply",
             param=prefill_param,
-        )
-    if tools:
-        raise bad_request(
-            "structured output cannot be combined with tools (the grammar allows JSON only, "
-            "no tool call); send tool_choice 'none' or no tools",
-            param=param,
         )
 
 
@@ -196,19 +188,23 @@ def output_grammar(
     force_tool_call: bool = False,
     parallel_tool_calls: bool = True,
 ) -> str | None:
-    """The grammar of a rendered prompt's reply (None: free text): ``schema``'s JSON, or with
-    ``force_tool_call`` (``tool_choice`` required, or a named function) calls of the tools the
-    prompt shows (exactly one unless ``parallel_tool_calls``); after the reasoning when the
-    prompt leaves a think block open (the reasoning stays free text).
+    """The grammar of a rendered prompt's reply (None: free text): with ``force_tool_call``
+    (``tool_choice`` required, or a named function) calls of the tools the prompt shows
+    (exactly one unless ``parallel_tool_calls``); else ``schema``'s JSON, or where the prompt
+    shows tools, either their calls or that JSON (an agent with an output type: tools until it
+    answers in the schema); after the reasoning when the prompt leaves a think block open (the
+    reasoning stays free text).
 
     A schema the grammar compiler cannot use is a 400 naming ``schema_param``: every token of
     the reply is drawn under the grammar, so nothing is left to a schema that was only half
     understood."""
-    if schema is None and not (force_tool_call and prompt.tools):
+    forced = force_tool_call and bool(prompt.tools)
+    if schema is None and not forced:
         return None
     chat = ChatFormat.of(state.engine.tokenizer)
     end = chat.think_close if prompt.opens_reasoning else None
-    if schema is not None:
+    call_ids = chat.tool_call_ids
+    if schema is not None and not forced:
         try:
             grammar = json_schema_grammar(schema, reasoning_end=end)
             answer = json_schema_grammar(schema) if end is not None else None
@@ -224,16 +220,20 @@ def output_grammar(
                 raise bad_request(
                     str(exc), param=schema_param, code=getattr(exc, "code", None)
                 ) from exc
-        return grammar
-    call_ids = chat.tool_call_ids
-    if call_ids is None:
+        if not prompt.tools or call_ids is None:  # no call the parser could read: JSON only
+            return grammar
+    elif call_ids is None:
         raise bad_request(
             "this model's tokenizer has no tool-call tokens: tool_choice cannot force a call",
             param="tool_choice",
         )
     try:
         return tool_call_grammar(
-            prompt.tools, call_ids, reasoning_end=end, parallel=parallel_tool_calls
+            prompt.tools,
+            call_ids,
+            reasoning_end=end,
+            parallel=parallel_tool_calls,
+            answer_schema=None if forced else schema,
         )
     except GrammarError as exc:
         raise bad_request(str(exc), param="tools") from exc

@@ -262,6 +262,48 @@ def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> Non
                 assert output == f"sunny in {ran[0]}"
 
 
+def test_openai_agents_output_type_with_tools(server: LiveServer) -> None:
+    """An agent with tools and an output type: after the required tool call the SDK sends the
+    tools and the output type's schema together (tool_choice back to auto), and the model
+    either calls a tool or answers in the schema; the run ends with an ``Answer``."""
+    needs("agents")
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @function_tool
+    def look_up(topic: Literal["sky", "sea"]) -> str:
+        """Facts about a topic."""
+        ran.append(topic)
+        return f"the {topic} is blue"
+
+    for model_class in (OpenAIChatCompletionsModel, OpenAIResponsesModel):
+        ran.clear()
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        agent = Agent(
+            name="facts",
+            instructions="Look the topic up, then answer.",
+            tools=[look_up],
+            output_type=Answer,
+            model=model_class(model=server.model, openai_client=client),
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
+            ),
+        )
+        result = asyncio.run(Runner.run(agent, QUESTION, max_turns=4))
+        assert isinstance(result.final_output, Answer), model_class
+        assert ran and set(ran) <= {"sky", "sea"}, (model_class, ran)
+
+
 # ------------------------------------------------------------------------------------------
 # litellm through its openai/ and anthropic/ providers
 # ------------------------------------------------------------------------------------------

@@ -177,6 +177,38 @@ def test_a_forced_tool_call_is_the_same_for_every_k(engine: Engine) -> None:
             )
 
 
+def test_tools_beside_an_output_schema_allow_their_calls_or_the_json_answer(demo: Engine) -> None:
+    """Structured output with tools the model may call (an agent with an output type): the
+    grammar takes a tool call of the tools shown or JSON valid under the schema, and nothing
+    else from the first token; a reply under it is the same tokens for every K."""
+    from engine.runtime import chat_prompt_ids
+
+    vocab = demo.tokenizer.get_vocab()
+    ids = (vocab["<tool_call>"], vocab["</tool_call>"])
+    grammar = tool_call_grammar([WEATHER, NOW], ids, answer_schema=SCHEMA)
+
+    def takes(text: str) -> bool:
+        constraint = demo.constraint(grammar)
+        for token in demo.tokenizer.encode(text) + [min(demo.eos_token_ids)]:
+            if not constraint.allowed()[token]:
+                return False
+            constraint.consume(token)
+        return True
+
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    assert takes(call + "</function>\n</tool_call>")
+    assert takes('{"answer": "yes", "score": 7, "note": "wet"}')
+    assert not takes('{"answer": "perhaps", "score": 7, "note": "wet"}')  # not in the enum
+    assert not takes("Paris is sunny.")
+    assert not takes("<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+    messages = [{"role": "user", "content": "Is it raining in Paris? Reply in JSON."}]
+    tools = [WEATHER, NOW]
+    prompt = chat_prompt_ids(demo.tokenizer, messages, tools=tools, enable_thinking=False)
+    tokens, finish = forced_call_for_every_k(demo, grammar, prompt, max_tokens=80)
+    text = demo.tokenizer.decode(tokens[:-1] if finish == "stop" else tokens)
+    assert text.startswith(("<tool_call>", "{")), text
+
+
 ALARM_ARGUMENTS = {
     "type": "object",
     "properties": {

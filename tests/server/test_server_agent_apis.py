@@ -625,14 +625,6 @@ FORMAT_BAD = [
     ),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
     (
-        "/v1/chat/completions",
-        {
-            "response_format": {"type": "json_object"},
-            "tools": [{"type": "function", "function": {"name": "f"}}],
-        },
-        "response_format",
-    ),
-    (
         "/v1/responses",
         {"text": {"format": {"type": "json_schema", "name": "v", "schema": {"not": {}}}}},
         "text.format.schema",
@@ -704,3 +696,30 @@ def test_a_required_tool_call_reaches_the_engine_as_a_grammar(
     assert engine.requests[-1].grammar == expected
     r = http.post(path, json=body | auto)
     assert r.status_code == 200 and engine.requests[-1].grammar is None
+
+
+@pytest.mark.parametrize("path", list(FORCED))
+def test_tools_beside_an_output_format_reach_the_engine_as_calls_or_the_json(
+    http: httpx.Client, engine: FakeEngine, path: str
+) -> None:
+    """An output format with tools shown (an agent with an output type): ``auto`` gives the
+    engine the grammar of the tools' calls or the schema's JSON; a forced call the calls'
+    alone (the format is for the answer that follows the tools' results); no tools shown
+    (``none``) the schema's alone."""
+    from sampling.constraint import json_schema_grammar, tool_call_grammar
+
+    tools, forced, auto = FORCED[path]
+    body = {"model": MODEL} | FORMATS[path][0] | FORMATS[path][1] | tools | THINKING[path][1]
+    shown = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
+    vocab = engine.tokenizer.get_vocab()
+    ids = (vocab["<tool_call>"], vocab["</tool_call>"])
+    r = http.post(path, json=body | auto)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == tool_call_grammar(shown, ids, answer_schema=SCHEMA)
+    r = http.post(path, json=body | forced)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == tool_call_grammar(shown, ids, parallel=False)
+    none = {"type": "none"} if path == "/v1/messages" else "none"
+    r = http.post(path, json=body | {"tool_choice": none})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA)

@@ -129,7 +129,7 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         fmt, where = req.output_format, "output_format"
     schema = output_schema(fmt.type, fmt.schema_, f"{where}.schema") if fmt else None
     if schema is not None:
-        check_structured(tools, where, last if prefill else None)
+        check_structured(where, last if prefill else None)
     prompt = chat_format.render(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     # a named tool is asked for once

@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     messages, prefill, kwargs = continued_message(req, messages, kwargs)
     schema = response_schema(req)
     if schema is not None:
-        check_structured(tools, "response_format", "continue_final_message" if prefill else None)
+        check_structured("response_format", "continue_final_message" if prefill else None)
     # templating and tokenizing a long prompt must not hold up every other stream
     prompt = await asyncio.to_thread(
         chat_format.render, state, messages, tools, kwargs, prefill=prefill

@@ -29,7 +29,6 @@ from server.core.output import Block, BlockEvent, OutputDelta
 from server.core.requests import (
     GenerationParams,
     build_requests,
-    check_structured,
     effort_kwargs,
     output_grammar,
     output_schema,
@@ -79,8 +78,6 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
     kwargs = effort_kwargs(req.chat_template_kwargs, effort)
     fmt = req.text.format if req.text is not None else None
     schema = output_schema(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
-    if schema is not None:
-        check_structured(shown, "text.format")
     prompt = chat_format.render(state, template_messages(req), shown, kwargs, param="input")
     forced = choice == "required" or named is not None
     # a named function is asked for once
