@@ -71,6 +71,13 @@ class GenerationRequest:
     #: begins, so that a next turn whose template re-renders the previous reply (Qwen's drops its
     #: think block) still reuses everything before it. None: only the block ends and the end.
     snapshot_at: int | None = None
+    #: A thinking budget: the reply's first tokens are reasoning (the prompt leaves a think
+    #: block open) and once ``reasoning_budget`` of them have come without
+    #: ``reasoning_end`` (the id that closes the block, Qwen's ``</think>``), the next token
+    #: is that id, whatever the model would draw: the answer then follows as the model writes
+    #: it. None: the reasoning runs until the model closes it or ``max_tokens``.
+    reasoning_budget: int | None = None
+    reasoning_end: int | None = None
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -38,6 +38,9 @@ class Progress:
     stop_ids: frozenset[int]
     started: float
     generated: int = 0
+    #: reasoning tokens the thinking budget still allows (None: no budget, or the reasoning
+    #: has ended)
+    reasoning_left: int | None = None
 
     @classmethod
     def start(
@@ -55,11 +58,41 @@ class Progress:
         stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
         stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
         stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
-        return cls(request, policy, stats, trace, stop_ids, time.perf_counter())
+        progress = cls(request, policy, stats, trace, stop_ids, time.perf_counter())
+        progress.reasoning_left = request.reasoning_budget
+        return progress
 
     @property
     def remaining(self) -> int:
         return self.request.max_tokens - self.generated
+
+    def reach(self, remaining: int) -> int:
+        """The most tokens the next cycle may emit: ``remaining``, and under a thinking budget
+        up to the token that closes the reasoning at the latest."""
+        if self.reasoning_left is None:
+            return remaining
+        return min(remaining, self.reasoning_left + 1)
+
+    def bound_reasoning(self, result: CycleResult) -> CycleResult:
+        """``result`` under the thinking budget: its token past the budget replaced by the
+        reasoning's end when the reasoning has not ended before it (``reach`` kept the cycle
+        from emitting more). The replaced token is the cycle's last, not yet fed to the model,
+        so the caches are as they would be had the model drawn it."""
+        left = self.reasoning_left
+        if left is None:
+            return result
+        end = self.request.reasoning_end
+        emitted = result.emitted
+        if end in emitted:
+            self.reasoning_left = None
+            return result
+        if len(emitted) <= left:
+            self.reasoning_left = left - len(emitted)
+            return result
+        if result.committed or len(emitted) != left + 1:
+            raise RuntimeError("a cycle ran past the thinking budget")
+        self.reasoning_left = None
+        return replace(result, emitted=[*emitted[:-1], end])
 
     def cancelled(self) -> GenerationEvent:
         self.stats.generation_seconds = time.perf_counter() - self.started

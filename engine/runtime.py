@@ -285,6 +285,15 @@ class Engine:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
+        if request.reasoning_budget is not None:
+            if request.reasoning_budget < 0:
+                raise RequestError("the reasoning budget must be at least 0", "reasoning_budget")
+            end = request.reasoning_end
+            if end is None or not 0 <= end < self.vocab_size:
+                raise RequestError(
+                    "a reasoning budget needs the id of the token that ends the reasoning",
+                    "reasoning_end",
+                )
         try:  # its ranges hold by construction; its token ids need this model's vocabulary
             request.sampling.check_vocabulary(self.vocab_size)
         except SamplingParamError as exc:
@@ -470,10 +479,14 @@ class Engine:
                 remaining = progress.remaining
                 context_len = len(seq.tokens)
 
-                def own_k(remaining: int = remaining) -> int:
+                # a cycle reaches the token a reasoning budget ends at, never past it: that
+                # token is then chosen on the host (no plain cycle is committed unread there)
+                reach = progress.reach(remaining)
+
+                def own_k(remaining: int = reach) -> int:
                     return policy.choose(seq, remaining) if seq.can_draft else 0
 
-                need = CycleNeed(seq, own_k, remaining - 1, policy.batched_auto, chooser)
+                need = CycleNeed(seq, own_k, reach - 1, policy.batched_auto, chooser)
                 try:
                     result = yield need
                 except GeneratorExit:  # dropped while waiting: the sequence is consistent
@@ -481,6 +494,7 @@ class Engine:
                 except BaseException:  # its cycle failed mid-way: nothing of it is kept
                     kept = None
                     raise
+                result = progress.bound_reasoning(result)
                 n_keep, finish = apply_stops(result.emitted, progress.stop_ids, remaining)
                 t_commit = time.perf_counter()
                 if result.committed:  # the batch committed it and told auto K (look-ahead)

@@ -53,6 +53,9 @@ class GenerationParams:
     draft_tokens: int | Literal["auto"] | None = None
     #: structured output: the llguidance grammar of ``output_grammar`` (None: free text)
     grammar: str | None = None
+    #: the most tokens the reply's reasoning may take (None: no budget); applies where the
+    #: prompt leaves a think block open
+    reasoning_budget: int | None = None
 
 
 def join_text(
@@ -350,9 +353,13 @@ def build_requests(
     engine = state.engine
     sampling = resolve_sampling(state, params)
     draft = params.draft_tokens if params.draft_tokens is not None else engine.default_draft_tokens
+    think_close = ChatFormat.of(engine.tokenizer).think_close
     out: list[GenerationRequest] = []
     for prompt in prompts:
         max_tokens = decide_max_tokens(state, params, len(prompt.ids))
+        budget = (
+            params.reasoning_budget if prompt.opens_reasoning and think_close is not None else None
+        )
         for i in range(params.n):
             choice_sampling = sampling
             if sampling.seed is not None and i:
@@ -371,6 +378,8 @@ def build_requests(
                     top_logprobs=params.top_logprobs,
                     grammar=params.grammar,
                     snapshot_at=prompt.last_turn_start,
+                    reasoning_budget=budget,
+                    reasoning_end=think_close if budget is not None else None,
                 )
             )
     return out

@@ -723,3 +723,21 @@ def test_tools_beside_an_output_format_reach_the_engine_as_calls_or_the_json(
     r = http.post(path, json=body | {"tool_choice": none})
     assert r.status_code == 200, r.text
     assert engine.requests[-1].grammar == json_schema_grammar(SCHEMA)
+
+
+def test_a_thinking_budget_reaches_the_engine_where_the_reply_reasons(
+    http: httpx.Client, engine: FakeEngine
+) -> None:
+    """Anthropic's ``budget_tokens`` becomes the request's reasoning budget with the id of
+    ``</think>`` when thinking is on; thinking off (the prompt closes the block itself) carries
+    none; a budget below 1 is a 400."""
+    body = {"model": MODEL, "max_tokens": 8, "messages": user("TRIGGER_PLAIN")}
+    r = http.post("/v1/messages", json=body | {"thinking": {"type": "enabled", "budget_tokens": 5}})
+    assert r.status_code == 200, r.text
+    req = engine.requests[-1]
+    assert req.reasoning_budget == 5
+    assert req.reasoning_end == engine.tokenizer.get_vocab()["</think>"]
+    r = http.post("/v1/messages", json=body | {"thinking": {"type": "disabled"}})
+    assert r.status_code == 200 and engine.requests[-1].reasoning_budget is None
+    r = http.post("/v1/messages", json=body | {"thinking": {"type": "enabled", "budget_tokens": 0}})
+    assert r.status_code == 400 and "budget_tokens" in r.text, r.text

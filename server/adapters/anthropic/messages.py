@@ -181,6 +181,9 @@ async def messages(request: Request) -> Response:
         stop_param="stop_sequences",
         draft_tokens=req.draft_tokens,
         grammar=grammar,
+        reasoning_budget=req.thinking.budget_tokens
+        if req.thinking is not None and req.thinking.type == "enabled"
+        else None,
     )
     requests = build_requests(state, [prompt], params)
     job = await start_job(

@@ -87,7 +87,8 @@ class ToolChoice(_Base):
 
 class Thinking(_Base):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    #: the most tokens the reasoning takes before the server closes it (``enabled`` only)
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class JSONOutputFormat(_Base):
