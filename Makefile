@@ -79,7 +79,8 @@ soak: install
 # mtpserve vs llama.cpp (built here from the llama-cpp-python sdist's vendored sources, in the
 # git-ignored .llamacpp/); not part of `make test`. Results in bench-results/compare_llamacpp.*
 # SHAPE=runs/shapes/qwen3.5-0.8B (made by `$(PY) scripts/make_shapes.py 0.8B`): plain decoding
-# at that checkpoint's shape instead, F32/BF16/Q8_0/Q4_0 against fp32/bf16/mlx 8-bit/4-bit
+# and 512-token prompt processing at that checkpoint's shape instead, F32/BF16/Q8_0/Q4_0 against
+# fp32/bf16/mlx 8-bit/4-bit
 # (bench-results/compare_llamacpp_shape.*)
 SHAPE ?=
 compare-llamacpp: install

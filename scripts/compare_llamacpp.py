@@ -38,6 +38,13 @@ git-ignored runs/shapes/qwen3.5-0.8B). Fetch and build as above, then per weight
   plain steps (K=0, greedy, EOS ignored, 64 tokens after a short prompt) with the product
   kernel on T threads; for every T of ``--plain-threads`` (2,1), ``--rounds`` (5) rounds, each
   format's two tools one after the other (which goes first alternates), so drift hits both.
+- Prompt processing, beside each decode run: llama.cpp's ``llama-bench -p P -n 0`` against
+  mtpserve's prefill of a P-token prompt through the trunk (``Engine.new_sequence`` without
+  the head: llama.cpp's graph leaves its MTP layers out of a prompt too; chunks of 128, the
+  kernel's products), P = ``--prompt-tokens`` (512; 0 skips it). llama.cpp's AMX path for
+  repacked Q8_0/Q4_0 weights crashed in prompt processing on an AMX CPU (a segfault in
+  ``ggml_backend_amx_mul_mat``); where its run fails it runs again with ``--repack 0`` and the
+  table says so.
 - The bytes of weights a token reads on each side: every weight but the MTP head's (and, where
   the embedding is not the output matrix, the embedding's), as stored.
 
@@ -480,6 +487,33 @@ def llama_bench(
     return [float(ts) for ts in test["samples_ts"]], str(test.get("build_commit", "?"))
 
 
+def llama_bench_prompt(
+    binary: Path, gguf: Path, threads: int, tokens: int, reps: int
+) -> tuple[list[float], bool]:
+    """Prompt tokens/s of each of ``reps`` runs of ``llama-bench -p tokens -n 0``, and whether
+    it ran with ``--repack 0`` (after the default run failed)."""
+    cmd = [str(binary), "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads)]
+    cmd += ["-r", str(reps), "-o", "json"]
+    for extra in ([], ["--repack", "0"]):
+        done = subprocess.run(cmd + extra, capture_output=True, text=True)
+        if done.returncode == 0:
+            (test,) = json.loads(done.stdout)
+            return [float(ts) for ts in test["samples_ts"]], bool(extra)
+    raise RuntimeError(f"llama-bench failed (rc {done.returncode}): {done.stderr[-400:]}")
+
+
+def mtpserve_prefill_tps(engine: Any, tokens: int) -> float:
+    """Prompt tokens/s of mtpserve's prefill of ``tokens`` positions through the trunk, outside
+    the conversation cache (the prompt's last id, one more, is the first decode step's)."""
+    from sampling.params import SamplingParams
+
+    vocab = engine.trunk.args.vocab_size
+    ids = [(PLAIN_PROMPT[i % len(PLAIN_PROMPT)] + 7 * i) % vocab for i in range(tokens + 1)]
+    start = time.perf_counter()
+    engine.new_sequence(ids, SamplingParams(temperature=0.0), draft=False)
+    return tokens / (time.perf_counter() - start)
+
+
 def mtpserve_plain_tps(engine: Any, tokens: int) -> float:
     """Decode tokens/s of mtpserve's plain steps (K=0, greedy): ``tokens`` tokens after the
     first one (the prompt's), timed from that first token to the last."""
@@ -528,6 +562,8 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         folder = model if bits is None else mlx_quantized(args.work, model, bits)
         ours = Engine.load(str(folder), draft_tokens=0, dtype=dtype)
         mtpserve_plain_tps(ours, 4)  # warm-up: the first steps compile
+        if args.prompt_tokens:
+            mtpserve_prefill_tps(ours, min(args.prompt_tokens, 64))
         sides[name] = {
             "gguf": gguf,
             "engine": ours,
@@ -541,6 +577,8 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     # "products: native kernel, <isa>" without the pool's size, which each row sets
     kernel = products.description().rsplit(",", 1)[0] if native else products.description()
     samples: dict[tuple[str, int, str], list[float]] = {}
+    prompt_samples: dict[tuple[str, int, str], list[float]] = {}
+    unpacked: set[str] = set()  # formats whose llama.cpp prompt runs took --repack 0
     llama_commit = "?"
     for r in range(args.rounds):
         for t in threads:
@@ -561,17 +599,44 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
                         ]
                     samples.setdefault((name, t, tool), []).extend(tps)
                     print(f"round {r + 1} {name} {t}t {tool}: {tps}", flush=True)
+                    if not args.prompt_tokens:
+                        continue
+                    if tool == "llama.cpp":
+                        tps, repacked_off = llama_bench_prompt(
+                            bench, side["gguf"], t, args.prompt_tokens, args.reps
+                        )
+                        if repacked_off:
+                            unpacked.add(name)
+                    else:
+                        tps = [
+                            mtpserve_prefill_tps(side["engine"], args.prompt_tokens)
+                            for _ in range(args.reps)
+                        ]
+                    prompt_samples.setdefault((name, t, tool), []).extend(tps)
+                    print(f"round {r + 1} {name} {t}t {tool} prompt: {tps}", flush=True)
     rows = []
     for name in formats:
         for t in threads:
             row: dict[str, Any] = {"format": name, "threads": t}
             for tool in ("llama.cpp", "mtpserve"):
                 row[tool] = {**sides[name][tool], "samples": samples[(name, t, tool)]}
+            if args.prompt_tokens:
+                prompt = {
+                    tool: prompt_samples[(name, t, tool)] for tool in ("llama.cpp", "mtpserve")
+                }
+                row["prompt"] = {
+                    **prompt,
+                    "ratio": statistics.mean(prompt["mtpserve"])
+                    / statistics.mean(prompt["llama.cpp"]),
+                    "ratio_best": max(prompt["mtpserve"]) / max(prompt["llama.cpp"]),
+                    "llama_cpp_repack_off": name in unpacked,
+                }
             rows.append(summarize(row))
     return {
         "model": str(model),
         "rows": rows,
         "tokens": args.plain_tokens,
+        "prompt_tokens": args.prompt_tokens,
         "rounds": args.rounds,
         "reps": args.reps,
         "products": kernel,
@@ -626,6 +691,29 @@ def plain_table(result: dict[str, Any]) -> str:
             f"{ms['read_bytes'] / 1e6:.0f} | {ll['read_gb_per_s']:.1f} | "
             f"{ms['read_gb_per_s']:.1f} |"
         )
+    if not result.get("prompt_tokens"):
+        return "\n".join(lines) + "\n"
+    p = result["prompt_tokens"]
+    lines += [
+        "",
+        f"Prompt processing, {p} tokens: llama.cpp's `llama-bench -p {p} -n 0` against "
+        f"mtpserve's prefill of a {p}-token prompt through the trunk (the MTP head's layer left "
+        "out on both sides), each run beside the decode run above. Tokens/s as above; "
+        "`--repack 0`: llama.cpp's default (AMX-repacked weights) failed there.",
+        "",
+        "| llama.cpp / mtpserve weights | threads | llama.cpp prompt tok/s | mtpserve prompt "
+        "tok/s | mtpserve / llama.cpp, mean | best |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        pr = row["prompt"]
+        weights = f"{row['llama.cpp']['weights']} / {row['mtpserve']['weights']}"
+        if pr["llama_cpp_repack_off"]:
+            weights += " (llama.cpp `--repack 0`)"
+        lines.append(
+            f"| {weights} | {row['threads']} | {spread(pr['llama.cpp'])} | "
+            f"{spread(pr['mtpserve'])} | {pr['ratio']:.2f}x | {pr['ratio_best']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -653,6 +741,7 @@ def main() -> int:
     )
     p.add_argument("--plain-threads", default="2,1")
     p.add_argument("--plain-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=512, help="plain: prefill (0: none)")
     p.add_argument("--rounds", type=int, default=5, help="plain: rounds over every setting")
     p.add_argument("--reps", type=int, default=1, help="plain: runs of each setting per round")
     args = p.parse_args()
