@@ -728,9 +728,20 @@ def test_tools_beside_an_output_format_reach_the_engine_as_calls_or_the_json(
 def test_a_thinking_budget_reaches_the_engine_where_the_reply_reasons(
     http: httpx.Client, engine: FakeEngine
 ) -> None:
-    """Anthropic's ``budget_tokens`` becomes the request's reasoning budget with the id of
-    ``</think>`` when thinking is on; thinking off (the prompt closes the block itself) carries
-    none; a budget below 1 is a 400."""
+    """Anthropic's ``budget_tokens`` (and Chat Completions' ``thinking_token_budget``, vLLM's
+    field) becomes the request's reasoning budget with the id of ``</think>`` when thinking is
+    on; thinking off (the prompt closes the block itself) carries none; a budget below 1 (below
+    0) is a 400."""
+    chat = {"model": MODEL, "max_tokens": 8, "messages": user("TRIGGER_PLAIN")}
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    r = http.post("/v1/chat/completions", json=chat | think | {"thinking_token_budget": 0})
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].reasoning_budget == 0
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = http.post("/v1/chat/completions", json=chat | no_think | {"thinking_token_budget": 3})
+    assert r.status_code == 200 and engine.requests[-1].reasoning_budget is None
+    r = http.post("/v1/chat/completions", json=chat | {"thinking_token_budget": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
     body = {"model": MODEL, "max_tokens": 8, "messages": user("TRIGGER_PLAIN")}
     r = http.post("/v1/messages", json=body | {"thinking": {"type": "enabled", "budget_tokens": 5}})
     assert r.status_code == 200, r.text

@@ -88,7 +88,10 @@ async def chat_completions(request: Request) -> Response:
         chat_format.render, state, messages, tools, kwargs, prefill=prefill
     )
     params = openai_params(
-        req, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_param="messages"
+        req,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_param="messages",
+        reasoning_budget=req.thinking_token_budget,
     )
     named = isinstance(choice, NamedToolChoice)
     params.grammar = await asyncio.to_thread(

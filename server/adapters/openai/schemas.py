@@ -144,6 +144,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = None
     #: Extension (vLLM-compatible): whether to split reasoning out of the content.
     include_reasoning: bool = True
+    #: Extension (vLLM-compatible): the most tokens the reasoning takes before the server
+    #: writes ``</think>`` in the model's place (where the reply starts inside a think block)
+    thinking_token_budget: int | None = Field(None, ge=0)
     #: Extension, opt-in: each streamed chunk carries ``choices[i].mtp_trace`` with the K of
     #: its engine cycle and, per token, its text and whether it was an accepted MTP draft.
     mtp_trace: bool = False
