@@ -171,6 +171,35 @@ def test_pydantic_ai_output_type(server: LiveServer) -> None:
     assert isinstance(agent.run_sync(QUESTION).output, Answer)
 
 
+def test_pydantic_ai_tools_beside_each_output_mode(server: LiveServer) -> None:
+    """An agent with a tool and an output type, the output as a tool (pydantic-ai's default:
+    tool_choice required over both tools) and as the API's own structured output
+    (``NativeOutput``: the tools and ``response_format`` in one request); each run ends with an
+    ``Answer``. (``PromptedOutput`` asks for any JSON object and leaves the schema to the
+    prompt, which the demo model does not follow.)"""
+    needs("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput, ToolOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+
+    provider = OpenAIProvider(base_url=server.url + "/v1", api_key="unused")
+    for output in (ToolOutput(Answer), NativeOutput(Answer)):
+        agent = Agent(
+            OpenAIChatModel(server.model, provider=provider),
+            output_type=output,
+            model_settings=ModelSettings(max_tokens=MAX_TOKENS, **GREEDY),
+        )
+
+        @agent.tool_plain
+        def look_up(topic: Literal["sky", "sea"]) -> str:
+            """Facts about a topic."""
+            return f"the {topic} is blue"
+
+        result = agent.run_sync(QUESTION)
+        assert isinstance(result.output, Answer), type(output).__name__
+
+
 # ------------------------------------------------------------------------------------------
 # langchain
 # ------------------------------------------------------------------------------------------
