@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.blas import all_cores
+from engine.model import products
 from engine.model.attention import RowKVCache
 from engine.model.mlx_products import prefill_on_all_cores
 from engine.model.mtp import MTPHead
@@ -162,7 +163,7 @@ def prefill_steps(
     start = 0
     while start < len(body):
         end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
-        with all_cores(prefill_on_all_cores(trunk, end - start)):
+        with all_cores(prefill_on_all_cores(trunk, end - start)), products.prompt_products():
             chunk = mx.array(body[start:end])[None]
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
             if seq.head_cache is not None:

@@ -27,7 +27,9 @@ widened to float32 for it, one weight at a time: mlx has no fast CPU product for
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
 
 import mlx.core as mx
@@ -51,6 +53,28 @@ _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 _native: ModuleType | None = None
 _reason = ""
+
+#: whether the products being built are a prompt's (``prompt_products``)
+_PROMPT: ContextVar[bool] = ContextVar("prompt_products", default=False)
+
+
+@contextmanager
+def prompt_products() -> Iterator[None]:
+    """The products built inside are a prompt's (a prefill chunk's, the trunk's and the head's):
+    the kernel may take another path for them than for decoding's, the same one for every row
+    count, so that a prompt's caches do not depend on where its chunks split (on AMX tiles,
+    4-bit weights: the tiles' run sums for a prefill chunk of up to 128 rows, where decoding's
+    few rows keep the VNNI kernel's lane sums)."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
+def in_prompt() -> bool:
+    """Whether the products being built are a prompt's (``prompt_products``)."""
+    return _PROMPT.get()
 
 
 def _load() -> None:
@@ -236,6 +260,7 @@ def _on_kernel_together(
         joined=second,
         joined_norm_weight=second_weight,
         joined_eps=second_eps,
+        prompt=_PROMPT.get(),
     )
     return [
         out if (bias := module.get("bias")) is None else out + bias
@@ -279,7 +304,9 @@ def _on_kernel(module: nn.Module, x: mx.array) -> mx.array | None:
     operand = _operand(module, x)
     if operand is not None:
         weight, scales, biases, bits, group = operand
-        out = _native.product(x, weight, scales, biases, bits=bits, group_size=group)
+        out = _native.product(
+            x, weight, scales, biases, bits=bits, group_size=group, prompt=_PROMPT.get()
+        )
     else:
         out = _many_rows(module, x)
         if out is None:

@@ -184,11 +184,13 @@ MAX_COMPILED_T = 9
 def compiled(
     module: Any, kind: str, build: Callable[[Any], Callable[..., Any]]
 ) -> Callable[..., Any]:
-    """The compiled ``build(module)``, cached on the module itself (it dies with the model)."""
+    """The compiled ``build(module)``, cached on the module itself (it dies with the model); a
+    prompt's (``products.prompt_products``) apart from decoding's, whose products it traced."""
     blocks = module.__dict__.setdefault("_mtpserve_compiled", {})
-    if kind not in blocks:
-        blocks[kind] = mx.compile(build(module))
-    return blocks[kind]
+    key = (kind, products.in_prompt())
+    if key not in blocks:
+        blocks[key] = mx.compile(build(module))
+    return blocks[key]
 
 
 def mlp(layer: nn.Module, h: mx.array) -> mx.array:

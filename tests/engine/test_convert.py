@@ -19,7 +19,7 @@ from checkpoints import VARIANTS, Variant
 
 from engine.api import GenerationRequest
 from engine.model import convert as conv
-from engine.model import loader
+from engine.model import loader, products
 from engine.runtime import Engine
 from sampling.params import SamplingParams
 
@@ -90,6 +90,15 @@ def test_round_trip_greedy_speculative_equals_plain(converted, bits: int, head_b
     assert isinstance(head.fc, nn.Linear) and not hasattr(head.fc, "scales")  # fc stays 16-bit
     proposed, accepted = assert_speculative_equals_plain(engine)
     assert 0 < accepted < proposed  # the quantized head drafts, and both paths run
+
+
+@pytest.mark.skipif(not products.on_native(), reason="the native kernel runs on a CPU only")
+def test_a_quantized_prompt_leaves_the_same_caches_however_its_chunks_split(converted) -> None:
+    """A prompt's products of 4-bit weights (on AMX tiles another path than decoding's) are
+    the same bits for every chunk size, so the caches do not depend on where chunks split."""
+    from test_engine import assert_prefill_splits_alike
+
+    assert_prefill_splits_alike(Engine.load(str(converted("dense-tied", 4, 4)), draft_tokens=0))
 
 
 @pytest.mark.fast

@@ -914,9 +914,15 @@ def test_a_prefill_leaves_the_same_caches_however_its_chunks_split_it(load_engin
     every GDN layer's conv and recurrent states (the closed form's blocks of 64 depended on
     where the pieces began) and every attention layer's keys and values (mlx's attention over
     a chunk depended on the chunk)."""
+    assert_prefill_splits_alike(load_engine("dense-tied", draft_tokens=0))
+
+
+def assert_prefill_splits_alike(engine: Engine) -> None:
+    """A 300-token prompt prefilled in one go, resumed at 100, in pieces ending at 37, 200 and
+    251, and in pieces of 5, 125, 166 and 3 tokens (the short ones through the compiled blocks
+    decoding uses too) leaves the same trunk caches bit for bit."""
     from engine.cycle.sequence import new_sequence, prefill
 
-    engine = load_engine("dense-tied", draft_tokens=0)
     ids = engine.tokenizer.encode(" ".join(PROMPTS) * 12)[:300]
     assert len(ids) == 300
 
@@ -936,7 +942,7 @@ def test_a_prefill_leaves_the_same_caches_however_its_chunks_split_it(load_engin
         return held
 
     whole = states([])
-    for ends in ([100], [37, 200, 251]):
+    for ends in ([100], [37, 200, 251], [5, 130, 296]):
         assert all(mx.array_equal(a, b).item() for a, b in zip(whole, states(ends), strict=True))
 
 

@@ -105,9 +105,11 @@ def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
         b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
         codes = _codes(packed, bits, inner).reshape(45, inner // group, group)
         dequantized = (codes * s64[..., None] + b64[..., None]).reshape(45, inner)
-        for rows in (1, 3, 9):
+        for rows, prompt in ((1, False), (3, False), (9, False), (2, True), (20, True)):
             x = _random((rows, inner), rows)
-            got = native.product(mx.array(x), packed, scales, biases, bits=bits, group_size=group)
+            got = native.product(
+                mx.array(x), packed, scales, biases, bits=bits, group_size=group, prompt=prompt
+            )
             exact = x.astype(np.float64) @ dequantized.T
             if bits in (4, 8):
                 _close(got, _as_the_kernel_quantizes(x) @ dequantized.T, 1e-5)
@@ -141,21 +143,28 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
     assert np.array_equal(got[others], clean[others])
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "q8", "q8-group32"])
+@pytest.mark.parametrize(
+    "kind", ["f32", "bf16", "q4", "q8", "q8-group32", "q4-prompt", "q4-group32-prompt"]
+)
 def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind: str) -> None:
+    """Decoding's products, and a prompt's (``prompt``: on AMX tiles 4-bit weights take
+    another path than decoding's, the same for every row count)."""
     inner, out = 1000, 300  # a partial vector at the end of each row, a partial column tile
     x = mx.array(_random((64, inner), 5))
     w = mx.array(_random((out, inner), 6))
     if kind.startswith("q"):
         bits = int(kind[1])
         # group 32 over 992: an odd number of runs of 32 (half a 64-byte block at the end)
-        group, width = (32, 992) if kind.endswith("group32") else (64, 960)
+        group, width = (32, 992) if "group32" in kind else (64, 960)
         packed, scales, biases = mx.quantize(w[:, :width], group_size=group, bits=bits)
         x = x[:, :width]
+        prompt = kind.endswith("prompt")
 
         def run(rows: mx.array) -> np.ndarray:
             return np.array(
-                native.product(rows, packed, scales, biases, bits=bits, group_size=group)
+                native.product(
+                    rows, packed, scales, biases, bits=bits, group_size=group, prompt=prompt
+                )
             )
     else:
         weight = w.astype(mx.bfloat16) if kind == "bf16" else w

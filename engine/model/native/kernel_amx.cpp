@@ -19,7 +19,9 @@
 // the VNNI kernel in one process (scripts/experiments/amx_token.py), is level with it at 1-3
 // rows and faster from 4 (see docs/BENCHMARKS.md, "CPU choices"). 4-bit codes unpacked to bytes
 // for the tiles cost a product of 1-5 rows 1.2-1.6x the VNNI kernel's, so 4-bit weights stay on
-// it.
+// it while decoding; a prompt's products (ProductArgs::prompt: a prefill chunk, up to 128 rows)
+// take the tiles for every row count, each 16-row weight tile unpacked once for all of them,
+// so a prompt's rows are bit for bit the same however its chunks split.
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -85,7 +87,7 @@ void quantize(const ProductArgs& a, QuantizedRows& out) {
   const int runs_a_group = w.group / kRun;
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
   // B tiles for tile products, the rows in order for lane sums (lane_rows)
-  const bool tiled = a.rows > kLaneRows;
+  const bool tiled = a.rows > kLaneRows || w.bits == 4;
   out.q.assign(static_cast<size_t>(tiled ? blocks * runs * kBTile : a.rows * w.in), 0);
   out.scales.assign(static_cast<size_t>(blocks * runs * kTile), 0.0f);
   out.group_sums.assign(static_cast<size_t>(blocks * groups * kTile), 0.0f);
@@ -226,6 +228,33 @@ inline void lane_rows(const uint8_t* codes, int64_t row_bytes, int m, int64_t in
   for (int t = 0; t < N; ++t) _mm512_store_ps(lanes[t], acc[t]);
 }
 
+// The 4-bit codes of `m` weight rows (`in` codes each, two a byte: the even code in the low
+// nibble) as one byte a code, rows `in` bytes apart: the A tiles' layout.
+inline void unpack_codes(const uint8_t* packed, int m, int64_t in, uint8_t* dst) {
+  const int64_t row_bytes = in / 2;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int r = 0; r < m; ++r) {
+    const uint8_t* src = packed + r * row_bytes;
+    uint8_t* out = dst + r * in;
+    int64_t i = 0;
+    for (; i + 32 <= row_bytes; i += 32) {  // 64 codes
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      // per 128-bit lane: bytes 0-7 (unpacklo) and 8-15 (unpackhi) of lo and hi interleaved
+      const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i),
+                          _mm256_permute2x128_si256(a, b, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i + 32),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    for (; i < row_bytes; ++i) {
+      out[2 * i] = src[i] & 0x0f;
+      out[2 * i + 1] = src[i] >> 4;
+    }
+  }
+}
+
 // Tile products of runs j0 .. j0 + count - 1 (count 1..4) into `c`, rows `cs` bytes apart: run
 // j's codes at a + j * 32 (rows a_stride apart) against its B tile at b + j * kBTile.
 inline void run_tiles(const uint8_t* a, int64_t a_stride, const int8_t* b, int64_t j0, int count,
@@ -266,7 +295,13 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t runs = in / kRun;
   const int64_t groups = in / w.group;
   const int runs_a_group = w.group / kRun;
-  const int64_t row_bytes = in;  // a code a byte
+  const int64_t row_bytes = in * w.bits / 8;
+  // 4-bit codes take the tiles for every row count (a prompt's products), one byte a code in
+  // this thread's scratch, unpacked once a weight tile for every block of rows
+  const bool four_bit = w.bits == 4;
+  thread_local std::vector<uint8_t> unpacked;
+  if (four_bit && unpacked.size() < static_cast<size_t>(kTile * in)) unpacked.resize(kTile * in);
+  const int64_t a_stride = in;  // bytes between an A tile's rows: a code a byte
   std::call_once(a.quantized->once, [&] { quantize(a, *a.quantized); });
   const QuantizedRows& xq = *a.quantized;
   const int n = std::min(a.rows, kTile);
@@ -284,14 +319,20 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
 
   for (int64_t o0 = first; o0 < last; o0 += kTile) {
     const int m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
-    if (n > kLaneRows && m != configured) {  // 1-3 rows use no tiles
+    const bool lanes_path = n <= kLaneRows && !four_bit;
+    if (!lanes_path && m != configured) {  // 1-3 rows of 8-bit codes use no tiles
       configure(m, n);
       configured = m;
     }
     transpose_groups(w.scales, w.scale_type, o0, m, groups, scales);
     transpose_groups(w.biases, w.scale_type, o0, m, groups, biases);
-    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
-    if (n <= kLaneRows) {  // up to three rows (one block): the VNNI instruction's sums
+    const uint8_t* packed = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
+    const uint8_t* codes = packed;  // the A tiles' rows, a_stride apart
+    if (four_bit) {
+      unpack_codes(packed, m, in, unpacked.data());
+      codes = unpacked.data();
+    }
+    if (lanes_path) {  // up to three rows (one block): the VNNI instruction's sums
       alignas(64) float rows_out[kLaneRows][kTile];
       const int8_t* q = xq.q.data();
       const float* xs = xq.scales.data();
@@ -314,13 +355,13 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
       // next batch's tile products run (a sum read back right after its tile store waits)
       const int64_t batches = (runs + 3) / 4;
       const auto tiles = [&](int64_t k) {  // runs 4k .. 4k + 3
-        if (b == 0)  // the next tile's rows, a batch's 128 bytes of each
+        if (b == 0)  // the next tile's rows, a batch's 128 codes of each
           for (int r = 0; r < kTile; ++r) {
-            const uint8_t* p = codes + (kTile + r) * row_bytes + 128 * k;
+            const uint8_t* p = packed + (kTile + r) * row_bytes + 128 * w.bits / 8 * k;
             __builtin_prefetch(p, 0, 2);
-            __builtin_prefetch(p + 64, 0, 2);
+            if (!four_bit) __builtin_prefetch(p + 64, 0, 2);
           }
-        run_tiles(codes, row_bytes, tile_b, 4 * k,
+        run_tiles(codes, a_stride, tile_b, 4 * k,
                   static_cast<int>(std::min<int64_t>(4, runs - 4 * k)), n * 4, c[k & 1]);
       };
       // every run in order, body(run, its sums), batch k's sums combined while batch k + 1's
@@ -428,7 +469,8 @@ bool amx_usable() {
 
 void columns_amx(const ProductArgs& a, int64_t first, int64_t last) {
   const WeightView& w = a.w;
-  if (w.kind == WeightKind::affine && w.bits == 8 && w.group % kRun == 0) {
+  if (w.kind == WeightKind::affine && (w.bits == 8 || (w.bits == 4 && a.prompt)) &&
+      w.group % kRun == 0) {
     integer_columns(a, first, last);
     return;
   }

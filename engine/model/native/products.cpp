@@ -249,6 +249,7 @@ struct ProductExtras {
   // the MTP head's embedding and hidden state, each with its own norm, joined for its fc
   bool joined = false;
   float eps2 = 0.0f;
+  bool prompt = false;  // ProductArgs::prompt
   bool operator==(const ProductExtras&) const = default;
 };
 
@@ -325,7 +326,7 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
     const int64_t out = ys[i].shape(-1);
     args.push_back({widened.data(), stride, static_cast<int>(rows),
                     view_of(weight, specs[i], in, out), ys[i].data<void>(),
-                    real_of(ys[i].dtype()), &quantized[i]});
+                    real_of(ys[i].dtype()), &quantized[i], extras.prompt});
     bytes += static_cast<int64_t>(weight->nbytes());
     weight += specs[i].inputs();
   }
@@ -468,12 +469,15 @@ mx::array product(
     const std::optional<mx::array>& scales,
     const std::optional<mx::array>& biases,
     int bits,
-    int group_size) {
+    int group_size,
+    bool prompt) {
   if (x.ndim() < 1) throw std::invalid_argument("product: x [..., in], w [out, in]");
   real_of(x.dtype());
   std::vector<mx::array> inputs{x};
   std::vector<WeightSpec> specs{add_weight(inputs, x.shape(-1), w, scales, biases, bits, group_size)};
-  return products_of(x, std::move(inputs), std::move(specs))[0];
+  ProductExtras extras;
+  extras.prompt = prompt;
+  return products_of(x, std::move(inputs), std::move(specs), extras)[0];
 }
 
 // A weight as Python hands it to `products`: (w, scales, biases, bits, group_size).
@@ -486,7 +490,7 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
                                 const std::optional<mx::array>& up,
                                 const std::optional<mx::array>& joined,
                                 const std::optional<mx::array>& joined_norm_weight,
-                                float joined_eps) {
+                                float joined_eps, bool prompt) {
   if (x.ndim() < 1 || weights.empty())
     throw std::invalid_argument("products: x [..., in] and at least one weight");
   real_of(x.dtype());
@@ -496,6 +500,7 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   for (const auto& [w, scales, biases, bits, group] : weights)
     specs.push_back(add_weight(inputs, in, w, scales, biases, bits, group));
   ProductExtras extras;
+  extras.prompt = prompt;
   if (norm_weight) {
     if (x.dtype() != mx::float32 || norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(-1))
       throw std::invalid_argument("products: a norm needs float32 x [..., in] and weight [in]");
@@ -626,8 +631,11 @@ NB_MODULE(_products, m) {
       "biases"_a = nb::none(),
       "bits"_a = 0,
       "group_size"_a = 0,
+      "prompt"_a = false,
       "x @ w.T for w [out, in] in float32/bfloat16/float16, or mlx's affine-quantized layout "
-      "(packed uint32 codes with scales and biases, as mx.quantize writes); lazy, like any op.");
+      "(packed uint32 codes with scales and biases, as mx.quantize writes); lazy, like any op. "
+      "prompt: a prefill's product, whose path may differ from decoding's (the same for every "
+      "row count).");
   m.def(
       "products",
       &products,
@@ -640,6 +648,7 @@ NB_MODULE(_products, m) {
       "joined"_a = nb::none(),
       "joined_norm_weight"_a = nb::none(),
       "joined_eps"_a = 0.0f,
+      "prompt"_a = false,
       "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
       "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
       "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "

@@ -54,6 +54,9 @@ struct ProductArgs {
   void* y;  // [rows, out] of `y_type`, row-major
   Real y_type;
   QuantizedRows* quantized;  // filled once a product, where its weight is 4- or 8-bit
+  // a prompt's product (prefill): an instruction set may take another path for it than for
+  // decoding's, the same one for every row count (kernel_amx.cpp: 4-bit weights on tiles)
+  bool prompt = false;
 };
 
 // Rows of x are padded to a multiple of this many floats (the widest vector).
