@@ -63,8 +63,8 @@ def prompt_products() -> Iterator[None]:
     """The products built inside are a prompt's (a prefill chunk's, the trunk's and the head's):
     the kernel may take another path for them than for decoding's, the same one for every row
     count, so that a prompt's caches do not depend on where its chunks split (on AMX tiles,
-    4-bit weights: the tiles' run sums for a prefill chunk of up to 128 rows, where decoding's
-    few rows keep the VNNI kernel's lane sums)."""
+    4-bit and bf16 weights: tile products for a prefill chunk of up to 128 rows, where
+    decoding's few rows keep the VNNI kernel's lane sums)."""
     token = _PROMPT.set(True)
     try:
         yield

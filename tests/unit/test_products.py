@@ -57,6 +57,12 @@ def test_dense_against_float64(isa: str, dtype: mx.Dtype, rows: int, out: int, i
     w = mx.array(_random((out, inner), 2)).astype(dtype)
     want = x.astype(np.float64) @ np.array(w.astype(mx.float32)).astype(np.float64).T
     _close(native.product(mx.array(x), w), want, 1e-5)
+    # a prompt's product (on AMX tiles bf16 weights take the activation in three bf16 parts)
+    _close(native.product(mx.array(x), w, prompt=True), want, 1e-5)
+    wide = mx.array(_random((out, 96), 4)).astype(dtype)  # 32-column steps for the tiles
+    x96 = _random((rows, 96), 5)
+    want96 = x96.astype(np.float64) @ np.array(wide.astype(mx.float32)).astype(np.float64).T
+    _close(native.product(mx.array(x96), wide, prompt=True), want96, 1e-5)
     # a narrower activation: the output takes its type
     y = native.product(mx.array(x).astype(dtype), w)
     assert y.dtype == dtype
@@ -144,7 +150,8 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
 
 
 @pytest.mark.parametrize(
-    "kind", ["f32", "bf16", "q4", "q8", "q8-group32", "q4-prompt", "q4-group32-prompt"]
+    "kind",
+    ["f32", "bf16", "q4", "q8", "q8-group32", "q4-prompt", "q4-group32-prompt", "bf16-prompt"],
 )
 def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind: str) -> None:
     """Decoding's products, and a prompt's (``prompt``: on AMX tiles 4-bit weights take
@@ -167,10 +174,13 @@ def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind
                 )
             )
     else:
-        weight = w.astype(mx.bfloat16) if kind == "bf16" else w
+        weight = w.astype(mx.bfloat16) if kind.startswith("bf16") else w
+        if kind == "bf16-prompt":  # whole 32-column steps: the AMX tiles take it
+            weight, x = mx.contiguous(weight[:, :992]), x[:, :992]
+        prompt = kind.endswith("prompt")
 
         def run(rows: mx.array) -> np.ndarray:
-            return np.array(native.product(rows, weight))
+            return np.array(native.product(rows, weight, prompt=prompt))
 
     alone = np.concatenate([run(x[t : t + 1]) for t in range(x.shape[0])])
     before = native.threads()

@@ -1,6 +1,7 @@
 // AVX-512 with AMX-INT8 (Intel's tile matrix unit): 8-bit affine weights of products of 4 rows
 // or more multiplied as tiles of 16 weight rows by 32 codes against tiles of the quantized
-// activations; every other weight on the AVX-512 VNNI kernel.
+// activations, and a prompt's 4-bit and (with AMX-BF16) bf16 products on tiles too; every other
+// weight on the AVX-512 VNNI kernel.
 //
 // y[t, o] = sum over runs j of  C[j][o, t] * (xs[t, j] * scale[o, g(j)])
 //                               + (after a group's last run) bias[o, g] * group_sum[t, g]
@@ -21,7 +22,8 @@
 // for the tiles cost a product of 1-5 rows 1.2-1.6x the VNNI kernel's, so 4-bit weights stay on
 // it while decoding; a prompt's products (ProductArgs::prompt: a prefill chunk, up to 128 rows)
 // take the tiles for every row count, each 16-row weight tile unpacked once for all of them,
-// so a prompt's rows are bit for bit the same however its chunks split.
+// so a prompt's rows are bit for bit the same however its chunks split. A prompt's bf16 products
+// take TDPBF16PS over the activation in three bf16 parts (bf16_columns below).
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -453,6 +455,151 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
   if (configured) _tile_release();
 }
 
+// -- a prompt's bf16 weights: TDPBF16PS over the activation in three bf16 parts --------------
+//
+// y[t, o] = sum over steps of 32 columns k of  A[o, k..] . (hi + mid + lo)[t, k..]
+// where x = hi + mid + lo exactly enough for fp32 (hi = bf16(x), mid = bf16(x - hi), lo =
+// bf16(x - hi - mid)): each part's products are exact in the tile's fp32 accumulator, which
+// keeps C over the whole row. A (16 weight rows of 32 bf16) is read where it lies; B (16 column
+// pairs by 16 activation rows, the unit's pair-interleaved layout) is prepared once a product.
+// Each output's sequence is the same for every row count, so a prompt's chunks agree however
+// they split (not the AVX-512 kernel's bits, which decoding keeps).
+
+constexpr int kPairStep = 32;  // columns a tile product: 16 pairs
+constexpr int kBf16BTile = 16 * 64;  // bytes of one part's B tile
+
+bool amx_bf16_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    return amx_usable() && (edx & (1u << 22));
+  }();
+  return usable;
+}
+
+// tmm0-3: C, `m` outputs by `n` rows of fp32 (four blocks of rows); tmm4: A, `m` rows of 32
+// bf16; tmm5-7: the three parts' B tiles, 16 pairs by `n` rows.
+void configure_bf16(int m, int n) {
+  TileConfig c;
+  for (int i = 0; i < 4; ++i) {
+    c.rows[i] = static_cast<uint8_t>(m);
+    c.colsb[i] = static_cast<uint16_t>(n * 4);
+  }
+  c.rows[4] = static_cast<uint8_t>(m);
+  c.colsb[4] = 64;
+  for (int i = 5; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = static_cast<uint16_t>(n * 4);
+  }
+  _tile_loadconfig(&c);
+}
+
+// 16 floats rounded to bf16 (nearest, ties to even) as the high halves of 32-bit lanes, the
+// rest zero; inf and NaN stay what they are (a row's non-finite input stays in its outputs),
+// and a finite |x| within half a bf16 step of fp32's largest rounds to inf.
+inline __m512i bf16_high(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// B tiles of every block of 16 rows (zero rows past the last), step and part:
+// b[((block * steps + s) * 3 + part) * kBf16BTile], pair r of row n at bytes r * 64 + n * 4.
+void split_rows(const ProductArgs& a, std::vector<uint16_t>& b) {
+  const int64_t steps = a.w.in / kPairStep;
+  const int64_t blocks = (a.rows + kTile - 1) / kTile;
+  b.assign(static_cast<size_t>(blocks * steps * 3 * kBf16BTile / 2), 0);
+  alignas(64) uint32_t parts[3][kPairStep];
+  for (int t = 0; t < a.rows; ++t) {
+    const int64_t block = t / kTile;
+    const int n = t % kTile;
+    const float* xr = a.x + t * a.x_stride;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int h = 0; h < 2; ++h) {
+        __m512 rest = _mm512_loadu_ps(xr + s * kPairStep + 16 * h);
+        for (int part = 0; part < 3; ++part) {
+          const __m512i high = bf16_high(rest);
+          rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(high));
+          _mm512_store_si512(parts[part] + 16 * h, _mm512_srli_epi32(high, 16));
+        }
+      }
+      for (int part = 0; part < 3; ++part) {
+        uint16_t* tile = b.data() + ((block * steps + s) * 3 + part) * (kBf16BTile / 2);
+        for (int r = 0; r < 16; ++r) {
+          tile[r * 32 + n * 2] = static_cast<uint16_t>(parts[part][2 * r]);
+          tile[r * 32 + n * 2 + 1] = static_cast<uint16_t>(parts[part][2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+void bf16_columns(const ProductArgs& a, int64_t first, int64_t last) {
+  const WeightView& w = a.w;
+  const int64_t in = w.in;
+  const int64_t out = w.out;
+  const int64_t steps = in / kPairStep;
+  const int64_t row_bytes = in * 2;
+  std::call_once(a.quantized->once, [&] { split_rows(a, a.quantized->parts); });
+  const uint16_t* b_tiles = a.quantized->parts.data();
+  const int n = std::min(a.rows, kTile);
+  const int64_t blocks = (a.rows + kTile - 1) / kTile;
+  alignas(64) float c[kTile * kTile];
+  int configured = 0;
+  for (int64_t o0 = first; o0 < last; o0 += kTile) {
+    const int m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
+    if (m != configured) {
+      configure_bf16(m, n);
+      configured = m;
+    }
+    const auto* weights = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
+    constexpr int64_t part = kBf16BTile / 2;  // uint16 a part's tile
+    // up to four blocks of rows at a time (C in tmm0-3): each A tile loaded once for them
+    for (int64_t block = 0; block < blocks; block += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, blocks - block));
+      const uint16_t* b0 = b_tiles + block * steps * 3 * part;
+      const int64_t block_step = steps * 3 * part;
+      _tile_zero(0);
+      if (count > 1) _tile_zero(1);
+      if (count > 2) _tile_zero(2);
+      if (count > 3) _tile_zero(3);
+#define MTPSERVE_BF16_PARTS(C, K)                             \
+  {                                                           \
+    const uint16_t* pk = b0 + (K) * block_step + s * 3 * part; \
+    _tile_loadd(5, pk, 64);                                   \
+    _tile_loadd(6, pk + part, 64);                            \
+    _tile_loadd(7, pk + 2 * part, 64);                        \
+    _tile_dpbf16ps(C, 4, 5);                                  \
+    _tile_dpbf16ps(C, 4, 6);                                  \
+    _tile_dpbf16ps(C, 4, 7);                                  \
+  }
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(4, weights + s * 64, row_bytes);
+        MTPSERVE_BF16_PARTS(0, 0)
+        if (count > 1) MTPSERVE_BF16_PARTS(1, 1)
+        if (count > 2) MTPSERVE_BF16_PARTS(2, 2)
+        if (count > 3) MTPSERVE_BF16_PARTS(3, 3)
+      }
+#undef MTPSERVE_BF16_PARTS
+      for (int k = 0; k < count; ++k) {
+        switch (k) {
+          case 0: _tile_stored(0, c, n * 4); break;
+          case 1: _tile_stored(1, c, n * 4); break;
+          case 2: _tile_stored(2, c, n * 4); break;
+          default: _tile_stored(3, c, n * 4);
+        }
+        const int64_t bk = block + k;
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, a.rows - bk * kTile));
+        for (int r = 0; r < m; ++r)
+          for (int t = 0; t < rows; ++t)
+            store_real(a.y, a.y_type, (bk * kTile + t) * out + o0 + r, c[r * n + t]);
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
+
 }  // namespace
 
 bool amx_usable() {
@@ -472,6 +619,10 @@ void columns_amx(const ProductArgs& a, int64_t first, int64_t last) {
   if (w.kind == WeightKind::affine && (w.bits == 8 || (w.bits == 4 && a.prompt)) &&
       w.group % kRun == 0) {
     integer_columns(a, first, last);
+    return;
+  }
+  if (a.prompt && w.kind == WeightKind::bf16 && w.in % kPairStep == 0 && amx_bf16_usable()) {
+    bf16_columns(a, first, last);
     return;
   }
   columns_avx512_vnni(a, first, last);

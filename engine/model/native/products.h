@@ -41,6 +41,8 @@ struct QuantizedRows {
   std::vector<float> group_sums;
   int64_t q_stride = 0;
   int64_t scale_stride = 0;
+  // a prompt's bf16 products on AMX tiles: the activation's three bf16 parts (kernel_amx.cpp)
+  std::vector<uint16_t> parts;
 };
 
 // One product's operands, as every kernel sees them. `x` is the activation widened to fp32,
@@ -55,7 +57,8 @@ struct ProductArgs {
   Real y_type;
   QuantizedRows* quantized;  // filled once a product, where its weight is 4- or 8-bit
   // a prompt's product (prefill): an instruction set may take another path for it than for
-  // decoding's, the same one for every row count (kernel_amx.cpp: 4-bit weights on tiles)
+  // decoding's, the same one for every row count (kernel_amx.cpp: 4-bit and bf16 weights on
+  // tiles)
   bool prompt = false;
 };
 
