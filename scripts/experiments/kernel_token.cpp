@@ -5,7 +5,7 @@
 // speed. What the kernel's own loops cost, apart from the per-op dispatch the primitive adds:
 //
 //   g++ -std=c++20 -O3 -fno-fast-math -ffp-contract=off -mavx512f -mavx512bw -mavx512vl \
-//     -mavx512dq -mavx512vnni -mamx-tile -mamx-int8 -mavx2 -mfma -mf16c -DMTPSERVE_AMX \
+//     -mavx512dq -mavx512vnni -mamx-tile -mamx-int8 -mamx-bf16 -mavx2 -mfma -mf16c -DMTPSERVE_AMX \
 //     -Iengine/model/native scripts/experiments/kernel_token.cpp \
 //     engine/model/native/kernel_avx512_vnni.cpp engine/model/native/kernel_amx.cpp \
 //     -lpthread -o /tmp/kernel_token
@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
   for (auto& v : x) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
   std::vector<uint16_t> y(rows * 248320);
   std::vector<QuantizedRows> quantized(weights.size());
+  SharedRows shared;  // the bf16 path's; unused by these 4- and 8-bit weights
   std::vector<double> product_s(weights.size(), 1e9);  // each product's best, thread 0's clock
   bool reading = false;
   std::atomic<int64_t> sink{0};
@@ -192,7 +193,7 @@ int main(int argc, char** argv) {
       const auto [out, in] = w.shape;
       const WeightView view{WeightKind::affine, w.codes.data(), w.scales.data(), w.biases.data(),
                             Real::bf16, bits, 64, out, in};
-      const ProductArgs args{x.data(), in, rows, view, y.data(), Real::bf16, &quantized[i]};
+      const ProductArgs args{x.data(), in, rows, view, y.data(), Real::bf16, &quantized[i], &shared};
       const int64_t middle = (out / 2 + 15) / 16 * 16;
       const int64_t first = half ? middle : 0, last = half ? out : middle;
       if (first < last) kernel(args, first, last);

@@ -510,25 +510,28 @@ void split_rows(const ProductArgs& a, std::vector<uint16_t>& b) {
   const int64_t steps = a.w.in / kPairStep;
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
   b.assign(static_cast<size_t>(blocks * steps * 3 * kBf16BTile / 2), 0);
-  alignas(64) uint32_t parts[3][kPairStep];
+  auto* tiles = reinterpret_cast<int32_t*>(b.data());
+  constexpr int64_t kTileWords = kBf16BTile / 4;
+  // pair r of a half's 16 columns (columns 2r, 2r + 1) is row r of the tile: 16 words apart
+  const __m256i pair_rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  const __m512i low16 = _mm512_set1_epi64(0xffff), high16 = _mm512_set1_epi64(0xffff0000);
   for (int t = 0; t < a.rows; ++t) {
     const int64_t block = t / kTile;
     const int n = t % kTile;
     const float* xr = a.x + t * a.x_stride;
     for (int64_t s = 0; s < steps; ++s) {
+      int32_t* step = tiles + (block * steps + s) * 3 * kTileWords + n;
       for (int h = 0; h < 2; ++h) {
         __m512 rest = _mm512_loadu_ps(xr + s * kPairStep + 16 * h);
         for (int part = 0; part < 3; ++part) {
           const __m512i high = bf16_high(rest);
           rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(high));
-          _mm512_store_si512(parts[part] + 16 * h, _mm512_srli_epi32(high, 16));
-        }
-      }
-      for (int part = 0; part < 3; ++part) {
-        uint16_t* tile = b.data() + ((block * steps + s) * 3 + part) * (kBf16BTile / 2);
-        for (int r = 0; r < 16; ++r) {
-          tile[r * 32 + n * 2] = static_cast<uint16_t>(parts[part][2 * r]);
-          tile[r * 32 + n * 2 + 1] = static_cast<uint16_t>(parts[part][2 * r + 1]);
+          // 64-bit lane r: column 2r's bf16 in its low 16 bits, column 2r + 1's above
+          const __m512i pairs =
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(high, 16), low16),
+                              _mm512_and_si512(_mm512_srli_epi64(high, 32), high16));
+          _mm256_i32scatter_epi32(step + part * kTileWords + h * 8 * 16, pair_rows,
+                                  _mm512_cvtepi64_epi32(pairs), 4);
         }
       }
     }
@@ -541,8 +544,8 @@ void bf16_columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t out = w.out;
   const int64_t steps = in / kPairStep;
   const int64_t row_bytes = in * 2;
-  std::call_once(a.quantized->once, [&] { split_rows(a, a.quantized->parts); });
-  const uint16_t* b_tiles = a.quantized->parts.data();
+  std::call_once(a.shared->once, [&] { split_rows(a, a.shared->bf16_parts); });
+  const uint16_t* b_tiles = a.shared->bf16_parts.data();
   const int n = std::min(a.rows, kTile);
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
   alignas(64) float c[kTile * kTile];

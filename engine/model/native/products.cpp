@@ -318,6 +318,7 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
   };
   const size_t n = specs.size();
   std::vector<QuantizedRows> quantized(n);
+  SharedRows shared;
   std::vector<ProductArgs> args;
   args.reserve(n);
   int64_t bytes = 0;
@@ -326,7 +327,7 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
     const int64_t out = ys[i].shape(-1);
     args.push_back({widened.data(), stride, static_cast<int>(rows),
                     view_of(weight, specs[i], in, out), ys[i].data<void>(),
-                    real_of(ys[i].dtype()), &quantized[i], extras.prompt});
+                    real_of(ys[i].dtype()), &quantized[i], &shared, extras.prompt});
     bytes += static_cast<int64_t>(weight->nbytes());
     weight += specs[i].inputs();
   }

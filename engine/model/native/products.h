@@ -41,8 +41,14 @@ struct QuantizedRows {
   std::vector<float> group_sums;
   int64_t q_stride = 0;
   int64_t scale_stride = 0;
-  // a prompt's bf16 products on AMX tiles: the activation's three bf16 parts (kernel_amx.cpp)
-  std::vector<uint16_t> parts;
+};
+
+// The activation as every weight of one op may take it whatever the weight (an instruction
+// set's own layout of x, made once an op by whichever product needs it first): a prompt's bf16
+// products on AMX tiles take x in three bf16 parts (kernel_amx.cpp).
+struct SharedRows {
+  std::once_flag once;
+  std::vector<uint16_t> bf16_parts;
 };
 
 // One product's operands, as every kernel sees them. `x` is the activation widened to fp32,
@@ -56,6 +62,7 @@ struct ProductArgs {
   void* y;  // [rows, out] of `y_type`, row-major
   Real y_type;
   QuantizedRows* quantized;  // filled once a product, where its weight is 4- or 8-bit
+  SharedRows* shared;  // filled once an op, where a weight's path needs it
   // a prompt's product (prefill): an instruction set may take another path for it than for
   // decoding's, the same one for every row count (kernel_amx.cpp: 4-bit and bf16 weights on
   // tiles)
