@@ -588,32 +588,28 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
                 side = sides[name]
                 tools = ["llama.cpp", "mtpserve"][:: -1 if r % 2 else 1]
                 for tool in tools:
-                    if tool == "llama.cpp":
-                        tps, llama_commit = llama_bench(
-                            bench, side["gguf"], t, args.plain_tokens, args.reps
-                        )
-                    else:
-                        tps = [
-                            mtpserve_plain_tps(side["engine"], args.plain_tokens)
-                            for _ in range(args.reps)
-                        ]
-                    samples.setdefault((name, t, tool), []).extend(tps)
-                    print(f"round {r + 1} {name} {t}t {tool}: {tps}", flush=True)
-                    if not args.prompt_tokens:
-                        continue
-                    if tool == "llama.cpp":
-                        tps, repacked_off = llama_bench_prompt(
-                            bench, side["gguf"], t, args.prompt_tokens, args.reps
-                        )
-                        if repacked_off:
-                            unpacked.add(name)
-                    else:
-                        tps = [
-                            mtpserve_prefill_tps(side["engine"], args.prompt_tokens)
-                            for _ in range(args.reps)
-                        ]
-                    prompt_samples.setdefault((name, t, tool), []).extend(tps)
-                    print(f"round {r + 1} {name} {t}t {tool} prompt: {tps}", flush=True)
+                    # decoding, then the prompt (when asked for), each tool's runs in a row
+                    for what, store, tokens in (
+                        ("", samples, args.plain_tokens),
+                        (" prompt", prompt_samples, args.prompt_tokens),
+                    ):
+                        if not tokens:
+                            continue
+                        if tool == "mtpserve":
+                            measure = mtpserve_prefill_tps if what else mtpserve_plain_tps
+                            tps = [measure(side["engine"], tokens) for _ in range(args.reps)]
+                        elif what:
+                            tps, repack_off = llama_bench_prompt(
+                                bench, side["gguf"], t, tokens, args.reps
+                            )
+                            if repack_off:
+                                unpacked.add(name)
+                        else:
+                            tps, llama_commit = llama_bench(
+                                bench, side["gguf"], t, tokens, args.reps
+                            )
+                        store.setdefault((name, t, tool), []).extend(tps)
+                        print(f"round {r + 1} {name} {t}t {tool}{what}: {tps}", flush=True)
     rows = []
     for name in formats:
         for t in threads:

@@ -238,22 +238,18 @@ def test_langchain_with_structured_output(server: LiveServer) -> None:
 # ------------------------------------------------------------------------------------------
 # openai-agents: Chat Completions and Responses models, a tool round trip, streamed too
 # ------------------------------------------------------------------------------------------
-def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> None:
-    needs("agents")
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def agents_sdk() -> Any:
+    """The openai-agents package, its tracing off (traces would go to OpenAI's servers)."""
+    agents = needs("agents")
+    agents.set_tracing_disabled(True)
+    return agents
 
-    set_tracing_disabled(True)  # traces would go to OpenAI's servers
+
+def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> None:
+    agents = agents_sdk()
     ran: list[str] = []
 
-    @function_tool
+    @agents.function_tool
     def get_weather(city: Literal["Paris", "Lima"]) -> str:
         """The weather in a city."""
         ran.append(city)
@@ -261,13 +257,13 @@ def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> Non
 
     async def run(model_class: type, streamed: bool) -> str:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(
+        agent = agents.Agent(
             name="weather",
             instructions="Answer with the weather tool.",
             tools=[get_weather],
             model=model_class(model=server.model, openai_client=client),
             # the first turn must call the tool; the SDK then resets tool_choice to auto
-            model_settings=ModelSettings(
+            model_settings=agents.ModelSettings(
                 tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
             ),
             # streamed, the run ends with the tool's output: the demo model's free text after
@@ -275,13 +271,13 @@ def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> Non
             tool_use_behavior="stop_on_first_tool" if streamed else "run_llm_again",
         )
         if not streamed:
-            return (await Runner.run(agent, "Weather in Paris?", max_turns=3)).final_output
-        result = Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
+            return (await agents.Runner.run(agent, "Weather in Paris?", max_turns=3)).final_output
+        result = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
         kinds = {event.type async for event in result.stream_events()}
         assert "raw_response_event" in kinds
         return result.final_output
 
-    for model_class in (OpenAIChatCompletionsModel, OpenAIResponsesModel):
+    for model_class in (agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel):
         for streamed in (False, True):
             ran.clear()
             output = asyncio.run(run(model_class, streamed))
@@ -295,40 +291,29 @@ def test_openai_agents_output_type_with_tools(server: LiveServer) -> None:
     """An agent with tools and an output type: after the required tool call the SDK sends the
     tools and the output type's schema together (tool_choice back to auto), and the model
     either calls a tool or answers in the schema; the run ends with an ``Answer``."""
-    needs("agents")
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)
+    agents = agents_sdk()
     ran: list[str] = []
 
-    @function_tool
+    @agents.function_tool
     def look_up(topic: Literal["sky", "sea"]) -> str:
         """Facts about a topic."""
         ran.append(topic)
         return f"the {topic} is blue"
 
-    for model_class in (OpenAIChatCompletionsModel, OpenAIResponsesModel):
+    for model_class in (agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel):
         ran.clear()
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(
+        agent = agents.Agent(
             name="facts",
             instructions="Look the topic up, then answer.",
             tools=[look_up],
             output_type=Answer,
             model=model_class(model=server.model, openai_client=client),
-            model_settings=ModelSettings(
+            model_settings=agents.ModelSettings(
                 tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
             ),
         )
-        result = asyncio.run(Runner.run(agent, QUESTION, max_turns=4))
+        result = asyncio.run(agents.Runner.run(agent, QUESTION, max_turns=4))
         assert isinstance(result.final_output, Answer), model_class
         assert ran and set(ran) <= {"sky", "sea"}, (model_class, ran)
 
