@@ -142,6 +142,39 @@ MUTATIONS = [
         ),
         "BatchK leaves plain cycles launched ahead untimed: K=0 priced without its overlap",
     ),
+    Mutation(
+        "budget-past-its-token",
+        "engine/request_progress.py",
+        "        return min(remaining, self.reasoning_left + 1)",
+        "        return min(remaining, self.reasoning_left + 2)",
+        (
+            "tests/engine/test_reasoning_budget.py::"
+            "test_the_budgets_token_ends_the_reasoning_and_the_rest_is_exact",
+        ),
+        "a cycle may run past the thinking budget's token, which then cannot be replaced",
+    ),
+    Mutation(
+        "format-hides-tools",
+        "sampling/constraint.py",
+        '        reply = "(calls | answer)"',
+        '        reply = "answer"',
+        (
+            "tests/engine/test_constraint.py::"
+            "test_tools_beside_an_output_schema_allow_their_calls_or_the_json_answer",
+        ),
+        "an output format beside tools allows the JSON alone: an agent cannot call its tools",
+    ),
+    Mutation(
+        "prompt-blocks-shared",
+        "engine/model/trunk.py",
+        "    key = (kind, products.in_prompt())",
+        "    key = (kind, False)",
+        (
+            "tests/engine/test_convert.py::"
+            "test_a_quantized_prompt_leaves_the_same_caches_however_its_chunks_split",
+        ),
+        "a prompt's short chunks reuse decoding's compiled blocks, traced without the prompt flag",
+    ),
 ]
 
 
