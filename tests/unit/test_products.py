@@ -270,20 +270,27 @@ def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> No
     x = mx.array(_random((2, 3, 128), 21))
     packed4 = mx.quantize(mx.array(_random((48, 128), 22)), group_size=64, bits=4)
     packed8 = mx.quantize(mx.array(_random((8, 128), 23)), group_size=32, bits=8)
+    # two of each quantized kind: they take x quantized once for both
+    packed4b = mx.quantize(mx.array(_random((32, 128), 27)), group_size=64, bits=4)
+    packed8b = mx.quantize(mx.array(_random((24, 128), 28)), group_size=32, bits=8)
     weights = [
         (mx.array(_random((1000, 128), 24)), None, None, 0, 0),
         (mx.array(_random((3, 128), 25)).astype(mx.bfloat16), None, None, 0, 0),
         (*packed4, 4, 64),
         (mx.array(_random((16, 128), 26)).astype(mx.float16), None, None, 0, 0),
         (*packed8, 8, 32),
+        (*packed4b, 4, 64),
+        (*packed8b, 8, 32),
     ]
     before = native.threads()
     try:
-        for threads in (1, 2, 3):
+        for threads, prompt in ((1, False), (2, False), (3, False), (2, True)):
             native.set_threads(threads)
-            together = native.products(x, weights)
+            together = native.products(x, weights, prompt=prompt)
             for out, (w, scales, biases, bits, group) in zip(together, weights, strict=True):
-                alone = native.product(x, w, scales, biases, bits=bits, group_size=group)
+                alone = native.product(
+                    x, w, scales, biases, bits=bits, group_size=group, prompt=prompt
+                )
                 assert out.shape == (2, 3, w.shape[0])
                 assert np.array_equal(np.array(out), np.array(alone)), (threads, bits, w.dtype)
     finally:

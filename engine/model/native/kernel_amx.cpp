@@ -103,7 +103,7 @@ void quantize(const ProductArgs& a, QuantizedRows& out) {
       const float scale = quantize_run(xr + j * kRun, q, run_sum);
       if (tiled) {
         int8_t* tile = out.q.data() + (b * runs + j) * kBTile;
-        for (int k = 0; k < kRun; ++k) tile[(k / 4) * 64 + n * 4 + k % 4] = q[k];
+        for (int k = 0; k < kRun; k += 4) std::memcpy(tile + (k / 4) * 64 + n * 4, q + k, 4);
       } else {
         std::memcpy(out.q.data() + t * w.in + j * kRun, q, kRun);
       }

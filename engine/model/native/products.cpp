@@ -325,9 +325,13 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
   const mx::array* weight = weights.data();
   for (size_t i = 0; i < n; ++i) {
     const int64_t out = ys[i].shape(-1);
+    // weights of one width and group take x quantized alike: once for all of them (a layer's
+    // projections of one input)
+    size_t alike = 0;
+    while (!(specs[alike] == specs[i])) ++alike;
     args.push_back({widened.data(), stride, static_cast<int>(rows),
                     view_of(weight, specs[i], in, out), ys[i].data<void>(),
-                    real_of(ys[i].dtype()), &quantized[i], &shared, extras.prompt});
+                    real_of(ys[i].dtype()), &quantized[alike], &shared, extras.prompt});
     bytes += static_cast<int64_t>(weight->nbytes());
     weight += specs[i].inputs();
   }

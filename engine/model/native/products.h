@@ -61,7 +61,8 @@ struct ProductArgs {
   WeightView w;
   void* y;  // [rows, out] of `y_type`, row-major
   Real y_type;
-  QuantizedRows* quantized;  // filled once a product, where its weight is 4- or 8-bit
+  QuantizedRows* quantized;  // filled once, where its weight is 4- or 8-bit (shared by an op's
+                             // weights of one width and group)
   SharedRows* shared;  // filled once an op, where a weight's path needs it
   // a prompt's product (prefill): an instruction set may take another path for it than for
   // decoding's, the same one for every row count (kernel_amx.cpp: 4-bit and bf16 weights on
