@@ -459,9 +459,10 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
 //
 // y[t, o] = sum over steps of 32 columns k of  A[o, k..] . (hi + mid + lo)[t, k..]
 // where x = hi + mid + lo exactly enough for fp32 (hi = bf16(x), mid = bf16(x - hi), lo =
-// bf16(x - hi - mid)): each part's products are exact in the tile's fp32 accumulator, which
-// keeps C over the whole row. A (16 weight rows of 32 bf16) is read where it lies; B (16 column
-// pairs by 16 activation rows, the unit's pair-interleaved layout) is prepared once a product.
+// bf16(x - hi - mid)): each part's products are exact, and the tile sums them in fp32, C kept
+// over the whole row. A (16 weight rows of 32 bf16) is read where it lies; B (16 column pairs by
+// 16 activation rows, the unit's pair-interleaved layout) is prepared once an op, for all its
+// bf16 weights (SharedRows).
 // Each output's sequence is the same for every row count, so a prompt's chunks agree however
 // they split (not the AVX-512 kernel's bits, which decoding keeps).
 
