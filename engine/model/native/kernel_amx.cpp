@@ -469,12 +469,14 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
 constexpr int kPairStep = 32;  // columns a tile product: 16 pairs
 constexpr int kBf16BTile = 16 * 64;  // bytes of one part's B tile
 
+// CPUID leaf 7's EDX: the AMX feature bits (22 BF16, 24 TILE, 25 INT8); 0 without the leaf.
+inline unsigned amx_features() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) ? edx : 0;
+}
+
 bool amx_bf16_usable() {
-  static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    return amx_usable() && (edx & (1u << 22));
-  }();
+  static const bool usable = amx_usable() && (amx_features() & (1u << 22));
   return usable;
 }
 
@@ -608,8 +610,7 @@ void bf16_columns(const ProductArgs& a, int64_t first, int64_t last) {
 
 bool amx_usable() {
   static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned edx = amx_features();
     const bool tile = edx & (1u << 24), int8 = edx & (1u << 25);
     // Linux hands a process the tile state only when asked (ARCH_REQ_XCOMP_PERM, XTILEDATA)
     constexpr int kRequestPermission = 0x1023, kTileData = 18;
