@@ -82,11 +82,12 @@ class BatchCommit:
     """One GDN layer's captures from a batched verify of B rows, committed for all rows at once.
 
     Each row's ``commit`` records how many positions it keeps; when every row has, the states
-    at the kept lengths are formed for all rows with one set of ops (a per-row gather along
-    the captured positions) instead of one set per row, and the next batched forward over the
-    same rows in the same order takes the stacked states as they are (``stacked``). A row read
-    before the others have committed (one that finishes while the others go on) forms its own
-    state from its rows of the captures, exactly as a single sequence does.
+    at the kept lengths are formed for all rows with one set of ops (slices where every row
+    kept as many, else a per-row pick along the captured positions) instead of one set per
+    row, and the next batched forward over the same rows in the same order takes the stacked
+    states as they are (``stacked``). A row read before the others have committed (one that
+    finishes while the others go on) forms its own state from its rows of the captures,
+    exactly as a single sequence does.
 
     The rows' states point at their ``BatchCommit`` and it points back only weakly: a finished
     row's states (a layer's window and captures each) are then freed with its sequence, not
@@ -133,10 +134,20 @@ class BatchCommit:
         return self.conv, self.recurrent
 
     def _form_all(self) -> None:
-        last = mx.array(self.keeps) - 1  # [B]: each row's last kept position
-        self.recurrent = self.capture.states_after(last)
-        window_rows = (last + 1)[:, None] + mx.arange(self.kernel - 1)[None]  # [B, kernel-1]
-        self.conv = mx.take_along_axis(self.window, window_rows[..., None], axis=1)
+        keeps, width = self.keeps, self.kernel - 1
+        if all(keep == keeps[0] for keep in keeps):
+            # every row kept as many positions (every plain cycle): the states there as one
+            # row's, a slice of the windows and, after the last position, the pass's own final
+            # state (docs/BENCHMARKS.md, "CPU choices": mlx's CPU gather along an axis)
+            self.recurrent = self.capture.state_after(keeps[0])
+            self.conv = self.window[:, keeps[0] : keeps[0] + width]
+        else:
+            self.recurrent = self.capture.states_after(mx.array(keeps) - 1)
+            # each row's kept window as whole rows of the flattened windows (mlx's CPU take
+            # copies a row at a time; take_along_axis computes every element's index)
+            B, P, C = self.window.shape
+            rows = mx.array([b * P + n + j for b, n in enumerate(keeps) for j in range(width)])
+            self.conv = mx.take(self.window.reshape(B * P, C), rows, axis=0).reshape(B, width, C)
         for row, ref in enumerate(self.states):
             if (state := ref()) is not None:  # a row that left has nothing to form
                 state._conv = self.conv[row : row + 1]
