@@ -76,6 +76,11 @@ EXPLORE_CYCLES = 3
 SPEED_WINDOW = 5
 #: every this many cycles at a batch size, the least recently timed K is priced anew
 RETIME_EVERY = 64
+#: a K whose rate is below this share of the best K's is priced anew only once it has gone
+#: ``FAR_WAIT`` x ``RETIME_EVERY`` cycles untimed (its rate still follows the rows' acceptance
+#: all along: only its cost per cycle waits)
+FAR_SHARE = 0.9
+FAR_WAIT = 4
 #: a row's first cycles are slower than its later ones (an 8-row K=2 group's first three: 60,
 #: 42 and 36 ms, then 29-45): only cycles of rows past them price a K
 SETTLING_CYCLES = 2
@@ -110,7 +115,10 @@ class BatchK:
     priced in bursts: ``EXPLORE_CYCLES`` cycles (real ones, their tokens kept) when its size
     class is new — K=0's in a row, so that they run ahead as a plain stretch does, then the
     drafting K's interleaved — and again every ``RETIME_EVERY`` cycles for the least recently
-    timed K; each burst cycle's seconds are divided by the machine's current speed, and
+    timed K among those within ``FAR_SHARE`` of the best rate, a K further below once it has
+    gone ``FAR_WAIT`` x ``RETIME_EVERY`` cycles untimed (a burst of a K that cannot win costs
+    the most: 8-row bursts of K=3 every 64 cycles held auto at ~0.91x plain batches); each
+    burst cycle's seconds are divided by the machine's current speed, and
     the K's price is their median (the first cycle at a new shape also compiles its blocks: up
     to twice a warm cycle). Every other cycle measures that speed: its seconds over its K's
     price, the median of the last ``SPEED_WINDOW``. The speed scales every price alike, so the
@@ -142,15 +150,23 @@ class BatchK:
             # plain cycles in a row (each launched ahead of the last), then the drafting K's
             # interleaved, so that every K of a burst sees the same spell of the machine
             return min(measuring, key=lambda k: (k > 0, self.counts.get((size, k), 0), k))
-        if self.cycles.get(size, 0) % RETIME_EVERY == RETIME_EVERY - 1:
-            stale = min(ks, key=lambda k: self.last_timed[(size, k)])
-            self.counts[(size, stale)] = 0
-            self.prices[(size, stale)] = []
-            return stale
 
         def rate(k: int) -> float:
             return sum(expected_tokens(a, k) for a in estimates) / self.price(rows, k)
 
+        cycles = self.cycles.get(size, 0)
+        if cycles % RETIME_EVERY == RETIME_EVERY - 1:
+            best = max(rate(k) for k in ks)
+            due = [
+                k
+                for k in ks
+                if rate(k) >= FAR_SHARE * best
+                or cycles - self.last_timed[(size, k)] >= FAR_WAIT * RETIME_EVERY
+            ]
+            stale = min(due, key=lambda k: self.last_timed[(size, k)])
+            self.counts[(size, stale)] = 0
+            self.prices[(size, stale)] = []
+            return stale
         return max(ks, key=rate)
 
     def count(self, rows: int) -> None:
