@@ -74,11 +74,14 @@ class LaunchedCycle:
     drafts: mx.array  # [K]
     n_accepted: mx.array  # scalar
     next_token: mx.array  # scalar
-    logits: mx.array  # [K+1, V]
-    hidden: mx.array  # [1, K+1, H]
+    logits: mx.array  # [depth+1, V]
+    hidden: mx.array  # [1, depth+1, H]
     draft_seconds: float
     verify_seconds: float
     launched_at: float
+    #: the draft steps the cycle ran (its verify fed depth + 1 positions): K, or more for a
+    #: row drafting fewer than the rows beside it (``launch_cycles``'s ``ks``)
+    depth: int
 
 
 @dataclass
@@ -86,8 +89,8 @@ class CycleResult:
     draft_ids: list[int]
     n_accepted: int
     emitted: list[int]  # accepted drafts + the residual/bonus token (before stop handling)
-    verify_logits: mx.array  # [K+1, V] raw trunk logits, for logprobs
-    verify_hidden: mx.array  # [1, K+1, H] post-norm trunk states, the kept ones go to the head
+    verify_logits: mx.array  # [depth+1, V] raw trunk logits, for logprobs
+    verify_hidden: mx.array  # [1, depth+1, H] post-norm trunk states, the kept ones go to the head
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accept_seconds: float = 0.0
@@ -98,6 +101,8 @@ class CycleResult:
     committed: bool = False
     #: the row's next (plain) cycle was launched before this one was read back
     followed: bool = False
+    #: ``LaunchedCycle.depth``; None: as many as ``draft_ids``
+    depth: int | None = None
 
 
 def run_cycle(
@@ -120,35 +125,51 @@ def launch_cycle(
 
 
 def launch_cycles(
-    trunk: Any, head: MTPHead | None, seqs: list[Sequence], k: int, profile: bool = False
+    trunk: Any,
+    head: MTPHead | None,
+    seqs: list[Sequence],
+    k: int,
+    profile: bool = False,
+    ks: list[int] | None = None,
 ) -> list[LaunchedCycle]:
     """One cycle of B sequences at once (a batch of one is the single-request cycle).
 
-    Every row drafts the same ``k`` (0 when any row cannot draft): each draft depth runs the
-    head once for all rows, the verify is one trunk pass over every row's K+1 positions
-    (``engine.model.trunk.trunk_hidden_rows``); the draws, the acceptance and later the commit are
-    per row, with each row's own sampler, seed and penalty history (rows that draw the same way
-    — all plain greedy, or all sampling by one setting — as one op over rows, each row's bits
-    unchanged). Rows accept different lengths: each row's caches are committed on their own
-    (``commit``).
+    Every row drafts ``k`` (0 when any row cannot draft), or with ``ks`` row b drafts
+    ``ks[b]`` (1..k): each draft depth runs the head once for all rows, the verify is one trunk
+    pass over every row's k+1 positions (``engine.model.trunk.trunk_hidden_rows``); the draws,
+    the acceptance and later the commit are per row, with each row's own sampler, seed and
+    penalty history (rows that draw the same way — all plain greedy, or all sampling by one
+    setting, all drafting k — as one op over rows, each row's bits unchanged). Rows accept
+    different lengths: each row's caches are committed on their own (``commit``).
+
+    A row drafting fewer than k is what it is alone at its own K: its draws stop at its K (the
+    head's further steps and the verify's further positions are fed its last draft, and read
+    by nothing), its acceptance reads its first K+1 verify positions, and its commit drops
+    what the further positions wrote (each position of a verify the same bits whatever
+    follows it: the products row by row, attention, the conv and the recurrence causal). So
+    rows of different K share one pass instead of one pass each.
     """
     rows = len(seqs)
+    limits = ks if ks is not None else [k] * rows
+    if len(limits) != rows or any(not 1 <= n <= k for n in limits if n != k):
+        raise ValueError("ks: one draft count a row, each 1..k")
     if not all(seq.can_draft for seq in seqs):
-        k = 0
+        k, limits = 0, [0] * rows
     if k > 0 and any(seq.unread_token is not None for seq in seqs):
         raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
+    alike = all(n == k for n in limits)
     # Rows that draw argmaxes of the raw logits (greedy, no bias, penalties or grammar) draw
     # and accept as one op over all rows: the same comparisons, row by row, in fewer ops.
-    greedy_rows = rows > 1 and all(_plain_greedy(seq) for seq in seqs)
+    greedy_rows = alike and rows > 1 and all(_plain_greedy(seq) for seq in seqs)
     # Rows that sample with one truncation setting and nothing of their own before it (no
     # bias, penalties or grammar) draw, truncate and accept as one op over all rows too, each
     # row with its own keyed uniforms.
-    sampled_rows = rows > 1 and not greedy_rows and _shared_sampling(seqs)
+    sampled_rows = alike and rows > 1 and not greedy_rows and _shared_sampling(seqs)
     t0 = time.perf_counter()
 
     # 1. Draft: the first step runs every pending committed pair (normally one: the pair of the
     #    last emitted token); later steps feed the head's own output and its draft token.
-    drafts: list[_RowDrafts] = [_RowDrafts(seq) for seq in seqs]
+    drafts = [_RowDrafts(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
     # Start each draft step while the next is built; not under mlx.launch, where a draft step
     # holds collectives (engine.distributed): mlx's async eval of one can block for good when a
     # rank dies, instead of raising.
@@ -176,11 +197,13 @@ def launch_cycles(
                     mx.async_eval(tokens)
             else:
                 step_logits = [logits[b, -1:] for b in range(rows)]
-                for row, row_logits in zip(drafts, step_logits, strict=True):
+                drawing = [(row, lg) for row, lg in zip(drafts, step_logits, strict=True)]
+                drawing = [(row, lg) for row, lg in drawing if i < row.limit]
+                for row, row_logits in drawing:
                     row.draw(row_logits, i)
                     if overlap:
                         mx.async_eval(row.ids[-1])
-                for row in drafts:
+                for row, _ in drawing:
                     row.follow()
                 if rows == 1 and drafts[0].confident_stop(step_logits[0], i, k):
                     break
@@ -188,7 +211,8 @@ def launch_cycles(
                 if draft_columns:
                     tokens = draft_columns[-1][:, None]
                 else:
-                    tokens = _stack([row.ids[-1][None] for row in drafts])
+                    tokens = _stack([row.ids[-1][None] for row in drafts])  # a row past its K
+                    # repeats its last draft
                 if rows == 1:
                     seq = seqs[0]
                     state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
@@ -213,7 +237,9 @@ def launch_cycles(
     elif k == 0:
         verify_in = _stack([row.last for row in drafts])[:, None]
     else:
-        verify_in = _stack([mx.concatenate([row.last, row.drafts])[None] for row in drafts])
+        # a row drafting fewer than the others fills the further positions with its last draft
+        depth = max(len(row.ids) for row in drafts)
+        verify_in = _stack([mx.concatenate([row.last, *row.padded(depth)])[None] for row in drafts])
     if rows == 1:
         hidden = trunk_hidden(trunk, verify_in, seqs[0].trunk_cache, capture=True)
     else:
@@ -238,7 +264,7 @@ def launch_cycles(
             draft_rows,
         )
     else:
-        accepted = [row.accept(_row(logits, b)) for b, row in enumerate(drafts)]
+        accepted = [row.accept(_row(logits, b)[: len(row.ids) + 1]) for b, row in enumerate(drafts)]
     start = mx.async_eval if overlap else mx.eval
     launched = []
     for b, (row, (n_acc, next_token)) in enumerate(zip(drafts, accepted, strict=True)):
@@ -255,6 +281,7 @@ def launch_cycles(
                 draft_seconds=t1 - t0,
                 verify_seconds=t_verified - t1,
                 launched_at=t_verified,
+                depth=verify_in.shape[1] - 1,
             )
         )
     return launched
@@ -357,8 +384,9 @@ class _RowDrafts:
     mask after every draft; the grammar is then rolled back to the committed tokens
     (``sampling.constraint`` states why this keeps the output exact)."""
 
-    def __init__(self, seq: Sequence) -> None:
+    def __init__(self, seq: Sequence, limit: int) -> None:
         self.seq = seq
+        self.limit = limit  # the drafts this row draws (its K)
         self.ids: list[mx.array] = []
         self.rows: list[Truncated] = []
         self.position = seq.next_position
@@ -374,6 +402,13 @@ class _RowDrafts:
         self.following = True
         self.advanced = 0
         self.verify_mask: mx.array | None = None
+
+    def padded(self, depth: int) -> list[mx.array]:
+        """The drafts, then the last one again up to ``depth`` (what a verify of that many
+        drafts feeds a row drafting fewer)."""
+        if len(self.ids) == depth:
+            return [self.drafts]
+        return [self.drafts, mx.repeat(self.ids[-1], depth - len(self.ids))]
 
     def finish(self) -> None:
         """Join the draws: the drafts ``[K]`` and the distributions they came from."""
@@ -496,6 +531,7 @@ def read_cycle(launched: LaunchedCycle) -> CycleResult:
         draft_seconds=launched.draft_seconds,
         verify_seconds=launched.verify_seconds,
         accept_seconds=time.perf_counter() - launched.launched_at,
+        depth=launched.depth,
     )
 
 
@@ -528,7 +564,8 @@ def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
 def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     """Keep the first ``n_keep`` emitted tokens (1..len(emitted)); restore the invariant."""
     emitted = result.emitted[:n_keep]
-    _keep_positions(seq, result.verify_hidden, len(result.draft_ids), n_keep)
+    depth = len(result.draft_ids) if result.depth is None else result.depth
+    _keep_positions(seq, result.verify_hidden, depth, n_keep)
     seq.tokens.extend(emitted)
     if seq.history is not None:
         seq.history.extend(emitted)
@@ -537,12 +574,13 @@ def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     return emitted
 
 
-def _keep_positions(seq: Sequence, verify_hidden: mx.array, k: int, n_keep: int) -> None:
-    """The caches' side of a commit: of the K+1 verified positions keep the first n_keep."""
-    seq.trunk_cache.commit(n_keep, k + 1)
+def _keep_positions(seq: Sequence, verify_hidden: mx.array, depth: int, n_keep: int) -> None:
+    """The caches' side of a commit: of the depth+1 verified positions keep the first n_keep."""
+    seq.trunk_cache.commit(n_keep, depth + 1)
     if seq.head_cache is not None:
         # The verify states of the kept positions become pending head pairs; drop the head's
-        # speculative positions (draft steps 2..K) — they were fed drafts, not committed pairs.
+        # speculative positions (draft steps 2..depth) — they were fed drafts, not committed
+        # pairs.
         seq.head_pending.append(verify_hidden[:, :n_keep])
-        if k > 1:
-            seq.head_cache.trim(k - 1)
+        if depth > 1:
+            seq.head_cache.trim(depth - 1)

@@ -248,6 +248,8 @@ class _Row:
     undo: Callable[[], None] | None = None
     #: the K its own policy chose for its next cycle when the batch looked ahead
     decided_k: int | None = None
+    #: the K of the cycle it is about to run
+    k: int = 0
     #: its prompt, kept while the conversation cache can share a prefill (``_waits``)
     prompt: tuple[int, ...] | None = None
     #: its prefill has begun
@@ -410,17 +412,28 @@ class BatchDecoder:
             row.decided_k = None
             if not need.seq.can_draft:
                 k = 0
+            row.k = k
             groups.setdefault(k, []).append(row)
+        passes = ([groups.pop(0)] if 0 in groups else []) + self._passes(groups)
         engine = self.engine
-        whole = len(groups) == 1 and len(waiting) == len(self.rows)
+        whole = len(passes) == 1 and len(waiting) == len(self.rows)
         keys = tuple(self.rows)
         previous, self._read_at = self._read_at, None
-        for k, rows in groups.items():
+        for rows in passes:
+            ks = [row.k for row in rows]
+            k = max(ks)
             try:
                 fresh = [row for row in rows if row.ahead is None]
                 seqs = [row.need.seq for row in fresh]
                 launched = iter(
-                    launch_cycles(engine.trunk, engine.head, seqs, k, engine.profile)
+                    launch_cycles(
+                        engine.trunk,
+                        engine.head,
+                        seqs,
+                        k,
+                        engine.profile,
+                        ks=[row.k for row in fresh] if k else None,
+                    )
                     if seqs
                     else []
                 )
@@ -440,7 +453,8 @@ class BatchDecoder:
             if whole:
                 self._read_at = (keys, read_at)
             settled = all(row.cycles >= SETTLING_CYCLES for row in rows)
-            if len(rows) > 1 and settled and whole and period is not None:
+            alike = min(ks) == k  # a pass of several K prices none of them
+            if len(rows) > 1 and settled and whole and alike and period is not None:
                 self.batch_k.observe(len(rows), k, period)
             elif len(rows) > 1 and settled:
                 self.batch_k.count(len(rows))
@@ -450,6 +464,44 @@ class BatchDecoder:
                 result.followed = row.ahead is not None
                 row.result = result
                 row.cycles += 1
+
+    def _passes(self, groups: dict[int, list[_Row]]) -> list[list[_Row]]:
+        """The drafting rows (``groups``: by K) in passes: a pass of several K runs each row
+        at its own (``launch_cycles``' ks), the rows of lower K fed padding up to the pass's
+        K. Down from the highest K, a K's rows join the pass above when their padding costs
+        less than the pass they would run alone, by the auto K cost table (a verify position
+        of one row costs ``p``, the slope of the table's verify forwards over T; a pass itself
+        ``trunk[0] - p``, reading the weights and the dispatch; each draft step of its own a
+        head step), and when it adds no more positions than the pass verifies for its rows
+        (a row's positions cost more in a batch than the one-row table's slope: an 8-row plain
+        demo cycle 0.4 ms a row more). Without a table each K runs its own pass. At the 0.8B
+        shape in bf16 two rows of K=1 and K=3 in one pass ran 1.25x the two passes; seven demo
+        rows of K=1 padded to a row of K=4 ran 0.75x (docs/BENCHMARKS.md, "CPU choices")."""
+        table = self._cost_table()
+        if table is None or len(table.trunk) < 2:
+            return list(groups.values())
+        per_position = (table.trunk[-1] - table.trunk[0]) / (len(table.trunk) - 1)
+        own_pass = table.trunk[0] - per_position
+        passes: list[list[_Row]] = []
+        for k in sorted(groups, reverse=True):
+            rows = groups[k]
+            if passes:
+                depth = passes[-1][0].k
+                padded = len(rows) * (depth - k)
+                verified = sum(row.k + 1 for row in passes[-1]) + len(rows) * (k + 1)
+                cheaper = per_position * padded < own_pass + k * table.head_step
+                if cheaper and padded <= verified:
+                    passes[-1].extend(rows)
+                    continue
+            passes.append(list(rows))
+        return passes
+
+    def _cost_table(self) -> Any:
+        """The engine's auto K cost table (any decoding kind's: what a verify position and a
+        head step cost here), or None before auto K has one."""
+        autok = getattr(self.engine, "autok", None)
+        kinds = autok.kinds if autok is not None else {}
+        return next(iter(kinds.values())).costs if kinds else None
 
     def _look_ahead(self, rows: list[_Row], current: list[LaunchedCycle]) -> bool:
         """Commit a plain cycle of the whole batch unread and, if every row's next cycle is

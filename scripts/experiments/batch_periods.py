@@ -45,11 +45,11 @@ def split(engine: Engine, prompts: list, rows: int) -> dict[str, float]:
     clock: dict[str, float] = {}
     launch, read = batching.launch_cycles, batching.read_cycles
 
-    def timed_launch(trunk, head, seqs, k, profile=False):  # noqa: ANN001, ANN202
+    def timed_launch(trunk, head, seqs, k, profile=False, ks=None):  # noqa: ANN001, ANN202
         start = time.perf_counter()
         if "read" in clock and len(seqs) == rows:
             parts[f"K={k} between"].append(start - clock["read"])
-        out = launch(trunk, head, seqs, k, profile)
+        out = launch(trunk, head, seqs, k, profile, ks)
         clock["launched"], clock["k"], clock["rows"] = time.perf_counter(), k, len(seqs)
         if len(seqs) == rows:
             parts[f"K={k} launch"].append(clock["launched"] - start)

@@ -9,7 +9,7 @@ batch pass the chi-square homogeneity test against plain sampling (demo model).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,9 @@ def widest_cycle(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     widths: list[int] = []
     launch = batching_module.launch_cycles
 
-    def counted(trunk, head, seqs, k, profile=False):
+    def counted(trunk, head, seqs, k, profile=False, ks=None):
         widths.append(len(seqs))
-        return launch(trunk, head, seqs, k, profile)
+        return launch(trunk, head, seqs, k, profile, ks)
 
     monkeypatch.setattr(batching_module, "launch_cycles", counted)
     return widths
@@ -155,6 +155,74 @@ def test_seeded_sampled_rows_equal_each_request_alone(
     for j, i in enumerate(order):
         if j != 1:
             assert got[j] == expected[i], f"row {i} (K={ROWS[i][0]}) beside other rows"
+
+
+def test_rows_of_several_k_in_one_pass_equal_each_request_alone(
+    engine: Engine, widest_cycle: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows drafting different K share one pass (each drafting its own K, the lower ones
+    padded to the pass's): with every drafting row forced into one pass, greedy and seeded
+    sampled rows of K = 1..4 (auto among them) each emit their text alone, joining and
+    stopping at other steps."""
+
+    def one_pass(self: BatchDecoder, groups: dict[int, list]) -> list[list]:
+        rows = [row for k in sorted(groups, reverse=True) for row in groups[k]]
+        return [rows] if rows else []
+
+    monkeypatch.setattr(BatchDecoder, "_passes", one_pass)
+    reqs = requests(engine, [sampled(200 + i) for i in range(len(ROWS))])
+    reqs[1] = requests(engine, [GREEDY] * len(ROWS))[1]
+    reqs[3] = requests(engine, [GREEDY] * len(ROWS))[3]
+    expected = [alone(engine, r) for r in reqs]
+    depths: list[tuple[int, tuple[int, ...]]] = []
+    launch = batching_module.launch_cycles
+
+    def recorded(trunk, head, seqs, k, profile=False, ks=None):
+        depths.append((k, tuple(ks or ())))
+        return launch(trunk, head, seqs, k, profile, ks)
+
+    monkeypatch.setattr(batching_module, "launch_cycles", recorded)
+    got, _ = batched(engine, reqs, join_at={4: 3, 6: 5})
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"row {i} (K={ROWS[i][0]})"
+    assert any(len(set(ks)) >= 3 for _, ks in depths)  # several K in one pass
+
+
+@pytest.mark.fast
+def test_passes_join_a_lower_k_when_its_padding_costs_less_than_its_own_pass() -> None:
+    """Down from the highest K, a K's rows join the pass above while padding them costs less
+    than the pass they would run alone and adds no more positions than the pass verifies: a
+    pass that is mostly reading weights takes them, one whose verify positions cost most does
+    not."""
+
+    @dataclass
+    class Row:
+        k: int
+
+    @dataclass
+    class Table:
+        trunk: list[float]
+        head_step: float
+
+    def passes(table: Table, ks: list[int]) -> list[list[int]]:
+        decoder = BatchDecoder.__new__(BatchDecoder)
+        decoder._cost_table = lambda: table  # type: ignore[method-assign]
+        groups: dict[int, list[Row]] = {}
+        for k in ks:
+            groups.setdefault(k, []).append(Row(k))
+        return [[row.k for row in rows] for rows in decoder._passes(groups)]
+
+    # weights dominate (a 0.8B shape in bf16: a verify of 5 ~1.12x one position)
+    reads = Table(trunk=[60.0, 61.8, 63.6, 65.4, 67.2], head_step=8.0)
+    assert passes(reads, [1, 3]) == [[3, 1]]
+    assert passes(reads, [1, 1, 1, 4]) == [[4, 1, 1, 1]]
+    # ... but never more padded positions than the pass's own
+    assert passes(reads, [1] * 7 + [4]) == [[4], [1] * 7]
+    # positions dominate (the demo model: 1.2 ms a pass, 0.27 a position)
+    positions = Table(trunk=[1.47, 1.74, 2.01, 2.28, 2.55], head_step=0.3)
+    assert passes(positions, [1] * 7 + [4]) == [[4], [1] * 7]
+    assert passes(positions, [4, 4, 3, 3, 2, 2, 1, 1]) == [[4, 4, 3, 3, 2, 2], [1, 1]]
+    assert passes(None, [1, 3]) == [[1], [3]]  # no table yet: each K its own pass
 
 
 #: seeded plans that start plain, at K=1 and at K=3, with cycle costs that make drafting pay
@@ -276,7 +344,9 @@ def test_rows_that_left_hold_no_memory(engine: Engine) -> None:
     import mlx.core as mx
 
     reqs = requests(engine, [GREEDY] * len(ROWS))[:5]
-    batched(engine, reqs)  # compiles every block the batch below runs
+    # compiles every block the batch below runs (the same rows joining and leaving alike:
+    # rows of several K share passes, whose shapes follow who is in them)
+    batched(engine, reqs, join_at={4: 2}, cancel_after={1: 2})
     gc.collect()
     gc.disable()
     try:
@@ -393,12 +463,12 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
         assert choice.choose(4, [[0.5] * 4] * 4) == 0
         choice.observe(4, 0, 1.0)
     monkeypatch.setattr(engine, "batch_k", choice)
-    ks: list[int] = []
+    launched_ks: list[int] = []
     launch = batching_module.launch_cycles
 
-    def recorded(trunk, head, seqs, k, profile=False):
-        ks.append(k)
-        return launch(trunk, head, seqs, k, profile)
+    def recorded(trunk, head, seqs, k, profile=False, ks=None):
+        launched_ks.append(k)
+        return launch(trunk, head, seqs, k, profile, ks)
 
     monkeypatch.setattr(batching_module, "launch_cycles", recorded)
     periods: list[tuple[int, float]] = []
@@ -428,8 +498,10 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
     assert ahead_steps >= 30
     plain = [seconds for k, seconds in periods if k == 0]
     assert len(plain) >= 30 and all(0 < seconds < 1 for seconds in plain)
-    plain_then_drafting = [i for i in range(1, len(ks)) if ks[i - 1] == 0 and ks[i] > 0]
-    assert plain_then_drafting and ks.index(0) < plain_then_drafting[0]  # re-timed
+    plain_then_drafting = [
+        i for i in range(1, len(launched_ks)) if launched_ks[i - 1] == 0 and launched_ks[i] > 0
+    ]
+    assert plain_then_drafting and launched_ks.index(0) < plain_then_drafting[0]  # re-timed
 
 
 @pytest.mark.fast
