@@ -1,7 +1,9 @@
 """``mtpserve bench-batch``: many requests at once — continuous batching against one at a time.
 
-For each concurrency c (default 1, 2, 4, 8) the same c greedy requests (the first c bench
-prompts, EOS ignored, ``--max-tokens`` each) run, in one sitting and in a rotating order:
+For each concurrency c (default 1, 2, 4, 8) the same c requests (the first c bench prompts,
+EOS ignored, ``--max-tokens`` each; greedy, or ``--sampler`` as ``mtpserve bench`` takes it:
+``preset:NAME`` seeded per prompt, ``unseeded:NAME``) run, in one sitting and in a rotating
+order:
 
 * one at a time through ``Engine.generate`` at the best fixed K of the single-request rows
   (what a server without batching gives: the c-th request waits for the c-1 before it);
@@ -12,7 +14,7 @@ group), per-stream tokens/s (a row's tokens over its own time from joining to fi
 time to first token p50/p95 (from the group's start), and the ratios the issue asks for:
 batched over one at a time, and automatic K over the better of batched K=0 and the best
 batched fixed K. The greedy outputs of every batched row are checked equal to the same
-request alone.
+request alone (a sampled row's text depends on its K: the seeded guarantee has its own tests).
 """
 
 from __future__ import annotations
@@ -25,20 +27,28 @@ from pathlib import Path
 from typing import Any
 
 from engine.api import DEMO_MODEL, GenerationRequest
+from engine.bench.speed import parse_samplers, request_params
 from engine.runtime import Engine
-from sampling.params import SamplingParams
 
 
-def _requests(engine: Engine, prompts: list[dict[str, Any]], c: int, k: int | None, n: int):
+def _requests(
+    engine: Engine,
+    prompts: list[dict[str, Any]],
+    c: int,
+    k: int | None,
+    n: int,
+    sampler: str = "greedy",
+) -> list[GenerationRequest]:
+    params = parse_samplers(sampler, engine)[sampler]
     return [
         GenerationRequest(
             prompt_ids=p["ids"],
-            sampling=SamplingParams(temperature=0.0),
+            sampling=request_params(sampler, params, 1000 + i),
             max_tokens=n,
             ignore_eos=True,
             draft_tokens=k,
         )
-        for p in prompts[:c]
+        for i, p in enumerate(prompts[:c])
     ]
 
 
@@ -115,7 +125,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     for c in concurrency:
         for mode, k in configs:
             n = args.max_tokens if mode == "batched" else 8
-            run_batched(engine, _requests(engine, prompts, c, k, n))
+            run_batched(engine, _requests(engine, prompts, c, k, n, args.sampler))
     results: dict[str, Any] = {"concurrency": {}, "max_tokens": args.max_tokens}
     alone = {
         i: [t for e in engine.generate(r) for t in e.token_ids]
@@ -126,11 +136,12 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         for repeat in range(args.repeats):
             for j in range(len(configs)):
                 mode, k = configs[(j + repeat + c) % len(configs)]
-                reqs = _requests(engine, prompts, c, k, args.max_tokens)
+                reqs = _requests(engine, prompts, c, k, args.max_tokens, args.sampler)
                 run = run_serial if mode == "serial" else run_batched
                 got = run(engine, reqs)
                 outputs = got.pop("outputs")
-                if any(out != alone[i] for i, out in enumerate(outputs)):
+                greedy = args.sampler == "greedy"
+                if greedy and any(out != alone[i] for i, out in enumerate(outputs)):
                     raise SystemExit(f"{mode} K={k} at {c} rows differs from the request alone")
                 name = f"{mode} K={'auto' if k is None else k}"
                 rows.setdefault(name, []).append(got)
@@ -278,5 +289,8 @@ def register(sub: Any) -> None:
         help="the long generation a newcomer joins (0: not measured)",
     )
     p.add_argument("--prompts", default=None)
+    p.add_argument(
+        "--sampler", default="greedy", help="greedy, preset:NAME (seeded) or unseeded:NAME"
+    )
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=cmd_bench_batch)
