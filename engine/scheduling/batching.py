@@ -76,9 +76,9 @@ EXPLORE_CYCLES = 3
 SPEED_WINDOW = 5
 #: every this many cycles at a batch size, the least recently timed K is priced anew
 RETIME_EVERY = 64
-#: a K whose rate is below this share of the best K's is priced anew only once it has gone
-#: ``FAR_WAIT`` x ``RETIME_EVERY`` cycles untimed (its rate still follows the rows' acceptance
-#: all along: only its cost per cycle waits)
+#: a K whose rate is below this share of the best K's is priced anew only at every
+#: ``FAR_WAIT``-th re-time (its rate still follows the rows' acceptance all along: only its
+#: cost per cycle waits)
 FAR_SHARE = 0.9
 FAR_WAIT = 4
 #: a row's first cycles are slower than its later ones (an 8-row K=2 group's first three: 60,
@@ -115,9 +115,9 @@ class BatchK:
     priced in bursts: ``EXPLORE_CYCLES`` cycles (real ones, their tokens kept) when its size
     class is new — K=0's in a row, so that they run ahead as a plain stretch does, then the
     drafting K's interleaved — and again every ``RETIME_EVERY`` cycles for the least recently
-    timed K among those within ``FAR_SHARE`` of the best rate, a K further below once it has
-    gone ``FAR_WAIT`` x ``RETIME_EVERY`` cycles untimed (a burst of a K that cannot win costs
-    the most: 8-row bursts of K=3 every 64 cycles held auto at ~0.91x plain batches); each
+    timed K among those within ``FAR_SHARE`` of the best rate (the best among them), of every
+    K only at every ``FAR_WAIT``-th time (a burst of a K that cannot win costs the most: 8-row
+    bursts of K=3 every 64 cycles held auto at ~0.91x plain batches); each
     burst cycle's seconds are divided by the machine's current speed, and
     the K's price is their median (the first cycle at a new shape also compiles its blocks: up
     to twice a warm cycle). Every other cycle measures that speed: its seconds over its K's
@@ -157,12 +157,10 @@ class BatchK:
         cycles = self.cycles.get(size, 0)
         if cycles % RETIME_EVERY == RETIME_EVERY - 1:
             best = max(rate(k) for k in ks)
-            due = [
-                k
-                for k in ks
-                if rate(k) >= FAR_SHARE * best
-                or cycles - self.last_timed[(size, k)] >= FAR_WAIT * RETIME_EVERY
-            ]
+            # every FAR_WAIT-th re-time any K may be due, else only those near the best
+            # (among them the best itself, whose burst costs nothing more)
+            anyone = cycles // RETIME_EVERY % FAR_WAIT == FAR_WAIT - 1
+            due = [k for k in ks if anyone or rate(k) >= FAR_SHARE * best]
             stale = min(due, key=lambda k: self.last_timed[(size, k)])
             self.counts[(size, stale)] = 0
             self.prices[(size, stale)] = []
