@@ -134,8 +134,8 @@ MUTATIONS = [
     Mutation(
         "batch-k-plain-untimed",
         "engine/scheduling/batching.py",
-        "if len(rows) > 1 and settled and whole and period is not None:",
-        "if len(rows) > 1 and settled and whole and period is not None and not committed:",
+        "settled and whole and alike and period is not None:",
+        "settled and whole and alike and period is not None and not committed:",
         (
             "tests/engine/test_batching.py::"
             "test_automatic_rows_run_plain_stretches_ahead_and_still_retime",
@@ -174,6 +174,17 @@ MUTATIONS = [
             "test_a_quantized_prompt_leaves_the_same_caches_however_its_chunks_split",
         ),
         "a prompt's short chunks reuse decoding's compiled blocks, traced without the prompt flag",
+    ),
+    Mutation(
+        "padded-row-keeps-its-own-depth",
+        "engine/cycle/speculative.py",
+        "    depth = len(result.draft_ids) if result.depth is None else result.depth",
+        "    depth = len(result.draft_ids)",
+        (
+            "tests/engine/test_batching.py::"
+            "test_rows_of_several_k_in_one_pass_equal_each_request_alone",
+        ),
+        "a row padded in a pass of a higher K commits as if the pass had verified its own K",
     ),
 ]
 
