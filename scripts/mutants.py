@@ -178,8 +178,8 @@ MUTATIONS = [
     Mutation(
         "padded-row-keeps-its-own-depth",
         "engine/cycle/speculative.py",
-        "    depth = len(result.draft_ids) if result.depth is None else result.depth",
-        "    depth = len(result.draft_ids)",
+        "    _keep_positions(seq, result.verify_hidden, result.depth, n_keep)",
+        "    _keep_positions(seq, result.verify_hidden, len(result.draft_ids), n_keep)",
         (
             "tests/engine/test_batching.py::"
             "test_rows_of_several_k_in_one_pass_equal_each_request_alone",

@@ -91,6 +91,7 @@ class CycleResult:
     emitted: list[int]  # accepted drafts + the residual/bonus token (before stop handling)
     verify_logits: mx.array  # [depth+1, V] raw trunk logits, for logprobs
     verify_hidden: mx.array  # [1, depth+1, H] post-norm trunk states, the kept ones go to the head
+    depth: int  # ``LaunchedCycle.depth``
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accept_seconds: float = 0.0
@@ -101,8 +102,6 @@ class CycleResult:
     committed: bool = False
     #: the row's next (plain) cycle was launched before this one was read back
     followed: bool = False
-    #: ``LaunchedCycle.depth``; None: as many as ``draft_ids``
-    depth: int | None = None
 
 
 def run_cycle(
@@ -150,9 +149,9 @@ def launch_cycles(
     rows of different K share one pass instead of one pass each.
     """
     rows = len(seqs)
-    limits = ks if ks is not None else [k] * rows
-    if len(limits) != rows or any(not 1 <= n <= k for n in limits if n != k):
+    if ks is not None and (len(ks) != rows or not all(1 <= n <= k for n in ks)):
         raise ValueError("ks: one draft count a row, each 1..k")
+    limits = ks if ks is not None else [k] * rows
     if not all(seq.can_draft for seq in seqs):
         k, limits = 0, [0] * rows
     if k > 0 and any(seq.unread_token is not None for seq in seqs):
@@ -197,8 +196,11 @@ def launch_cycles(
                     mx.async_eval(tokens)
             else:
                 step_logits = [logits[b, -1:] for b in range(rows)]
-                drawing = [(row, lg) for row, lg in zip(drafts, step_logits, strict=True)]
-                drawing = [(row, lg) for row, lg in drawing if i < row.limit]
+                drawing = [
+                    (row, row_logits)
+                    for row, row_logits in zip(drafts, step_logits, strict=True)
+                    if i < row.limit
+                ]
                 for row, row_logits in drawing:
                     row.draw(row_logits, i)
                     if overlap:
@@ -211,8 +213,8 @@ def launch_cycles(
                 if draft_columns:
                     tokens = draft_columns[-1][:, None]
                 else:
-                    tokens = _stack([row.ids[-1][None] for row in drafts])  # a row past its K
-                    # repeats its last draft
+                    # a row past its own K feeds its last draft again
+                    tokens = _stack([row.ids[-1][None] for row in drafts])
                 if rows == 1:
                     seq = seqs[0]
                     state, logits = head(trunk, tokens, state, seq.head_cache, seq.head_position)
@@ -528,10 +530,10 @@ def read_cycle(launched: LaunchedCycle) -> CycleResult:
         emitted=draft_list[:n_accepted] + [next_token],
         verify_logits=launched.logits,
         verify_hidden=launched.hidden,
+        depth=launched.depth,
         draft_seconds=launched.draft_seconds,
         verify_seconds=launched.verify_seconds,
         accept_seconds=time.perf_counter() - launched.launched_at,
-        depth=launched.depth,
     )
 
 
@@ -564,8 +566,7 @@ def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
 def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     """Keep the first ``n_keep`` emitted tokens (1..len(emitted)); restore the invariant."""
     emitted = result.emitted[:n_keep]
-    depth = len(result.draft_ids) if result.depth is None else result.depth
-    _keep_positions(seq, result.verify_hidden, depth, n_keep)
+    _keep_positions(seq, result.verify_hidden, result.depth, n_keep)
     seq.tokens.extend(emitted)
     if seq.history is not None:
         seq.history.extend(emitted)
