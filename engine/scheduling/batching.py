@@ -117,12 +117,12 @@ class BatchK:
     drafting K's interleaved — and again every ``RETIME_EVERY`` cycles for the least recently
     timed K among those within ``FAR_SHARE`` of the best rate (the best among them), of every
     K only at every ``FAR_WAIT``-th time (a burst of a K that cannot win costs the most: 8-row
-    bursts of K=3 every 64 cycles held auto at ~0.91x plain batches); each
-    burst cycle's seconds are divided by the machine's current speed, and
-    the K's price is their median (the first cycle at a new shape also compiles its blocks: up
-    to twice a warm cycle). Every other cycle measures that speed: its seconds over its K's
-    price, the median of the last ``SPEED_WINDOW``. The speed scales every price alike, so the
-    choice depends on the prices alone.
+    bursts of K=3 every 64 cycles held auto at ~0.91x plain batches); each burst cycle's
+    seconds are divided by the machine's current speed, and the K's price is their median
+    (the first cycle at a new shape also compiles its blocks: up to twice a warm cycle). Every
+    other cycle measures that speed: its seconds over its K's price, the median of the last
+    ``SPEED_WINDOW``. The speed scales every price alike, so the choice depends on the prices
+    alone.
     """
 
     #: (size class, K) -> the per-row seconds of its last burst, each over the speed then
@@ -199,6 +199,8 @@ class RowEngine(Protocol):
     prefill_chunk: int
     prefix_cache: Any
     batch_k: BatchK
+    #: automatic K's cost tables (``EngineAutoK``), None before any request used auto K
+    autok: Any
 
     @property
     def head(self) -> Any: ...
@@ -497,7 +499,7 @@ class BatchDecoder:
     def _cost_table(self) -> Any:
         """The engine's auto K cost table (any decoding kind's: what a verify position and a
         head step cost here), or None before auto K has one."""
-        autok = getattr(self.engine, "autok", None)
+        autok = self.engine.autok
         kinds = autok.kinds if autok is not None else {}
         return next(iter(kinds.values())).costs if kinds else None
 
