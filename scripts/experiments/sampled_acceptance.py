@@ -12,6 +12,11 @@ coupling's P(argmax q/E = argmax p/E) with one Exponential(1) noise E_y per toke
 draft and target (the rule that makes a draw independent of K; estimated with 256 noise
 draws per state).
 
+``--draft-temperatures 0.3,1.3`` also runs K=1 (seeded) with the head's draft drawn at each
+of those temperatures instead of the request's (the same top-k/top-p after it; the target p
+keeps the request's): rejection sampling is exact for any q, so this asks whether a q other
+than the request's own truncation of the head would be accepted more.
+
     PYTHONPATH=. .venv/bin/python scripts/experiments/sampled_acceptance.py --model models/qwen3.5-demo
 """
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,7 @@ def main() -> None:
     parser.add_argument("--sampler", default="preset:qwen")
     parser.add_argument("--max-k", type=int, default=4)
     parser.add_argument("--coupled", action="store_true", help="price the coupled rule too")
+    parser.add_argument("--draft-temperatures", default="", help="K=1 with q at these")
     args = parser.parse_args()
 
     priced: list[tuple[float, float]] = []
@@ -110,7 +118,46 @@ def main() -> None:
             f"first drafts of these runs ({len(priced)}): expected acceptance "
             f"{rejection:.3f} by rejection sampling, {coupled:.3f} by Gumbel coupling"
         )
+    for temperature in [float(t) for t in args.draft_temperatures.split(",") if t]:
+        totals = GenerationStats()
+        with drafting_at(temperature):
+            for i, prompt in enumerate(prompts):
+                params = replace(base, seed=1000 + i)
+                request = GenerationRequest(
+                    prompt["ids"], params, args.max_tokens, draft_tokens=1, ignore_eos=True
+                )
+                for event in engine.generate(request):
+                    pass
+                totals.add(event.stats)
+        print(
+            f"K=1, q at temperature {temperature} (p at {base.temperature}): "
+            f"a_1 {per_position(totals, 1)[0]:.3f}",
+            flush=True,
+        )
     print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+@contextmanager
+def drafting_at(temperature: float) -> Iterator[None]:
+    """Every draft drawn from the head's logits at ``temperature`` (the request's other
+    truncation settings unchanged); the target distributions keep the request's."""
+    from engine.cycle import speculative
+
+    draw = speculative._RowDrafts.draw
+
+    def draw_at(row: Any, step_logits: Any, i: int) -> None:
+        own = row.seq.params
+        row.seq.params = replace(own, temperature=temperature)
+        try:
+            draw(row, step_logits, i)
+        finally:
+            row.seq.params = own
+
+    speculative._RowDrafts.draw = draw_at
+    try:
+        yield
+    finally:
+        speculative._RowDrafts.draw = draw
 
 
 if __name__ == "__main__":
