@@ -22,6 +22,7 @@ from test_sampling import ALPHA, _homogeneity_pvalue
 from engine.api import GenerationRequest, RequestError
 from engine.cycle import speculative
 from engine.runtime import Engine
+from engine.scheduling.batching import BatchDecoder
 from sampling.constraint import (
     GrammarError,
     TokenConstraint,
@@ -317,7 +318,19 @@ def test_drafts_the_grammar_forbids_are_rejected_without_changing_the_output(
     assert any(refused) and drafted[2].accepted > 0
 
 
-def test_constrained_rows_of_a_batch_equal_each_request_alone(demo: Engine) -> None:
+@pytest.mark.parametrize("one_pass", [False, True], ids=["passes-as-picked", "one-pass"])
+def test_constrained_rows_of_a_batch_equal_each_request_alone(
+    demo: Engine, one_pass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Constrained rows beside free ones, in the passes the batch picks and with every drafting
+    row in one pass (a row of lower K padded: its masks stop at its own K)."""
+    if one_pass:
+
+        def every_drafting_row(self: BatchDecoder, groups: dict[int, list]) -> list[list]:
+            rows = [row for k in sorted(groups, reverse=True) for row in groups[k]]
+            return [rows] if rows else []
+
+        monkeypatch.setattr(BatchDecoder, "_passes", every_drafting_row)
     sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     reqs = [
         request(demo, "Reply in JSON:", 2),
