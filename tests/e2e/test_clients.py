@@ -245,6 +245,17 @@ def agents_sdk() -> Any:
     return agents
 
 
+def agents_model(agents: Any, server: LiveServer, model_class: type) -> tuple[Any, Any]:
+    """The served model as the Agents SDK's ``model_class`` on a client of its own, and the
+    settings of a run whose first turn must call a tool (the SDK then resets tool_choice to
+    auto), greedy and one call at a time."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    settings = agents.ModelSettings(
+        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
+    )
+    return model_class(model=server.model, openai_client=client), settings
+
+
 def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> None:
     agents = agents_sdk()
     ran: list[str] = []
@@ -256,16 +267,13 @@ def test_openai_agents_tool_round_trip_on_both_models(server: LiveServer) -> Non
         return f"sunny in {city}"
 
     async def run(model_class: type, streamed: bool) -> str:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model, settings = agents_model(agents, server, model_class)
         agent = agents.Agent(
             name="weather",
             instructions="Answer with the weather tool.",
             tools=[get_weather],
-            model=model_class(model=server.model, openai_client=client),
-            # the first turn must call the tool; the SDK then resets tool_choice to auto
-            model_settings=agents.ModelSettings(
-                tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
-            ),
+            model=model,
+            model_settings=settings,
             # streamed, the run ends with the tool's output: the demo model's free text after
             # it runs to max_tokens, which the SDK's stream treats as a failed turn
             tool_use_behavior="stop_on_first_tool" if streamed else "run_llm_again",
@@ -302,16 +310,14 @@ def test_openai_agents_output_type_with_tools(server: LiveServer) -> None:
 
     for model_class in (agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel):
         ran.clear()
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model, settings = agents_model(agents, server, model_class)
         agent = agents.Agent(
             name="facts",
             instructions="Look the topic up, then answer.",
             tools=[look_up],
             output_type=Answer,
-            model=model_class(model=server.model, openai_client=client),
-            model_settings=agents.ModelSettings(
-                tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, **GREEDY
-            ),
+            model=model,
+            model_settings=settings,
         )
         result = asyncio.run(agents.Runner.run(agent, QUESTION, max_turns=4))
         assert isinstance(result.final_output, Answer), model_class
