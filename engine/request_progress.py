@@ -58,9 +58,15 @@ class Progress:
         stats.accepted_per_position = [0] * MAX_DRAFT_TOKENS
         stats.proposed_per_position = [0] * MAX_DRAFT_TOKENS
         stop_ids = frozenset() if request.ignore_eos else request.stop_token_ids
-        progress = cls(request, policy, stats, trace, stop_ids, time.perf_counter())
-        progress.reasoning_left = request.reasoning_budget
-        return progress
+        return cls(
+            request,
+            policy,
+            stats,
+            trace,
+            stop_ids,
+            time.perf_counter(),
+            reasoning_left=request.reasoning_budget,
+        )
 
     @property
     def remaining(self) -> int:

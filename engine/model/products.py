@@ -260,7 +260,7 @@ def _on_kernel_together(
         joined=second,
         joined_norm_weight=second_weight,
         joined_eps=second_eps,
-        prompt=_PROMPT.get(),
+        prompt=in_prompt(),
     )
     return [
         out if (bias := module.get("bias")) is None else out + bias
@@ -305,7 +305,7 @@ def _on_kernel(module: nn.Module, x: mx.array) -> mx.array | None:
     if operand is not None:
         weight, scales, biases, bits, group = operand
         out = _native.product(
-            x, weight, scales, biases, bits=bits, group_size=group, prompt=_PROMPT.get()
+            x, weight, scales, biases, bits=bits, group_size=group, prompt=in_prompt()
         )
     else:
         out = _many_rows(module, x)
