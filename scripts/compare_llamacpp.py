@@ -476,29 +476,19 @@ def mtpserve_read_bytes(engine: Any) -> int:
 
 
 def llama_bench(
-    binary: Path, gguf: Path, threads: int, tokens: int, reps: int
-) -> tuple[list[float], str]:
-    """Decode tokens/s of each of ``reps`` runs of ``llama-bench -p 0 -n tokens``, and the
-    llama.cpp commit it was built from."""
-    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads)]
-    cmd += ["-r", str(reps), "-o", "json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    (test,) = json.loads(out)
-    return [float(ts) for ts in test["samples_ts"]], str(test.get("build_commit", "?"))
-
-
-def llama_bench_prompt(
-    binary: Path, gguf: Path, threads: int, tokens: int, reps: int
-) -> tuple[list[float], bool]:
-    """Prompt tokens/s of each of ``reps`` runs of ``llama-bench -p tokens -n 0``, and whether
-    it ran with ``--repack 0`` (after the default run failed)."""
-    cmd = [str(binary), "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads)]
-    cmd += ["-r", str(reps), "-o", "json"]
+    binary: Path, gguf: Path, threads: int, reps: int, decode: int = 0, prompt: int = 0
+) -> tuple[list[float], str, bool]:
+    """Tokens/s of each of ``reps`` runs of ``llama-bench -p prompt -n decode`` (one of them
+    0), the llama.cpp commit it was built from, and whether it ran with ``--repack 0`` (after
+    the default run failed: the AMX path for repacked weights crashed in prompt processing)."""
+    cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(decode)]
+    cmd += ["-t", str(threads), "-r", str(reps), "-o", "json"]
     for extra in ([], ["--repack", "0"]):
         done = subprocess.run(cmd + extra, capture_output=True, text=True)
         if done.returncode == 0:
             (test,) = json.loads(done.stdout)
-            return [float(ts) for ts in test["samples_ts"]], bool(extra)
+            samples = [float(ts) for ts in test["samples_ts"]]
+            return samples, str(test.get("build_commit", "?")), bool(extra)
     raise RuntimeError(f"llama-bench failed (rc {done.returncode}): {done.stderr[-400:]}")
 
 
@@ -598,16 +588,13 @@ def plain(args: argparse.Namespace, source: Path) -> dict[str, Any]:
                         if tool == "mtpserve":
                             measure = mtpserve_prefill_tps if what else mtpserve_plain_tps
                             tps = [measure(side["engine"], tokens) for _ in range(args.reps)]
-                        elif what:
-                            tps, repack_off = llama_bench_prompt(
-                                bench, side["gguf"], t, tokens, args.reps
-                            )
-                            if repack_off:
-                                unpacked.add(name)
                         else:
-                            tps, llama_commit = llama_bench(
-                                bench, side["gguf"], t, tokens, args.reps
+                            run = {"prompt": tokens} if what else {"decode": tokens}
+                            tps, llama_commit, repack_off = llama_bench(
+                                bench, side["gguf"], t, args.reps, **run
                             )
+                            if repack_off and what:
+                                unpacked.add(name)
                         store.setdefault((name, t, tool), []).extend(tps)
                         print(f"round {r + 1} {name} {t}t {tool}{what}: {tps}", flush=True)
     rows = []
