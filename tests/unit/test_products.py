@@ -151,18 +151,32 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
 
 @pytest.mark.parametrize(
     "kind",
-    ["f32", "bf16", "q4", "q8", "q8-group32", "q4-prompt", "q4-group32-prompt", "bf16-prompt"],
+    [
+        "f32",
+        "bf16",
+        "q4",
+        "q8",
+        "q8-group32",
+        "q8-group32-wide",
+        "q4-prompt",
+        "q4-group32-prompt",
+        "bf16-prompt",
+    ],
 )
 def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind: str) -> None:
     """Decoding's products, and a prompt's (``prompt``: on AMX tiles 4-bit weights take
     another path than decoding's, the same for every row count)."""
-    inner, out = 1000, 300  # a partial vector at the end of each row, a partial column tile
+    # a partial vector at the end of each row, a partial column tile; "wide": rows of 2,080
+    # (more than one span of 1,024 codes for the lane sums, the last partial, an odd run count)
+    inner, out = (2100 if kind.endswith("wide") else 1000), 300
     x = mx.array(_random((64, inner), 5))
     w = mx.array(_random((out, inner), 6))
     if kind.startswith("q"):
         bits = int(kind[1])
         # group 32 over 992: an odd number of runs of 32 (half a 64-byte block at the end)
         group, width = (32, 992) if "group32" in kind else (64, 960)
+        if kind.endswith("wide"):
+            width = 2080
         packed, scales, biases = mx.quantize(w[:, :width], group_size=group, bits=bits)
         x = x[:, :width]
         prompt = kind.endswith("prompt")

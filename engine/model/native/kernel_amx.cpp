@@ -169,65 +169,162 @@ inline void transpose_groups(const void* src, Real type, int64_t o0, int m, int6
   }
 }
 
-// The run sums of N (1-3) rows by the VNNI instruction instead of tiles: each weight row's
-// 64-code block against a row's quantized activation gives 16 lane sums of 4 codes, and a tree
-// of 16 weight rows' vectors adds each run's 8 lanes (integers: the tiles' exact sums); then
-// the same float work per run as the tile paths, so a row's outputs are the same bits.
+// Sixteen vectors' two runs of eight lanes each, added: lane i of out[h] is the sum of lanes
+// 8h .. 8h + 7 of v[i] (pairs, then fours, then eights; integers, so any order is exact).
+inline void run_sums16(const __m512i v[kTile], __m512i out[2]) {
+  __m512i s2[8], t4[4];
+  for (int i = 0; i < 8; ++i)
+    s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  // lane (128-bit) L of t4[i] element e holds the sum of lane L of vector 4i + e
+  for (int i = 0; i < 4; ++i)
+    t4[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s2[2 * i], s2[2 * i + 1]),
+                             _mm512_unpackhi_epi64(s2[2 * i], s2[2 * i + 1]));
+  // lanes 0-1 are the first run, 2-3 the second: [first of 0-3, second of 0-3, first of 4-7,
+  // second of 4-7], then of 8-15
+  const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[0], t4[1], 0x88),
+                                       _mm512_shuffle_i32x4(t4[0], t4[1], 0xdd));
+  const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[2], t4[3], 0x88),
+                                       _mm512_shuffle_i32x4(t4[2], t4[3], 0xdd));
+  out[0] = _mm512_shuffle_i32x4(u01, u23, 0x88);
+  out[1] = _mm512_shuffle_i32x4(u01, u23, 0xdd);
+}
+
+// One 16-row weight tile of a product of N (1-3) rows on the VNNI instruction instead of
+// tiles (lane_columns): the rows' run sums, then the same float work per run as the tile
+// paths, so a row's outputs are the same bits.
 template <int N>
-inline void lane_rows(const uint8_t* codes, int64_t row_bytes, int m, int64_t in,
-                      int runs_a_group, const int8_t* q, const float* xs, const float* gs,
-                      const float* scales, const float* biases, float (*lanes)[kTile]) {
-  const int64_t runs = in / kRun;
+struct LaneTile {
+  int64_t o0 = 0;
+  int m = 0;
+  int64_t next_run = 0;  // the float work's next run
   __m512 acc[N];
-  for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 2 * kRun) {
-    const int64_t n = std::min<int64_t>(2 * kRun, in - k);  // 64, or 32 at an odd run's end
-    const __mmask64 part = _cvtu64_mask64(n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
-    __m512i x[N];
-    for (int t = 0; t < N; ++t) x[t] = _mm512_maskz_loadu_epi8(part, q + t * in + k);
-    __m512i v[N][kTile];
-    for (int r = 0; r < kTile; ++r) {
-      if (r < m) {
-        const uint8_t* p = codes + r * row_bytes + k;
-        __builtin_prefetch(p + kTile * row_bytes, 0, 2);  // the next tile's row
-        const __m512i w = _mm512_maskz_loadu_epi8(part, p);
-        for (int t = 0; t < N; ++t) v[t][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x[t]);
-      } else {
-        for (int t = 0; t < N; ++t) v[t][r] = _mm512_setzero_si512();
-      }
-    }
-    for (int t = 0; t < N; ++t) {
-      // pairs of rows, then fours: lane (128-bit) L of t4[i] element e holds the sum of lane L
-      // of row 4i + e
-      __m512i s2[8], t4[4];
-      for (int i = 0; i < 8; ++i)
-        s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[t][2 * i], v[t][2 * i + 1]),
-                                 _mm512_unpackhi_epi32(v[t][2 * i], v[t][2 * i + 1]));
-      for (int i = 0; i < 4; ++i)
-        t4[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s2[2 * i], s2[2 * i + 1]),
-                                 _mm512_unpackhi_epi64(s2[2 * i], s2[2 * i + 1]));
-      // lanes 0-1 are the first run, 2-3 the second: [first of 0-3, second of 0-3, first of
-      // 4-7, second of 4-7], then of 8-15
-      const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[0], t4[1], 0x88),
-                                           _mm512_shuffle_i32x4(t4[0], t4[1], 0xdd));
-      const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t4[2], t4[3], 0x88),
-                                           _mm512_shuffle_i32x4(t4[2], t4[3], 0xdd));
-      const __m512i sums[2] = {_mm512_shuffle_i32x4(u01, u23, 0x88),
-                               _mm512_shuffle_i32x4(u01, u23, 0xdd)};
-      for (int h = 0; h < 2; ++h) {
-        const int64_t j = k / kRun + h;
-        if (j >= runs) break;
-        const int64_t g = j / runs_a_group;
-        const __m512 ws = _mm512_mul_ps(_mm512_set1_ps(xs[j * kTile + t]),
-                                        _mm512_loadu_ps(scales + g * kTile));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h]), ws, acc[t]);
-        if (j % runs_a_group == runs_a_group - 1)
-          acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(biases + g * kTile),
-                                   _mm512_set1_ps(gs[g * kTile + t]), acc[t]);
-      }
-    }
+  // run sums [t][span][half][weight row]: lane s of half h is run 32 span + 2 s + h of that
+  // weight row (a span: 16 steps of 64 codes)
+  std::vector<__m512i> sums;
+  std::vector<float> scales, biases;  // [group][16 weight rows]
+  __m512 by_run[N][2][kTile];  // the current span's sums, lane r: weight row r
+};
+
+// Products of 1-3 rows of 8-bit codes on the VNNI instruction: each weight row's 64-code
+// steps against a row's quantized activation give 16 lane sums of 4 codes each, run_sums16
+// adds sixteen steps into their 32 runs' exact sums, and a transpose turns a tile's rows of
+// run sums into vectors of its 16 weight rows a run, for the float work. Each weight row is
+// read from start to end (a step of all 16 rows in turn, 16 streams a row apart, read at
+// 0.65 of the read bandwidth on an Intel Xeon VM: kernel_impl.h, code_row), and a tile's float
+// work runs a sixteenth at a time between the next tile's rows, while their reads are under
+// way (after the tile's last row, it took 0.05 of the read: scripts/experiments/kernel_token.cpp).
+template <int N>
+void lane_columns(const ProductArgs& a, int64_t first, int64_t last, const QuantizedRows& xq) {
+  const WeightView& w = a.w;
+  const int64_t in = w.in;
+  const int64_t runs = in / kRun;
+  const int64_t groups = in / w.group;
+  const int runs_a_group = w.group / kRun;
+  const int64_t steps = (in + 2 * kRun - 1) / (2 * kRun);  // 64 codes, 32 in an odd last one
+  const int64_t spans = (steps + kTile - 1) / kTile;
+  const int8_t* q = xq.q.data();
+  const float* xs = xq.scales.data();
+  const float* gs = xq.group_sums.data();
+  thread_local LaneTile<N> tiles[2];  // the tile being read and the one being summed
+  LaneTile<N>* reading = &tiles[0];
+  LaneTile<N>* summing = &tiles[1];
+  for (LaneTile<N>* t : {reading, summing}) {
+    if (t->sums.size() < static_cast<size_t>(N * spans * 2 * kTile))
+      t->sums.resize(N * spans * 2 * kTile);
+    t->scales.resize(groups * kTile);
+    t->biases.resize(groups * kTile);
   }
-  for (int t = 0; t < N; ++t) _mm512_store_ps(lanes[t], acc[t]);
+  bool pending = false;  // whether `summing` holds a tile whose float work is not done
+  // the float work of runs [next_run, end) of tile `tile`
+  const auto float_runs = [&](LaneTile<N>& tile, int64_t end) {
+    for (int64_t j = tile.next_run; j < end; ++j) {
+      const int64_t span = j / (2 * kTile);
+      const int s = static_cast<int>(j % (2 * kTile)) / 2, h = static_cast<int>(j % 2);
+      if (j % (2 * kTile) == 0)
+        for (int t = 0; t < N; ++t)
+          for (int hh = 0; hh < 2; ++hh) {
+            const __m512i* rows = tile.sums.data() + ((t * spans + span) * 2 + hh) * kTile;
+            for (int r = 0; r < kTile; ++r) tile.by_run[t][hh][r] = _mm512_castsi512_ps(rows[r]);
+            transpose16(tile.by_run[t][hh]);
+          }
+      const int64_t g = j / runs_a_group;
+      const __m512 scale = _mm512_loadu_ps(tile.scales.data() + g * kTile);
+      for (int t = 0; t < N; ++t) {
+        const __m512 ws = _mm512_mul_ps(_mm512_set1_ps(xs[j * kTile + t]), scale);
+        tile.acc[t] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_castps_si512(tile.by_run[t][h][s])), ws, tile.acc[t]);
+        if (j % runs_a_group == runs_a_group - 1)
+          tile.acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(tile.biases.data() + g * kTile),
+                                        _mm512_set1_ps(gs[g * kTile + t]), tile.acc[t]);
+      }
+    }
+    tile.next_run = std::max(tile.next_run, end);
+  };
+  const auto finish = [&](LaneTile<N>& tile) {
+    float_runs(tile, runs);
+    for (int t = 0; t < N; ++t) {
+      alignas(64) float out[kTile];
+      _mm512_store_ps(out, tile.acc[t]);
+      for (int r = 0; r < tile.m; ++r) store_real(a.y, a.y_type, t * w.out + tile.o0 + r, out[r]);
+    }
+  };
+  for (int64_t o0 = first; o0 < last; o0 += kTile) {
+    LaneTile<N>& tile = *reading;
+    tile.o0 = o0;
+    tile.m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
+    tile.next_run = 0;
+    for (int t = 0; t < N; ++t) tile.acc[t] = _mm512_setzero_ps();
+    transpose_groups(w.scales, w.scale_type, o0, tile.m, groups, tile.scales.data());
+    transpose_groups(w.biases, w.scale_type, o0, tile.m, groups, tile.biases.data());
+    __m512i* const sums_of = tile.sums.data();
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + o0 * in;
+    for (int r = 0; r < kTile; ++r) {
+      if (r < tile.m) {
+        const uint8_t* row = codes + r * in;
+        for (int64_t span = 0; span < spans; ++span) {
+          __m512i v[N][kTile];
+          for (int i = 0; i < kTile; ++i) {
+            const int64_t k = (span * kTile + i) * 2 * kRun;
+            if (k >= in) {
+              for (int t = 0; t < N; ++t) v[t][i] = _mm512_setzero_si512();
+              continue;
+            }
+            const uint8_t* p = row + k;
+            // the line 512 bytes on into L1 and 4 KiB on into L2 (a tile's last rows reach
+            // the next tile's first)
+            __builtin_prefetch(p + 512, 0, 3);
+            __builtin_prefetch(p + 4096, 0, 2);
+            if (k + 2 * kRun <= in) {
+              const __m512i c = _mm512_loadu_si512(p);
+              for (int t = 0; t < N; ++t)
+                v[t][i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c,
+                                              _mm512_loadu_si512(q + t * in + k));
+            } else {  // an odd last run
+              const __mmask64 part = _cvtu64_mask64((uint64_t{1} << kRun) - 1);
+              const __m512i c = _mm512_maskz_loadu_epi8(part, p);
+              for (int t = 0; t < N; ++t)
+                v[t][i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c,
+                                              _mm512_maskz_loadu_epi8(part, q + t * in + k));
+            }
+          }
+          for (int t = 0; t < N; ++t) {
+            __m512i halves[2];
+            run_sums16(v[t], halves);
+            for (int h = 0; h < 2; ++h)
+              sums_of[((t * spans + span) * 2 + h) * kTile + r] = halves[h];
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < N * spans * 2; ++i) sums_of[i * kTile + r] = _mm512_setzero_si512();
+      }
+      if (pending) float_runs(*summing, (r + 1) * runs / kTile);
+    }
+    if (pending) finish(*summing);
+    std::swap(reading, summing);
+    pending = true;
+  }
+  if (pending) finish(*summing);
 }
 
 // The 4-bit codes of `m` weight rows (`in` codes each, two a byte: the even code in the low
@@ -307,6 +404,15 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
   std::call_once(a.quantized->once, [&] { quantize(a, *a.quantized); });
   const QuantizedRows& xq = *a.quantized;
   const int n = std::min(a.rows, kTile);
+  if (n <= kLaneRows && !four_bit) {  // 1-3 rows of 8-bit codes: no tiles
+    if (n == 1)
+      lane_columns<1>(a, first, last, xq);
+    else if (n == 2)
+      lane_columns<2>(a, first, last, xq);
+    else
+      lane_columns<3>(a, first, last, xq);
+    return;
+  }
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
   // a tile's scales and biases, [group][16], taken by pointer once (each use of a
   // thread_local in a shared library is a call)
@@ -321,8 +427,7 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
 
   for (int64_t o0 = first; o0 < last; o0 += kTile) {
     const int m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
-    const bool lanes_path = n <= kLaneRows && !four_bit;
-    if (!lanes_path && m != configured) {  // 1-3 rows of 8-bit codes use no tiles
+    if (m != configured) {
       configure(m, n);
       configured = m;
     }
@@ -333,21 +438,6 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
     if (four_bit) {
       unpack_codes(packed, m, in, unpacked.data());
       codes = unpacked.data();
-    }
-    if (lanes_path) {  // up to three rows (one block): the VNNI instruction's sums
-      alignas(64) float rows_out[kLaneRows][kTile];
-      const int8_t* q = xq.q.data();
-      const float* xs = xq.scales.data();
-      const float* gs = xq.group_sums.data();
-      if (n == 1)
-        lane_rows<1>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-      else if (n == 2)
-        lane_rows<2>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-      else
-        lane_rows<3>(codes, row_bytes, m, in, runs_a_group, q, xs, gs, scales, biases, rows_out);
-      for (int t = 0; t < n; ++t)
-        for (int r = 0; r < m; ++r) store_real(a.y, a.y_type, t * out + o0 + r, rows_out[t][r]);
-      continue;
     }
     for (int64_t b = 0; b < blocks; ++b) {
       const int8_t* tile_b = xq.q.data() + b * runs * kBTile;
