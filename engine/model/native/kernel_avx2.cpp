@@ -23,6 +23,8 @@ struct Avx2 {
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 2;
   static constexpr int AJ = 2;
+  static constexpr int whole_float_rows = 2;  // kernel_impl.h, float_rows and code_row
+  static constexpr bool whole_code_row = false;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static reg load_partial(const float* p, int n) {

@@ -1,6 +1,5 @@
 // AVX-512 (F, BW, VL, DQ) with FMA and F16C, and VNNI where compiled with it: 16 floats a
-// vector, tiles of up to 3 rows by 8 columns (28 of the 32 registers; eight weight rows streamed
-// at once read memory faster than four) or of 4-5 rows by 4 columns.
+// vector; 1-3 activation rows read each weight row whole, 4-5 rows take tiles of 4 columns.
 #include <immintrin.h>
 
 #include "products.h"
@@ -23,13 +22,17 @@ struct Avx512 {
   static constexpr int W = 16;
   static constexpr int R = 5;
   static constexpr int J = 8;
-  // weight rows a tile of `rows` activation rows: all eight up to three rows, four beyond
-  // (RN + 1 + RN * JN registers), so that a verify's five rows stream the weights from memory
-  // together rather than as a tile of three and a tile of two that reads them from cache
-  static constexpr int columns(int rows) { return rows <= 3 ? J : J / 2; }
+  // weight rows a tile of 4-5 activation rows takes (fewer read whole rows: whole_float_rows):
+  // four (RN + 1 + RN * JN registers), so that a verify's five rows stream the weights from
+  // memory together rather than as a tile of three and a tile of two that reads them from cache
+  static constexpr int columns(int) { return J / 2; }
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 3;
   static constexpr int AJ = 4;
+  // activation rows up to this many read each weight row whole (kernel_impl.h, float_rows), and
+  // one row of 8-bit codes (code_row)
+  static constexpr int whole_float_rows = 3;
+  static constexpr bool whole_code_row = true;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static reg load_partial(const float* p, int n) {

@@ -5,7 +5,8 @@
 // Layout of the work, for output columns [first, last):
 // - tiles of V::J weight rows (output columns) by up to V::R activation rows, taken
 //   V::columns(rows) weight rows at a time, every (row, column) sum in one vector accumulator
-//   of its own;
+//   of its own; up to V::whole_float_rows activation rows (and one row of 8-bit codes where
+//   V::whole_code_row) take the tile's weight rows one after the other instead, each whole;
 // - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
 //   registers: a tile's first row tile reads them from memory, the next ones from cache, and
 //   prefetches the next tile's); 4- and 8-bit affine codes are read in registers too, as
@@ -50,6 +51,7 @@ struct F32Rows {  // fp32 rows in memory (the weight itself, or the scratch)
   void prefetch(int j, int64_t k) const {
     if (ahead) __builtin_prefetch(reinterpret_cast<const char*>(row[j] + k) + ahead, 0, 2);
   }
+  const char* at(int j, int64_t k) const { return reinterpret_cast<const char*>(row[j] + k); }
   typename V::reg load(int j, int64_t k) const { return V::load(row[j] + k); }
   typename V::reg load_tail(int j, int64_t k, int n) const {
     return V::load_partial(row[j] + k, n);
@@ -64,6 +66,7 @@ struct HalfRows {  // bf16 or fp16 rows, widened in registers
     if (ahead && (k * 2) % 64 == 0)
       __builtin_prefetch(reinterpret_cast<const char*>(row[j] + k) + ahead, 0, 2);
   }
+  const char* at(int j, int64_t k) const { return reinterpret_cast<const char*>(row[j] + k); }
   typename V::reg load(int j, int64_t k) const {
     return Bf16 ? V::load_bf16(row[j] + k) : V::load_f16(row[j] + k);
   }
@@ -114,6 +117,40 @@ inline void tile(
     for (int j = 0; j < JN; ++j) acc[r][jb + j] = c[r][j];
 }
 
+// RN activation rows against `jn` weight rows taken one after the other, each read from start
+// to end (V::whole_float_rows): the same operations per output as tile's, in the order memory
+// lies. A tile of 1-3 rows by 8 weight rows (8 streams a row apart) read bf16 weights of a
+// Qwen3.5-0.8B token at 1 / 2 / 3 rows in 61-64 / 63-67 / 66-70 ms on an Intel Xeon VM, each row
+// whole in 50-53 / 56-57 / 62 (fp32 103-110 / 105-107 / 105-111 against 92-96 / 97-98 /
+// 102-106); 4-5 rows keep the tile (each row whole was level at 4 and 1.05-1.1x slower at 5, two
+// weight rows at a time 1.04-1.1x slower), as AVX2 does from 3 rows (1.5x slower whole) and NEON
+// and the scalar path, unmeasured, for all (scripts/bench_kernel.py --dtypes f32,bf16).
+template <class V, int RN, class Rows>
+inline void float_rows(const Rows& w, int jn, int64_t steps, int tail, const float* x,
+                       int64_t x_stride, typename V::reg (*acc)[V::J]) {
+  using reg = typename V::reg;
+  constexpr int W = V::W;
+  const int64_t step_bytes = w.at(0, W) - w.at(0, 0);
+  for (int j = 0; j < jn; ++j) {
+    reg c[RN];
+    for (int r = 0; r < RN; ++r) c[r] = acc[r][j];
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = s * W;
+      if (w.ahead && (s * step_bytes) % 64 == 0) {
+        __builtin_prefetch(w.at(j, k) + 512, 0, 3);
+        __builtin_prefetch(w.at(j, k) + 4096, 0, 2);
+      }
+      const reg wj = w.load(j, k);
+      for (int r = 0; r < RN; ++r) c[r] = V::fma(wj, V::load(x + r * x_stride + k), c[r]);
+    }
+    if (tail) {
+      const reg wj = w.load_tail(j, steps * W, tail);
+      for (int r = 0; r < RN; ++r) c[r] = V::fma(wj, V::load(x + r * x_stride + steps * W), c[r]);
+    }
+    for (int r = 0; r < RN; ++r) acc[r][j] = c[r];
+  }
+}
+
 template <class V, int RN, int JN, class Rows>
 inline void tile_jn(int jn, const Rows& w, int jb, int64_t steps, int tail, const float* x,
                     int64_t xs, typename V::reg (*acc)[V::J]) {
@@ -129,6 +166,9 @@ inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, cons
                     int64_t xs, typename V::reg (*acc)[V::J]) {
   if constexpr (RN > 1) {
     if (rn < RN) return tile_rn<V, RN - 1>(rn, jn, w, steps, tail, x, xs, acc);
+  }
+  if constexpr (RN <= V::whole_float_rows) {
+    return float_rows<V, RN>(w, jn, steps, tail, x, xs, acc);
   }
   constexpr int JN = V::columns(RN);
   for (int jb = 0; jb < jn; jb += JN)
@@ -359,11 +399,12 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
 }
 
 // One activation row against `jn` rows of 8-bit codes taken one after the other, each read
-// from start to end: the same operations per output as code_tile's one-row tile, in the order
-// memory lies. A block of all eight rows in turn (eight streams 1-3.5 KiB apart) read them at
-// 0.65-0.68 of the read bandwidth on an Intel Xeon VM, each row whole at 0.74-0.76
-// (scripts/experiments/kernel_token.cpp). 4-bit codes keep the tile: their loops bound them,
-// not the reading, and each row's own activation loads made them 1.06x slower this way.
+// from start to end (V::whole_code_row): the same operations per output as code_tile's one-row
+// tile, in the order memory lies. A block of all eight rows in turn (eight streams 1-3.5 KiB
+// apart) read them at 0.65-0.68 of the read bandwidth on an Intel Xeon VM, each row whole at
+// 0.74-0.76 (scripts/experiments/kernel_token.cpp). 4-bit codes keep the tile: their loops bound
+// them, not the reading, and each row's own activation loads made them 1.06x slower this way;
+// so does AVX2, whose 8-bit sums take several instructions (1.1x slower whole).
 template <class V>
 inline void code_row(int jn, const CodeRows<V>& w, int64_t blocks, int tail_bytes, int group,
                      const int8_t* q, const float* xscale, typename V::ireg lanes,
@@ -428,7 +469,7 @@ inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int 
     for (int jb = 0; jb < jn; jb += V::AJ)
       code_tile_jn<V, Bits, RN, V::AJ>(std::min(V::AJ, jn - jb), w, jb, blocks, tail_bytes,
                                         group, q, qs, xscale, xss, lanes, runs, acc);
-  } else if constexpr (Bits == 8) {
+  } else if constexpr (Bits == 8 && V::whole_code_row) {
     code_row<V>(jn, w, blocks, tail_bytes, group, q, xscale, lanes, runs, acc[0]);
   } else {
     code_tile_jn<V, Bits, 1, V::J>(jn, w, 0, blocks, tail_bytes, group, q, qs, xscale, xss,

@@ -24,6 +24,8 @@ struct Neon {
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 3;
   static constexpr int AJ = 4;
+  static constexpr int whole_float_rows = 0;  // kernel_impl.h, float_rows and code_row
+  static constexpr bool whole_code_row = false;
   static reg zero() { return vdupq_n_f32(0.0f); }
   static reg load(const float* p) { return vld1q_f32(p); }
   static reg load_partial(const float* p, int n) {

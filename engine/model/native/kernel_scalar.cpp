@@ -21,6 +21,8 @@ struct Scalar {
   static constexpr int columns(int /*rows*/) { return J; }
   static constexpr int AR = 1;
   static constexpr int AJ = 4;
+  static constexpr int whole_float_rows = 0;  // kernel_impl.h, float_rows and code_row
+  static constexpr bool whole_code_row = false;
   static reg zero() { return 0.0f; }
   static reg load(const float* p) { return *p; }
   static reg load_partial(const float* p, int) { return *p; }
