@@ -9,11 +9,12 @@
 // TDPBUSD a run (the codes, unsigned, the A tile, read where they lie; the activations, signed
 // and quantized per run of 32 as on every instruction set, the B tile in the unit's
 // 4-byte-interleaved layout, prepared once a product); with 1-3 rows VPDPBUSD's lane sums of
-// four codes, a run's eight lanes added in integers (lane_rows). A run's sum is an exact integer
-// either way, and each output's float sequence — one multiply-add a run, one a group for the
-// bias, no horizontal sum — is the same whatever the row count, the way the sums were made or
-// the thread: a row is bit for bit its one-row product. These are not the VNNI kernel's bits
-// (that one sums floats lane by lane), so the whole instruction set takes one path or the other.
+// four codes, a run's eight lanes added in integers (lane_columns). A run's sum is an exact
+// integer either way, and each output's float sequence — one multiply-add a run, one a group
+// for the bias, no horizontal sum — is the same whatever the row count, the way the sums were
+// made or the thread: a row is bit for bit its one-row product. These are not the VNNI
+// kernel's bits (that one sums floats lane by lane), so the whole instruction set takes one
+// path or the other.
 //
 // A tile product costs about the same for 1 to 16 rows, the float work per run grows with them:
 // every 8-bit projection of a Qwen3.5-0.8B-shaped token on a 2-core Xeon VM, taking turns with
@@ -45,7 +46,7 @@ namespace {
 constexpr int kRun = kActivationRun;  // codes a tile product: one activation run
 constexpr int kTile = 16;  // weight rows (outputs) a tile, activation rows a block
 constexpr int kBTile = kRun / 4 * 64;  // bytes of one run's B tile (8 rows of 64)
-// Products of up to this many rows take the VNNI instruction's lane sums (lane_rows): a tile
+// Products of up to this many rows take the VNNI instruction's lane sums (lane_columns): a tile
 // product costs as much for one row as for 16, so 1-3 rows ran slower on tiles (0.8B-shaped
 // token, 8 bits: 1 / 2 / 3 rows 41.9 / 43.5 / 51.0 ms on tiles, 36.3 / 39.9 / 46.8 by lanes, 4
 // rows 49.2 on tiles).
@@ -88,7 +89,7 @@ void quantize(const ProductArgs& a, QuantizedRows& out) {
   const int64_t groups = w.in / w.group;
   const int runs_a_group = w.group / kRun;
   const int64_t blocks = (a.rows + kTile - 1) / kTile;
-  // B tiles for tile products, the rows in order for lane sums (lane_rows)
+  // B tiles for tile products, the rows in order for lane sums (lane_columns)
   const bool tiled = a.rows > kLaneRows || w.bits == 4;
   out.q.assign(static_cast<size_t>(tiled ? blocks * runs * kBTile : a.rows * w.in), 0);
   out.scales.assign(static_cast<size_t>(blocks * runs * kTile), 0.0f);

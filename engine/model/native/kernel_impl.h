@@ -456,8 +456,9 @@ inline void code_tile_jn(int jn, const CodeRows<V>& w, int jb, int64_t blocks, i
   code_tile<V, Bits, RN, JN>(w, jb, blocks, tail_bytes, group, q, qs, xscale, xss, lanes, runs, acc);
 }
 
-// RN rows of one J-row tile: one row takes the J columns at once; more rows take them
-// V::AJ at a time (so that the accumulators and the rows' activations fit the registers).
+// RN rows of one J-row tile: one row takes the J columns at once (8-bit codes where
+// V::whole_code_row one after the other: code_row); more rows take them V::AJ at a time (so
+// that the accumulators and the rows' activations fit the registers).
 template <class V, int Bits, int RN = V::AR>
 inline void code_rows(int rn, int jn, const CodeRows<V>& w, int64_t blocks, int tail_bytes,
                       int group, const int8_t* q, int64_t qs, const float* xscale, int64_t xss,
