@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,6 +46,27 @@ SAMPLED = [(2, 7), (0, 11)]  # (K, seed)
 SAMPLED_PARAMS = {"temperature": 1.0, "top_k": 20}
 CHECKPOINTS = ["dense-tied", "moe-untied-sharded"]
 DRAFT_VOCAB = 200  # of 320 ids: drafts the rest cannot be
+
+
+def consecutive_free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports that can be bound now, below Linux's ephemeral range
+    (32768-60999): ``mlx.launch``'s ring backend listens on the port it is given and the next
+    ones, a rank each, and a port the OS handed out from the ephemeral range had its neighbour
+    taken by another test's connection (the rank failed to bind, error 98)."""
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(20000, 32000)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for offset, s in enumerate(socks):
+                s.bind(("127.0.0.1", first + offset))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-32000")
 
 
 def free_ports(n: int) -> list[int]:
@@ -119,7 +141,7 @@ def launched(make_checkpoint, tmp_path_factory) -> dict:
         )
     )
     cmd = [
-        str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(1)[0]),
+        str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(consecutive_free_ports(2)),
         "--python", sys.executable,
         "--env", f"PYTHONPATH={ROOT}",
         "--env", f"MTPSERVE_CACHE={os.environ['MTPSERVE_CACHE']}",
