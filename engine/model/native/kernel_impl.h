@@ -334,6 +334,25 @@ inline void prefetch_codes(const uint8_t* p, int64_t ahead) {
   __builtin_prefetch(p + 6 * ahead, 0, 2);
 }
 
+// The group of each block's first lane, m * B / group for block m = 0, 1, ..., stepped
+// without a division a block.
+struct GroupCursor {
+  int64_t g = 0;
+  int64_t groups_a_block, blocks_a_group, blocks_left;
+  GroupCursor(int block_codes, int group)
+      : groups_a_block(block_codes >= group ? block_codes / group : 0),
+        blocks_a_group(block_codes >= group ? 1 : group / block_codes),
+        blocks_left(blocks_a_group) {}
+  void next() {
+    if (groups_a_block) {
+      g += groups_a_block;
+    } else if (--blocks_left == 0) {
+      ++g;
+      blocks_left = blocks_a_group;
+    }
+  }
+};
+
 // RN activation rows by JN weight rows (from column `jb` of the J-row tile) over `blocks`
 // whole blocks and `tail_bytes` of one partial block.
 template <class V, int Bits, int RN, int JN>
@@ -348,11 +367,9 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
   for (int r = 0; r < RN; ++r)
     for (int j = 0; j < JN; ++j) c[r][j] = acc[r][jb + j];
   const int64_t n = blocks + (tail_bytes ? 1 : 0);
-  // the group of each block's first lane, m * B / group, without a division a block
-  const int64_t groups_a_block = B >= group ? B / group : 0;
-  const int64_t blocks_a_group = B >= group ? 1 : group / B;
-  int64_t g = 0, blocks_left = blocks_a_group;
+  GroupCursor group_of(B, group);
   for (int64_t m = 0; m < n; ++m) {
+    const int64_t g = group_of.g;
     reg xsc[RN];
     for (int r = 0; r < RN; ++r) xsc[r] = V::expand(xscale + r * xss + m * B / kRun, runs);
     if constexpr (Bits == 4) {
@@ -387,12 +404,7 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
         }
       }
     }
-    if (groups_a_block) {
-      g += groups_a_block;
-    } else if (--blocks_left == 0) {
-      ++g;
-      blocks_left = blocks_a_group;
-    }
+    group_of.next();
   }
   for (int r = 0; r < RN; ++r)
     for (int j = 0; j < JN; ++j) acc[r][jb + j] = c[r][j];
@@ -414,14 +426,13 @@ inline void code_row(int jn, const CodeRows<V>& w, int64_t blocks, int tail_byte
   constexpr int B = block_codes<8, V>();
   constexpr int BB = 4 * V::W;  // code bytes a block
   const int64_t n = blocks + (tail_bytes ? 1 : 0);
-  const int64_t groups_a_block = B >= group ? B / group : 0;
-  const int64_t blocks_a_group = B >= group ? 1 : group / B;
   for (int j = 0; j < jn; ++j) {
     const uint8_t* row = w.codes + j * w.row_bytes;
     const float* scales = w.scales + j * w.scale_stride;
     reg c = acc[j];
-    int64_t g = 0, blocks_left = blocks_a_group;
+    GroupCursor group_of(B, group);
     for (int64_t m = 0; m < n; ++m) {
+      const int64_t g = group_of.g;
       const reg xsc = V::expand(xscale + m * B / kRun, runs);
       const uint8_t* p = row + m * BB;
       // the line 512 bytes on into L1 and 4 KiB on into L2 (8 KiB: the same; 256 and 2 KiB,
@@ -432,12 +443,7 @@ inline void code_row(int jn, const CodeRows<V>& w, int64_t blocks, int tail_byte
       const reg ws = V::expand(scales + g, lanes);
       const ireg d = V::dot_u8(V::izero(), v, V::bytes(q + m * B));
       c = V::fma(V::to_float(d), V::mul(ws, xsc), c);
-      if (groups_a_block) {
-        g += groups_a_block;
-      } else if (--blocks_left == 0) {
-        ++g;
-        blocks_left = blocks_a_group;
-      }
+      group_of.next();
     }
     acc[j] = c;
   }
