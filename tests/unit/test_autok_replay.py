@@ -274,3 +274,48 @@ def test_the_replay_decides_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) 
     )
     assert histogram == replayed
     assert histogram[0] > 30 and sum(histogram[1:]) > 100  # both kinds of cycle ran
+
+
+def test_the_sampled_kind_starts_from_the_seeded_plan_not_from_its_first_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sampled kind's long-run estimates are every later request's prior. Explored on the
+    first request alone, a first request that happens to accept little (sampled acceptance
+    varies by prompt) sets them low, later requests start plain, and probes every 16-128 plain
+    cycles add too little evidence to lift them. ``EngineAutoK`` starts the kind from the seeded
+    plan's acceptance on fixed texts instead. Replayed with the prompts that accept least in
+    their first cycles going first, on a machine where drafting pays ~6% over plain decoding
+    (as the demo's sampled cycles do on a 2-core CPU), exploring left auto at 0.988x of the
+    best fixed K with 1,516 plain cycles; from the plan's acceptance it is level with it."""
+    import engine.scheduling.autok as autok
+    from engine.scheduling.autok import EXPLORE_CYCLES, EngineAutoK, SeededPlan
+    from sampling.params import SamplingParams
+
+    sampler, machine = "preset:qwen", "break-even"
+    monkeypatch.setitem(MACHINES, machine, 0.7e-3)
+    truth = true_table(sampler, machine)
+    rows = RECORD["samplers"][sampler]
+    order = sorted(range(len(rows)), key=lambda i: sum(a >= 1 for a in rows[i]["accepted"][:40]))
+    positions = [a for row in rows for a in row["accepted"]]
+    acceptance = [sum(a > i for a in positions) / sum(a >= i for a in positions) for i in range(4)]
+
+    monkeypatch.setattr(autok, "cached_costs", lambda engine, kind: truth)
+    engine_auto_k = EngineAutoK(engine=None)  # type: ignore[arg-type]
+    engine_auto_k.seeded = SeededPlan(acceptance, truth.cycle)
+    engine_auto_k.costs(SamplingParams(temperature=0.7, seed=None))
+    from_plan = engine_auto_k.kinds["sampled"]
+    counts = from_plan.counts
+    assert [h / t for h, t in zip(counts.hits, counts.trials, strict=True)] == pytest.approx(
+        acceptance
+    )
+    assert from_plan.drafting_cycles_seen == EXPLORE_CYCLES  # no exploration
+
+    fixed = {k: replay(sampler, k, prompts=order, machine=machine)[0] for k in range(5)}
+    best = max(fixed.values())
+    assert best > 1.05 * fixed[0]  # drafting pays, a little
+    explored, explored_k = replay(
+        sampler, AutoK(truth, policy=policy(sampler)), 0.2, prompts=order, machine=machine
+    )
+    auto, histogram = replay(sampler, from_plan, 0.2, prompts=order, machine=machine)
+    assert explored < 0.99 * best and explored_k[0] > 1000  # the trap, from the first request
+    assert auto >= 0.995 * best and histogram[0] < explored_k[0] / 2, (explored_k, histogram)
