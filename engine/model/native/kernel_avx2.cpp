@@ -18,8 +18,8 @@ struct Avx2 {
   static constexpr int W = 8;
   static constexpr int R = 2;
   static constexpr int J = 5;
-  // weight rows a tile of `rows` activation rows
-  static constexpr int columns(int /*rows*/) { return J; }
+  // weight rows a tile of activation rows takes at a time
+  static constexpr int tile_columns = J;
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 2;
   static constexpr int AJ = 2;

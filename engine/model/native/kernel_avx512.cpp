@@ -25,7 +25,7 @@ struct Avx512 {
   // weight rows a tile of 4-5 activation rows takes (fewer read whole rows: whole_float_rows):
   // four (RN + 1 + RN * JN registers), so that a verify's five rows stream the weights from
   // memory together rather than as a tile of three and a tile of two that reads them from cache
-  static constexpr int columns(int) { return J / 2; }
+  static constexpr int tile_columns = J / 2;
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 3;
   static constexpr int AJ = 4;

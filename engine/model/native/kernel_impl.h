@@ -4,7 +4,7 @@
 //
 // Layout of the work, for output columns [first, last):
 // - tiles of V::J weight rows (output columns) by up to V::R activation rows, taken
-//   V::columns(rows) weight rows at a time, every (row, column) sum in one vector accumulator
+//   V::tile_columns weight rows at a time, every (row, column) sum in one vector accumulator
 //   of its own; up to V::whole_float_rows activation rows (and one row of 8-bit codes where
 //   V::whole_code_row) take the tile's weight rows one after the other instead, each whole;
 // - fp32, bf16 and fp16 weight rows are read where they lie (half precision widened in
@@ -160,7 +160,7 @@ inline void tile_jn(int jn, const Rows& w, int jb, int64_t steps, int tail, cons
   tile<V, RN, JN>(w, jb, steps, tail, x, xs, acc);
 }
 
-// RN rows of one J-row tile, V::columns(RN) of its columns at a time.
+// RN rows of one J-row tile, V::tile_columns of its columns at a time.
 template <class V, int RN = V::R, class Rows>
 inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, const float* x,
                     int64_t xs, typename V::reg (*acc)[V::J]) {
@@ -170,7 +170,7 @@ inline void tile_rn(int rn, int jn, const Rows& w, int64_t steps, int tail, cons
   if constexpr (RN <= V::whole_float_rows) {
     return float_rows<V, RN>(w, jn, steps, tail, x, xs, acc);
   }
-  constexpr int JN = V::columns(RN);
+  constexpr int JN = V::tile_columns;
   for (int jb = 0; jb < jn; jb += JN)
     tile_jn<V, RN, JN>(std::min(JN, jn - jb), w, jb, steps, tail, x, xs, acc);
 }

@@ -19,8 +19,8 @@ struct Neon {
   static constexpr int W = 4;
   static constexpr int R = 3;
   static constexpr int J = 8;
-  // weight rows a tile of `rows` activation rows
-  static constexpr int columns(int /*rows*/) { return J; }
+  // weight rows a tile of activation rows takes at a time
+  static constexpr int tile_columns = J;
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 3;
   static constexpr int AJ = 4;

@@ -17,8 +17,8 @@ struct Scalar {
   static constexpr int W = 1;
   static constexpr int R = 1;
   static constexpr int J = 4;
-  // weight rows a tile of `rows` activation rows
-  static constexpr int columns(int /*rows*/) { return J; }
+  // weight rows a tile of activation rows takes at a time
+  static constexpr int tile_columns = J;
   static constexpr int AR = 1;
   static constexpr int AJ = 4;
   static constexpr int whole_float_rows = 0;  // kernel_impl.h, float_rows and code_row
