@@ -132,6 +132,17 @@ MUTATIONS = [
         "CostTable.expected_seconds forgets the head's catch-up over what the last cycle kept",
     ),
     Mutation(
+        "autok-sampled-kind-from-first-request",
+        "engine/scheduling/autok.py",
+        'plan = self.known_seeded_plan() if kind == "sampled" else None',
+        "plan = None",
+        (
+            "tests/unit/test_autok_replay.py::"
+            "test_the_sampled_kind_starts_from_the_seeded_plan_not_from_its_first_request",
+        ),
+        "the sampled kind explores on its first request, whose luck becomes every later prior",
+    ),
+    Mutation(
         "batch-k-plain-untimed",
         "engine/scheduling/batching.py",
         "settled and whole and alike and period is not None:",
