@@ -386,8 +386,12 @@ class EngineAutoK:
             )
             if time.perf_counter() - started >= ACCEPTANCE_PROBE_SECONDS:
                 break
-        for k in TIMED_PROBE_ORDER:
-            time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
+        started = time.perf_counter()
+        for _ in range(TIMED_PROBE_ROUNDS):
+            for k in TIMED_PROBE_ORDER:
+                time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
+            if time.perf_counter() - started >= TIMED_PROBE_SECONDS:
+                break
         seconds = probe_cycle_seconds(timings)
         self.seeded = SeededPlan(acceptance, seconds)
         log.info(
@@ -430,6 +434,14 @@ ACCEPTANCE_PROBE_ROUNDS = 4
 ACCEPTANCE_PROBE_SECONDS = 2.0
 #: cycles that ``seeded_plan`` times on each probe text at each turn of ``TIMED_PROBE_ORDER``
 TIMED_PROBE_CYCLES = 5
+#: ``seeded_plan`` times ``TIMED_PROBE_ORDER`` up to this many rounds, until
+#: ``TIMED_PROBE_SECONDS`` have passed. The plan's ratio of a K=3 to a plain cycle decides
+#: whether seeded requests draft, and one round's (nine timed cycles a K) wandered over
+#: 2.44-2.70 in one process on the demo model (the bench's rows: 2.50): one build's plan at
+#: 2.69 sent seeded auto plain for 2,229 of its 5,864 bench cycles (0.944x of fixed K=3). A
+#: round takes ~0.2 s on the demo and ~4 s at the 0.8B shape, where start-up keeps one
+TIMED_PROBE_ROUNDS = 8
+TIMED_PROBE_SECONDS = 1.0
 #: the K that ``seeded_plan`` times, in this order (``MAX_AUTO_K``'s cycles come from the
 #: acceptance probe). Plain cycles both first and last: the plan decides by the ratio of
 #: drafting to plain cycles, and a busy machine's speed drifts within the measurement

@@ -386,8 +386,10 @@ def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tm
         plan = engine.autok.seeded_plan(params)
         assert plan.k == want
         assert plan.cycle_seconds == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
-    # plain cycles are timed both before and after the drafting K's (the machine drifts)
+    # plain cycles are timed both before and after the drafting K's (the machine drifts), in
+    # as many rounds as the time allows (here instant: all of them, for each of the two plans)
     assert order[0] == order[-1] == 0 and sorted(set(order)) == list(range(MAX_AUTO_K))
+    assert len(order) == 2 * autok.TIMED_PROBE_ROUNDS * len(autok.TIMED_PROBE_ORDER)
 
 
 def test_the_seeded_plan_is_measured_when_the_engine_loads(
