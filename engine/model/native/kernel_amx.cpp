@@ -175,15 +175,27 @@ inline void transpose_groups(const void* src, Real type, int64_t o0, int m, int6
   }
 }
 
-// Rows [o0, o0 + m) of a [out, groups] scale or bias array into the cache, a line at a time:
-// the next tile's, while this one's codes are read. Those rows are a few lines every 16 KiB
-// of codes, too sparse a stream for the hardware prefetcher; waiting on them took ~6% of an
-// 8-bit product's samples (0.8B shape, 4 rows).
+// Rows [o0, o0 + m) of a [out, groups] scale or bias array into the cache, a line at a time.
 inline void prefetch_groups(const void* src, Real type, int64_t o0, int m, int64_t groups) {
   const int64_t size = type == Real::f32 ? 4 : 2;
   const char* first = static_cast<const char*>(src) + o0 * groups * size;
   const char* end = first + m * groups * size;
   for (const char* p = first; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// The scales and biases of the weight tile at o0 (m rows; the thread's columns end at `last`)
+// as [group][16] floats, and the next tile's rows into the cache while this one's codes are
+// read: those rows are a few lines every 16 KiB of codes, too sparse a stream for the hardware
+// prefetcher, and waiting on them took ~6% of an 8-bit product's samples (0.8B shape, 4 rows).
+inline void tile_groups(const WeightView& w, int64_t o0, int m, int64_t last, int64_t groups,
+                        float* scales, float* biases) {
+  transpose_groups(w.scales, w.scale_type, o0, m, groups, scales);
+  transpose_groups(w.biases, w.scale_type, o0, m, groups, biases);
+  if (o0 + kTile < last) {
+    const int next = static_cast<int>(std::min<int64_t>(kTile, last - o0 - kTile));
+    prefetch_groups(w.scales, w.scale_type, o0 + kTile, next, groups);
+    prefetch_groups(w.biases, w.scale_type, o0 + kTile, next, groups);
+  }
 }
 
 // Sixteen vectors' two runs of eight lanes each, added: lane i of out[h] is the sum of lanes
@@ -292,13 +304,7 @@ void lane_columns(const ProductArgs& a, int64_t first, int64_t last, const Quant
     tile.m = static_cast<int>(std::min<int64_t>(kTile, last - o0));
     tile.next_run = 0;
     for (int t = 0; t < N; ++t) tile.acc[t] = _mm512_setzero_ps();
-    transpose_groups(w.scales, w.scale_type, o0, tile.m, groups, tile.scales.data());
-    transpose_groups(w.biases, w.scale_type, o0, tile.m, groups, tile.biases.data());
-    if (o0 + kTile < last) {
-      const int next = static_cast<int>(std::min<int64_t>(kTile, last - o0 - kTile));
-      prefetch_groups(w.scales, w.scale_type, o0 + kTile, next, groups);
-      prefetch_groups(w.biases, w.scale_type, o0 + kTile, next, groups);
-    }
+    tile_groups(w, o0, tile.m, last, groups, tile.scales.data(), tile.biases.data());
     __m512i* const sums_of = tile.sums.data();
     const uint8_t* codes = static_cast<const uint8_t*>(w.data) + o0 * in;
     for (int r = 0; r < kTile; ++r) {
@@ -453,13 +459,7 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
       configure(m, n);
       configured = m;
     }
-    transpose_groups(w.scales, w.scale_type, o0, m, groups, scales);
-    transpose_groups(w.biases, w.scale_type, o0, m, groups, biases);
-    if (o0 + kTile < last) {
-      const int next = static_cast<int>(std::min<int64_t>(kTile, last - o0 - kTile));
-      prefetch_groups(w.scales, w.scale_type, o0 + kTile, next, groups);
-      prefetch_groups(w.biases, w.scale_type, o0 + kTile, next, groups);
-    }
+    tile_groups(w, o0, m, last, groups, scales, biases);
     const uint8_t* packed = static_cast<const uint8_t*>(w.data) + o0 * row_bytes;
     const uint8_t* codes = packed;  // the A tiles' rows, a_stride apart
     if (four_bit) {
