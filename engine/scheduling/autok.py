@@ -379,19 +379,14 @@ class EngineAutoK:
         sampler = representative_sampler(self.engine, params)
         timings: list[tuple[int, int, float]] = []
         sequences = probe_sequences(self.engine, sampler)  # each text prefilled once
-        counts, started = AcceptanceCounts(), time.perf_counter()
-        for _ in range(ACCEPTANCE_PROBE_ROUNDS):
+        counts = AcceptanceCounts()
+        for _ in rounds_within(ACCEPTANCE_PROBE_ROUNDS, ACCEPTANCE_PROBE_SECONDS):
             acceptance = probe_acceptance(
                 self.engine, sampler, timings=timings, sequences=sequences, counts=counts
             )
-            if time.perf_counter() - started >= ACCEPTANCE_PROBE_SECONDS:
-                break
-        started = time.perf_counter()
-        for _ in range(TIMED_PROBE_ROUNDS):
+        for _ in rounds_within(TIMED_PROBE_ROUNDS, TIMED_PROBE_SECONDS):
             for k in TIMED_PROBE_ORDER:
                 time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
-            if time.perf_counter() - started >= TIMED_PROBE_SECONDS:
-                break
         seconds = probe_cycle_seconds(timings)
         self.seeded = SeededPlan(acceptance, seconds)
         log.info(
@@ -495,6 +490,16 @@ def probe_acceptance(
         [round(a, 3) for a in estimates],
     )
     return estimates
+
+
+def rounds_within(most: int, seconds: float) -> Iterator[int]:
+    """Round numbers 0, 1, ...: at least one, at most ``most``, none begun after ``seconds``
+    have passed since the first."""
+    started = time.perf_counter()
+    for round_number in range(most):
+        if round_number and time.perf_counter() - started >= seconds:
+            return
+        yield round_number
 
 
 def probe_sequences(engine: CostProbe, params: Any) -> list[Any]:
