@@ -134,10 +134,10 @@ def output_schema(kind: str | None, schema: Any, param: str) -> dict[str, Any] |
     return schema
 
 
-def check_structured(param: str, prefill_param: str | None) -> None:
-    """What structured output (named by ``param``) cannot go with, a 400: a prefill
-    (``prefill_param``: the field holding the continued text; the schema covers the whole
-    reply)."""
+def refuse_structured_prefill(param: str, prefill_param: str | None) -> None:
+    """A 400 when structured output (named by ``param``) comes with a prefill
+    (``prefill_param``: the field holding the continued text, None for none): the schema
+    covers the whole reply."""
     if prefill_param is not None:
         raise bad_request(
             f"a prefill (a continued final assistant message) cannot be combined with {param}: "
@@ -208,13 +208,19 @@ def output_grammar(
     end = chat.think_close if prompt.opens_reasoning else None
     call_ids = chat.tool_call_ids
     if schema is not None and not forced:
+        json_only = not prompt.tools or call_ids is None  # no call the parser could read
         try:
-            grammar = json_schema_grammar(schema, reasoning_end=end)
-            answer = json_schema_grammar(schema) if end is not None else None
+            # the answer's JSON alone checks the schema; beside tools, tool_call_grammar
+            # builds the reply's own grammar from the schema
+            answer = json_schema_grammar(schema)
+            if json_only and end is not None:
+                grammar = json_schema_grammar(schema, reasoning_end=end)
+            else:
+                grammar = answer
         except GrammarError as exc:
             raise bad_request(str(exc), param=schema_param, code="invalid_json_schema") from exc
         compile_grammar = getattr(state.engine, "constraint", None)
-        if answer is not None and compile_grammar is not None:
+        if end is not None and compile_grammar is not None:
             # after free reasoning the grammar's first token is always allowed: whether the
             # answer can begin at all is asked of the answer's grammar alone
             try:
@@ -223,7 +229,7 @@ def output_grammar(
                 raise bad_request(
                     str(exc), param=schema_param, code=getattr(exc, "code", None)
                 ) from exc
-        if not prompt.tools or call_ids is None:  # no call the parser could read: JSON only
+        if json_only:
             return grammar
     elif call_ids is None:
         raise bad_request(

@@ -32,11 +32,11 @@ from server.core.output import Block, BlockEvent, OutputDelta
 from server.core.requests import (
     GenerationParams,
     build_requests,
-    check_structured,
     join_text,
     output_grammar,
     output_schema,
     prefill_kwargs,
+    refuse_structured_prefill,
     select_tools,
 )
 from server.core.sampler_schema import sent_sampling
@@ -129,7 +129,7 @@ def render(state: ServerState, req: CountTokensRequest) -> tuple[Prompt, str | N
         fmt, where = req.output_format, "output_format"
     schema = output_schema(fmt.type, fmt.schema_, f"{where}.schema") if fmt else None
     if schema is not None:
-        check_structured(where, last if prefill else None)
+        refuse_structured_prefill(where, last if prefill else None)
     prompt = chat_format.render(state, messages, tools, kwargs, prefill=prefill)
     forced = choice is not None and choice.type in ("any", "tool")
     # a named tool is asked for once

@@ -26,13 +26,13 @@ from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta
 from server.core.requests import (
     build_requests,
-    check_structured,
     effort_kwargs,
     join_text,
     output_grammar,
     output_schema,
     parse_arguments,
     prefill_kwargs,
+    refuse_structured_prefill,
     select_tools,
 )
 from server.core.toolcalls import ParsedDelta
@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     messages, prefill, kwargs = continued_message(req, messages, kwargs)
     schema = response_schema(req)
     if schema is not None:
-        check_structured("response_format", "continue_final_message" if prefill else None)
+        refuse_structured_prefill("response_format", "continue_final_message" if prefill else None)
     # templating and tokenizing a long prompt must not hold up every other stream
     prompt = await asyncio.to_thread(
         chat_format.render, state, messages, tools, kwargs, prefill=prefill
