@@ -6,7 +6,9 @@ copy the working tree (tracked and untracked, not ignored files) into a temporar
 replace one exact snippet, run the tests named for it, and report which failed and how long
 each took (from pytest's JUnit XML). A baseline run on the unmutated copy first shows that
 those tests pass as the code is. Exit status 0 only when the baseline passes and every
-mutation is caught by at least one test that ran in under ``FAST_SECONDS``.
+mutation is caught by at least one test that ran in under ``FAST_SECONDS``. A mutation of code
+that only one instruction set of the product kernel runs differently (``needs_isa``) is
+reported as not applicable on a machine whose kernel runs another.
 
     python scripts/mutants.py              # all mutations
     python scripts/mutants.py verify-history bonus-from-p_K   # some of them
@@ -38,6 +40,9 @@ class Mutation:
     new: str
     tests: tuple[str, ...]
     why: str
+    #: the product kernel's instruction set the mutated code runs on (None: every machine); on
+    #: another one the mutation changes nothing a test could see, and is reported as such
+    needs_isa: str | None = None
 
 
 MUTATIONS = [
@@ -185,6 +190,7 @@ MUTATIONS = [
             "test_a_quantized_prompt_leaves_the_same_caches_however_its_chunks_split",
         ),
         "a prompt's short chunks reuse decoding's compiled blocks, traced without the prompt flag",
+        needs_isa="avx512-amx",  # only the AMX kernel runs a prompt's products another way
     ),
     Mutation(
         "padded-row-keeps-its-own-depth",
@@ -255,6 +261,15 @@ def run_tests(tree: Path, tests: tuple[str, ...]) -> dict[str, tuple[str, float]
     return picked | {t: ("not run", 0.0) for t in missing}
 
 
+def kernel_isa() -> str:
+    """The instruction set the native product kernel runs here ('' without the kernel)."""
+    probe = "from engine.model import products; n = products.native(); print(n.isa() if n else '')"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
@@ -274,7 +289,13 @@ def main() -> int:
             for test, (outcome, seconds) in run_tests(tree, tests).items():
                 rows.append(("(none)", test, outcome, f"{seconds:.1f}"))
                 ok &= outcome == "passed"
+        isa = kernel_isa() if any(m.needs_isa for m in chosen) else ""
         for mutation in chosen:
+            if mutation.needs_isa is not None and mutation.needs_isa != isa:
+                here = isa or "no native kernel"
+                verdict = f"not applicable: needs {mutation.needs_isa}, this machine runs {here}"
+                rows.append((mutation.name, "-", verdict, "-"))
+                continue
             tree = Path(tmp) / mutation.name
             copy_tree(tree)
             target = tree / mutation.path
