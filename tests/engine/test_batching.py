@@ -21,7 +21,13 @@ from engine.api import MAX_DRAFT_TOKENS, GenerationRequest, RequestError
 from engine.cycle import speculative
 from engine.runtime import Engine
 from engine.scheduling import batching as batching_module
-from engine.scheduling.batching import EXPLORE_CYCLES, RETIME_EVERY, BatchDecoder, BatchK
+from engine.scheduling.batching import (
+    EXPLORE_CYCLES,
+    FAR_WAIT,
+    RETIME_EVERY,
+    BatchDecoder,
+    BatchK,
+)
 from sampling.params import SamplingParams
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
@@ -456,14 +462,23 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
     them), and count towards re-timing, so a drafting K is priced again within a long plain
     stretch. Every row emits what it emits alone."""
     choice = BatchK()
-    for _ in range(5 * EXPLORE_CYCLES):  # drafting priced at 10x a plain cycle
+    # drafting priced at 10x a plain cycle, far from the best: re-timed only at the re-times
+    # open to every K (each FAR_WAIT-th), so the history ends shortly before one of them and
+    # the batch's plain stretch (~90 cycles) runs into it
+    open_retime = RETIME_EVERY * FAR_WAIT - 1
+    while choice.cycles.get(4, 0) < open_retime - 16:
         k = choice.choose(4, [[0.5] * 4] * 4)
         choice.observe(4, k, 1.0 if k == 0 else 10.0)
     for _ in range(3):  # plain cycles since: a drafting K is the least recently timed
         assert choice.choose(4, [[0.5] * 4] * 4) == 0
         choice.observe(4, 0, 1.0)
+    reqs = [
+        GenerationRequest(engine.tokenizer.encode(p), GREEDY, 90, ignore_eos=True)
+        for p in PROMPTS[:4]
+    ]
+    expected = [alone(engine, r) for r in reqs]
     monkeypatch.setattr(engine, "batch_k", choice)
-    launched_ks: list[int] = []
+    launched_ks: list[int] = []  # the batch's cycles only (not the requests run alone)
     launch = batching_module.launch_cycles
 
     def recorded(trunk, head, seqs, k, profile=False, ks=None):
@@ -479,11 +494,6 @@ def test_automatic_rows_run_plain_stretches_ahead_and_still_retime(
         observe(rows, k, seconds)
 
     monkeypatch.setattr(choice, "observe", timed)
-    reqs = [
-        GenerationRequest(engine.tokenizer.encode(p), GREEDY, 90, ignore_eos=True)
-        for p in PROMPTS[:4]
-    ]
-    expected = [alone(engine, r) for r in reqs]
     batch = BatchDecoder(engine, 4)
     for i, request in enumerate(reqs):
         batch.add(i, request)
