@@ -12,7 +12,13 @@ from engine.scheduling.autok import (
     AcceptanceCounts,
     AutoK,
 )
-from engine.scheduling.costs import MAX_AUTO_K, CostTable, best_k, expected_tokens
+from engine.scheduling.costs import (
+    MAX_AUTO_K,
+    CostTable,
+    best_k,
+    committed_distribution,
+    expected_tokens,
+)
 
 
 def test_expected_tokens_is_one_plus_products_of_acceptance() -> None:
@@ -270,6 +276,32 @@ def test_lowest_keeps_each_entrys_lower_reading() -> None:
     assert (
         low.head_step == 0.9 and low.absorb == [1.0, 1.0] and low.absorb_far == 2.6
     )  # (0: not measured)
+
+
+@pytest.mark.parametrize(
+    "absorb, acceptance",
+    [
+        ([], [0.8, 0.5, 0.5]),  # no catch-up measured: one head step; the last a_i repeats
+        ([0.4, 0.5, 0.6], [0.9, 0.7, 0.6, 0.5]),  # fewer counts measured than a K=4 commits
+        ([0.3, 0.45, 0.5, 0.7, 0.8, 0.9], [0.95, 0.1, 0.99, 0.0]),
+        ([0.4], []),  # no estimates: nothing accepted
+    ],
+)
+def test_rates_in_one_pass_are_each_ks_tokens_over_its_cycle(
+    absorb: list[float], acceptance: list[float]
+) -> None:
+    """``CostTable.rates`` sums every K's committed-token distribution in one pass; each rate
+    is still that K's expected tokens over its expected cycle seconds."""
+    costs = CostTable(
+        cycle=[1.0, 1.6, 2.2, 2.8, 3.4], trunk=[1.0] * 5, head_step=0.35, absorb=absorb
+    )
+    expected = [1.0]
+    for k in range(1, 5):
+        committed = committed_distribution(acceptance, k)
+        catch_up = sum(p * costs.absorb_seconds(n) for n, p in enumerate(committed, 1))
+        seconds = costs.cycle[k] + catch_up - costs.absorb_seconds(1)
+        expected.append(expected_tokens(acceptance, k) / seconds)
+    assert costs.rates(acceptance) == pytest.approx(expected, rel=1e-12)
 
 
 def test_calibrated_rates_are_the_scaled_tables_rates() -> None:
