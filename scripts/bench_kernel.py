@@ -7,18 +7,19 @@ bandwidth and against mlx's own products (``make bench-kernel``).
 One "token" is every projection of a decoding step at the shape: the trunk's 24 layers (three
 Gated-DeltaNet layers then one attention layer, each with its MLP) and the 248,320-row
 vocabulary projection, each a weight of its own (random values: speed does not depend on them),
-all evaluated together as one step evaluates them. For each dtype and row count T it reports
-ms per token, the bytes of weights read per second (T=1) against ``read`` — every byte of the
-same weight arrays read once on the kernel's threads (the same memory: a fresh array's pages
-read slower than ones the kernel has been reading for a while) — and the T-row time as a
-multiple of one row's; the read and every row count take turns, repeat by repeat, best of each
-(this machine's bandwidth wanders by a third over minutes: timed one after the other, a ratio
-measured the drift). mlx's own product
-of the same weights is timed at T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and
-quantized weights). ``--crossover`` times fp32 products of many rows (prefill) on the kernel and
-on BLIS with every core, to place ``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds
-the floors: the weights' bytes at the read bandwidth, and each row count's arithmetic alone (a
-weight that stays in cache), so that a ratio the kernel misses shows what bounds it.
+all evaluated together as one step evaluates them, each laid out as the engine lays it out for
+the kernel (``laid_out``: 8-bit weights 16 outputs to a vector on AVX-512 VNNI). For each dtype
+and row count T it reports ms per token, the bytes of weights read per second (T=1) against
+``read`` — every byte of the same weight arrays read once on the kernel's threads (the same
+memory: a fresh array's pages read slower than ones the kernel has been reading for a while) —
+and the T-row time as a multiple of one row's; the read and every row count take turns, repeat
+by repeat, best of each (this machine's bandwidth wanders by a third over minutes: timed one
+after the other, a ratio measured the drift). mlx's own product of the same weights is timed at
+T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and quantized weights). ``--crossover``
+times fp32 products of many rows (prefill) on the kernel and on BLIS with every core, to place
+``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds the floors: the weights' bytes at
+the read bandwidth, and each row count's arithmetic alone (a weight that stays in cache), so
+that a ratio the kernel misses shows what bounds it.
 
 Results: bench-results/bench_kernel.json and .md.
 """
@@ -76,19 +77,43 @@ def make_weights(dtype: str) -> list[tuple[mx.array, ...]]:
     return weights
 
 
+def laid_out(parts: tuple[mx.array, ...], dtype: str) -> tuple[tuple[mx.array, ...], bool]:
+    """A weight as the engine hands it to the kernel: 8-bit layers laid out 16 outputs to a
+    vector where the kernel's instruction set takes them so (``products.interleave_layers``)."""
+    isa = products.native().isa()
+    if dtype != "q8" or isa not in products.INTERLEAVED_ISAS:
+        return parts, False
+    if parts[0].shape[0] % products.INTERLEAVE:
+        return parts, False
+    laid = products.interleave(*parts)
+    mx.eval(*laid)
+    return laid, True
+
+
 def nbytes(weights: list[tuple[mx.array, ...]]) -> int:
     return sum(a.nbytes for parts in weights for a in parts)
 
 
-def native_token(weights: list[tuple[mx.array, ...]], x: dict[int, mx.array], dtype: str) -> list:
+def native_token(
+    weights: list[tuple[tuple[mx.array, ...], bool]], x: dict[int, mx.array], dtype: str
+) -> list:
+    """The token's products on the kernel, each weight ``laid_out``."""
     native = products.native()
     if dtype in QUANTIZED:
         bits = QUANTIZED[dtype]
         return [
-            native.product(x[w.shape[1] * 32 // bits], w, s, b, bits=bits, group_size=GROUP)
-            for w, s, b in weights
+            native.product(
+                x[w.shape[1] * 32 // bits],
+                w,
+                s,
+                b,
+                bits=bits,
+                group_size=GROUP,
+                interleaved=interleaved,
+            )
+            for (w, s, b), interleaved in weights
         ]
-    return [native.product(x[parts[0].shape[1]], parts[0]) for parts in weights]
+    return [native.product(x[parts[0].shape[1]], parts[0]) for parts, _ in weights]
 
 
 def mlx_token(weights: list[tuple[mx.array, ...]], x: dict[int, mx.array], dtype: str) -> list:
@@ -176,6 +201,7 @@ def compute_bound(dtype: str, rows: list[int], repeats: int) -> dict[int, float]
     else:
         parts = (w.astype({"f32": mx.float32, "bf16": mx.bfloat16}[dtype]),)
     mx.eval(*parts)
+    parts, interleaved = laid_out(tuple(parts), dtype)
     token_elements = sum(o * i for o, i in shapes())
     bound = {}
     for t in rows:
@@ -184,7 +210,10 @@ def compute_bound(dtype: str, rows: list[int], repeats: int) -> dict[int, float]
             bits = QUANTIZED[dtype]
 
             def run(x=x, bits=bits) -> list:
-                return [native.product(x, *parts, bits=bits, group_size=GROUP) for _ in range(16)]
+                return [
+                    native.product(x, *parts, bits=bits, group_size=GROUP, interleaved=interleaved)
+                    for _ in range(16)
+                ]
         else:
 
             def run(x=x) -> list:
@@ -231,7 +260,8 @@ def main() -> int:
         # each), so that the machine's drift (its bandwidth wanders by a third over minutes)
         # hits them alike and their ratios mean something
         xs = {t: inputs(t, dtype) for t in rows}
-        runs = {t: (lambda x=xs[t], w=weights, d=dtype: native_token(w, x, d)) for t in rows}
+        kernel_weights = [laid_out(parts, dtype) for parts in weights]
+        runs = {t: (lambda x=xs[t], w=kernel_weights, d=dtype: native_token(w, x, d)) for t in rows}
         for run in runs.values():
             mx.eval(run())  # warm: first-call allocations
         best = dict.fromkeys(rows, float("inf"))
@@ -263,8 +293,9 @@ def main() -> int:
         if args.bound:
             entry["bound_ms"] = compute_bound(dtype, rows, args.repeats)
             print(f"{dtype}: compute bound {entry['bound_ms']}", flush=True)
+        entry["interleaved"] = any(interleaved for _, interleaved in kernel_weights)
         result["dtypes"][dtype] = entry
-        del weights
+        del weights, kernel_weights
     if args.crossover:
         result["crossover"] = crossover(args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -193,6 +193,15 @@ MUTATIONS = [
         needs_isa="avx512-amx",  # only the AMX kernel runs a prompt's products another way
     ),
     Mutation(
+        "interleaved-embedding-rows-row-major",
+        "engine/model/products.py",
+        "    if type(table) not in _LAID_OUT:\n        return arrays[0][index]",
+        "    if True:\n        return arrays[0][index]",
+        ("tests/unit/test_products.py::test_8bit_layers_laid_out_for_the_kernel",),
+        "an embedding laid out 16 rows to a vector looks its rows up as if row-major: every "
+        "token embeds as another row's codes",
+    ),
+    Mutation(
         "padded-row-keeps-its-own-depth",
         "engine/cycle/speculative.py",
         "    _keep_positions(seq, result.verify_hidden, result.depth, n_keep)",

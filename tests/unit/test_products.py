@@ -124,21 +124,57 @@ def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
                 _close(got, exact, 1e-5)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", GROUPS)
+def test_interleaved_8bit_against_float64(isa: str, group: int) -> None:
+    """8-bit weights laid out by ``products.interleave`` (16 output rows side by side): the
+    same arithmetic as row-major codes — integer sums against the 8-bit activation, scaled and
+    biased in fp32 — so x quantized that way times the dequantized weight, for every row count
+    (blocks of five rows and fewer, one tile left over at the end of the columns)."""
+    inner, out = group * 3, 48
+    w = mx.array(_random((out, inner), 13))
+    for scale_type in (mx.float32, mx.bfloat16):
+        packed, scales, biases = mx.quantize(w.astype(scale_type), group_size=group, bits=8)
+        s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
+        b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
+        codes = _codes(packed, 8, inner).reshape(out, inner // group, group)
+        dequantized = (codes * s64[..., None] + b64[..., None]).reshape(out, inner)
+        laid_out = products.interleave(packed, scales, biases)
+        for rows, prompt in ((1, False), (4, False), (5, False), (11, False), (70, True)):
+            x = _random((rows, inner), rows)
+            got = native.product(
+                mx.array(x), *laid_out, bits=8, group_size=group, prompt=prompt, interleaved=True
+            )
+            _close(got, _as_the_kernel_quantizes(x) @ dequantized.T, 1e-5)
+            _close(got, x.astype(np.float64) @ dequantized.T, 2e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8, "8-interleaved"])
 @pytest.mark.parametrize("rows", [3, 6, 20])
 def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
-    isa: str, bits: int, rows: int
+    isa: str, bits: int | str, rows: int
 ) -> None:
     """An inf in one row's activation makes that row's outputs NaN, as a float product's
     would be, and leaves the other rows' outputs what they are alone (whatever path the row
-    count takes: lane sums, tiles of a few rows, tiles of many)."""
-    w = mx.array(_random((40, 128), 9))
+    count takes: lane sums, tiles of a few rows, tiles of many, interleaved 8-bit blocks)."""
+    interleaved = bits == "8-interleaved"
+    bits = 8 if interleaved else int(bits)
+    w = mx.array(_random((48, 128), 9))
     packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+    if interleaved:
+        packed, scales, biases = products.interleave(packed, scales, biases)
     x = _random((rows, 128), 10)
 
     def run(a: np.ndarray) -> np.ndarray:
         return np.array(
-            native.product(mx.array(a), packed, scales, biases, bits=bits, group_size=64)
+            native.product(
+                mx.array(a),
+                packed,
+                scales,
+                biases,
+                bits=bits,
+                group_size=64,
+                interleaved=interleaved,
+            )
         )
 
     clean = run(x)
@@ -158,6 +194,8 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
         "q8",
         "q8-group32",
         "q8-group32-wide",
+        "q8-interleaved",
+        "q8-group32-interleaved",
         "q4-prompt",
         "q4-group32-prompt",
         "bf16-prompt",
@@ -177,14 +215,26 @@ def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind
         group, width = (32, 992) if "group32" in kind else (64, 960)
         if kind.endswith("wide"):
             width = 2080
-        packed, scales, biases = mx.quantize(w[:, :width], group_size=group, bits=bits)
+        interleaved = kind.endswith("interleaved")
+        # interleaved: 288 rows, nine tiles of 16 (a thread's last pair of them may be one)
+        weight = w[:288, :width] if interleaved else w[:, :width]
+        packed, scales, biases = mx.quantize(weight, group_size=group, bits=bits)
+        if interleaved:
+            packed, scales, biases = products.interleave(packed, scales, biases)
         x = x[:, :width]
         prompt = kind.endswith("prompt")
 
         def run(rows: mx.array) -> np.ndarray:
             return np.array(
                 native.product(
-                    rows, packed, scales, biases, bits=bits, group_size=group, prompt=prompt
+                    rows,
+                    packed,
+                    scales,
+                    biases,
+                    bits=bits,
+                    group_size=group,
+                    prompt=prompt,
+                    interleaved=interleaved,
                 )
             )
     else:
@@ -234,6 +284,11 @@ def test_bad_operands_raise() -> None:
         native.product(mx.zeros((1, 64)), packed, scales, biases, bits=8, group_size=32)
     with pytest.raises(ValueError):
         native.product(mx.zeros((1, 64)), packed, scales, None, bits=4, group_size=32)
+    with pytest.raises(ValueError, match="interleaved"):  # 4-bit
+        native.product(mx.zeros((1, 64)), packed, scales, biases, 4, 32, interleaved=True)
+    packed, scales, biases = mx.quantize(mx.zeros((24, 64)), group_size=32, bits=8)
+    with pytest.raises(ValueError, match="interleaved"):  # 24 rows: not whole tiles of 16
+        native.product(mx.zeros((1, 64)), packed, scales, biases, 8, 32, interleaved=True)
 
 
 @pytest.mark.parametrize("name", ISAS)
@@ -272,6 +327,50 @@ def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
         assert np.array_equal(together, alone), name
         reference = layer.as_linear(x) if name == "table" else layer(x)
         assert np.allclose(together, np.array(reference.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
+def test_8bit_layers_laid_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``interleave_layers`` lays out the 8-bit layers whose shapes allow it (whole tiles of 16
+    rows, groups of a multiple of 32) and no other; each then behaves as before wherever it is
+    called from: an embedding looks up the same rows bit for bit (``quantized_rows`` too), a
+    layer called directly (as mlx-lm's MoE block calls its shared expert) or through
+    ``products`` runs the kernel, its rows bit for bit those of one row alone and within the
+    8-bit activation's error of mlx's own product."""
+    import mlx.nn as nn
+
+    monkeypatch.setattr(products, "INTERLEAVED_ISAS", (native.isa(),))
+    mx.random.seed(5)
+    model = nn.Module()
+    model.linear = nn.Linear(128, 48, bias=False).to_quantized(group_size=64, bits=8)
+    model.table = nn.Embedding(320, 64).to_quantized(group_size=32, bits=8)
+    model.odd = nn.Linear(128, 40, bias=False).to_quantized(group_size=64, bits=8)
+    model.four = nn.Linear(128, 48, bias=False).to_quantized(group_size=64, bits=4)
+    mx.eval(model.parameters())
+    x = mx.random.normal((5, 128))
+    ids = mx.array([[0, 17, 319, 16, 15]])
+    before = model.linear(x), model.table(ids), model.table.as_linear(x[:, :64])
+    rows_before = products.quantized_rows(model.table, ids[0])
+    assert products.interleave_layers(model) == 2
+    assert type(model.linear) is products.InterleavedLinear
+    assert type(model.table) is products.InterleavedEmbedding
+    assert type(model.odd) is nn.QuantizedLinear and type(model.four) is nn.QuantizedLinear
+    assert np.array_equal(np.array(model.table(ids)), np.array(before[1]))
+    for got, want in zip(products.quantized_rows(model.table, ids[0]), rows_before, strict=True):
+        assert np.array_equal(np.array(got), np.array(want))
+    for got, want in (
+        (model.linear(x), before[0]),
+        (products.linear(model.linear, x), before[0]),
+        (model.table.as_linear(x[:, :64]), before[2]),
+        (products.product(model.table, x[:, :64]), before[2]),
+    ):
+        assert np.allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2)
+    together = np.array(products.linear(model.linear, x))
+    alone = np.concatenate(
+        [np.array(products.linear(model.linear, x[i : i + 1])) for i in range(5)]
+    )
+    assert np.array_equal(together, alone)
+    with pytest.raises(TypeError, match="native kernel only"):
+        model.linear(x.astype(mx.int32))
 
 
 def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> None:

@@ -738,6 +738,10 @@ bool amx_usable() {
 
 void columns_amx(const ProductArgs& a, int64_t first, int64_t last) {
   const WeightView& w = a.w;
+  if (w.interleaved) {  // the tiles take row-major codes
+    columns_avx512_vnni(a, first, last);
+    return;
+  }
   if (w.kind == WeightKind::affine && (w.bits == 8 || (w.bits == 4 && a.prompt)) &&
       w.group % kRun == 0) {
     integer_columns(a, first, last);

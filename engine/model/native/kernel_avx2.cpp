@@ -73,6 +73,8 @@ struct Avx2 {
   }
   static reg to_float(ireg v) { return _mm256_cvtepi32_ps(v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg splat(float v) { return _mm256_set1_ps(v); }
+  static ireg splat_word(uint32_t w) { return _mm256_set1_epi32(static_cast<int32_t>(w)); }
   // lane i: (i * codes_per_lane) / group, the group of lane i from a block's first
   static ireg lane_groups(int codes_per_lane, int group) {
     alignas(32) int32_t idx[8];

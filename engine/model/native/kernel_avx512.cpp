@@ -101,6 +101,8 @@ struct Avx512 {
   }
   static reg to_float(ireg v) { return _mm512_cvtepi32_ps(v); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg splat(float v) { return _mm512_set1_ps(v); }
+  static ireg splat_word(uint32_t w) { return _mm512_set1_epi32(static_cast<int32_t>(w)); }
   // lane i: (i * codes_per_lane) / group, the group of lane i from a block's first
   static ireg lane_groups(int codes_per_lane, int group) {
     alignas(64) int32_t idx[16];

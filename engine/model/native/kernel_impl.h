@@ -558,6 +558,152 @@ inline void code_tiles(const WeightView& wv, int64_t j0, int jn, int64_t k0, int
       acc[t][j] = fma_lanes<V>(gs + t * gs_stride, tile_biases + j * stride, groups, acc[t][j]);
 }
 
+// W scales (or biases) of `type` from element `index` on, as fp32.
+template <class V>
+inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
+  if (type == Real::f32) return V::load(static_cast<const float*>(p) + index);
+  const uint16_t* h = static_cast<const uint16_t*>(p) + index;
+  return type == Real::bf16 ? V::load_bf16(h) : V::load_f16(h);
+}
+
+// RN activation rows by JT tiles of kInterleave output columns of an interleaved 8-bit weight
+// (WeightView::interleaved), from tile `tile` on: each vector lane one output, so that a
+// vector of codes (four of each of its outputs, side by side) meets the same four activation
+// codes in every lane, broadcast. Run by run: the integer sums of the run's eight words, then
+// that sum as fp32 times (the lanes' group scales times the row's run scale) added to the
+// lane; then each group's bias times the row's group sum. Row-major codes take four operations
+// every 64 codes and row (the integer sum, its conversion, the two scales' product and the
+// multiply-add: kernel_impl.h's code_tile), these one and 3/8: on one core of an AMD EPYC
+// (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in cache
+// (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever RN, JT
+// or the thread: row t's outputs are its one-row product's, bit for bit.
+template <class V, int RN, int JT>
+inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
+                             const float* xscale, int64_t xss, const float* gs, int64_t gss,
+                             typename V::reg (*c)[JT * (kInterleave / V::W)]) {
+  using reg = typename V::reg;
+  using ireg = typename V::ireg;
+  constexpr int NV = kInterleave / V::W;  // vectors a tile
+  constexpr int N = JT * NV;
+  constexpr int words_a_run = kRun / 4;
+  const int64_t words = wv.in / 4;  // a row's
+  const int64_t groups = wv.in / wv.group;
+  const auto* codes = static_cast<const uint32_t*>(wv.data) + tile * words * kInterleave;
+  for (int r = 0; r < RN; ++r)
+    for (int n = 0; n < N; ++n) c[r][n] = V::zero();
+  for (int64_t run = 0; run < wv.in / kRun; ++run) {
+    ireg d[RN][N];
+    for (int r = 0; r < RN; ++r)
+      for (int n = 0; n < N; ++n) d[r][n] = V::izero();
+    for (int w = 0; w < words_a_run; ++w) {
+      const int64_t word = run * words_a_run + w;
+      ireg v[N];
+      for (int jt = 0; jt < JT; ++jt) {
+        const uint32_t* p = codes + (jt * words + word) * kInterleave;
+        if (w == 0) __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
+        for (int s = 0; s < NV; ++s) v[jt * NV + s] = V::bytes(p + s * V::W);
+      }
+      for (int r = 0; r < RN; ++r) {
+        uint32_t x4;
+        std::memcpy(&x4, q + r * qs + word * 4, 4);
+        const ireg b = V::splat_word(x4);
+        for (int n = 0; n < N; ++n) d[r][n] = V::dot_u8(d[r][n], v[n], b);
+      }
+    }
+    const int64_t g = run * kRun / wv.group;
+    for (int jt = 0; jt < JT; ++jt)
+      for (int s = 0; s < NV; ++s) {
+        const int64_t at = ((tile + jt) * groups + g) * kInterleave + s * V::W;
+        const reg scale = real_lanes<V>(wv.scales, wv.scale_type, at);
+        for (int r = 0; r < RN; ++r) {
+          const int n = jt * NV + s;
+          c[r][n] = V::fma(V::to_float(d[r][n]), V::mul(scale, V::splat(xscale[r * xss + run])),
+                           c[r][n]);
+        }
+      }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int jt = 0; jt < JT; ++jt)
+      for (int s = 0; s < NV; ++s) {
+        const int64_t at = ((tile + jt) * groups + g) * kInterleave + s * V::W;
+        const reg bias = real_lanes<V>(wv.biases, wv.scale_type, at);
+        for (int r = 0; r < RN; ++r) {
+          const int n = jt * NV + s;
+          c[r][n] = V::fma(bias, V::splat(gs[r * gss + g]), c[r][n]);
+        }
+      }
+}
+
+// Rows t.. t + RN - 1 of the output, columns j0.. j0 + N * V::W - 1, from accumulators of one
+// output a lane.
+template <class V, int RN, int N>
+inline void store_lanes(const ProductArgs& a, int t, int64_t j0, const typename V::reg (*c)[N]) {
+  for (int r = 0; r < RN; ++r) {
+    alignas(64) float lanes[N * V::W];
+    for (int n = 0; n < N; ++n) V::store(lanes + n * V::W, c[r][n]);
+    for (int j = 0; j < N * V::W; ++j) store_real(a.y, a.y_type, (t + r) * a.w.out + j0 + j, lanes[j]);
+  }
+}
+
+// Rows t..t + RN - 1 of an interleaved 8-bit weight's tiles from column j0 on: two tiles side
+// by side (on AVX-512 five rows take 10 integer and 10 float accumulators), or the one tile
+// left at the end of the columns.
+template <class V, int RN>
+inline void interleaved_block(const ProductArgs& a, int t, int64_t j0, bool pair) {
+  // five rows take one tile at a time: two side by side spilled the registers (a verify of 5
+  // at the 0.8B shape 33.5 ms against 26.2 as 4 + 1 rows)
+  constexpr int JT = RN > 4 ? 1 : 2;
+  if constexpr (JT == 1) {
+    if (pair) {
+      interleaved_block<V, RN>(a, t, j0, false);
+      interleaved_block<V, RN>(a, t, j0 + kInterleave, false);
+      return;
+    }
+  }
+  constexpr int N = JT * (kInterleave / V::W);
+  const WeightView& wv = a.w;
+  const QuantizedRows& xq = *a.quantized;
+  const int64_t groups = wv.in / wv.group;
+  const int8_t* q = xq.q.data() + t * xq.q_stride;
+  const float* xscale = xq.scales.data() + t * xq.scale_stride;
+  const float* gs = xq.group_sums.data() + t * groups;
+  const int64_t tile = j0 / kInterleave;
+  if (pair && JT == 2) {
+    alignas(64) typename V::reg c[RN][N];
+    interleaved_tile<V, RN, JT>(wv, tile, q, xq.q_stride, xscale, xq.scale_stride, gs, groups, c);
+    store_lanes<V, RN, N>(a, t, j0, c);
+  } else {
+    constexpr int NV = kInterleave / V::W;
+    alignas(64) typename V::reg c[RN][NV];
+    interleaved_tile<V, RN, 1>(wv, tile, q, xq.q_stride, xscale, xq.scale_stride, gs, groups, c);
+    store_lanes<V, RN, NV>(a, t, j0, c);
+  }
+}
+
+// Rows [t0, t0 + tn) at the tiles from j0 on, RN rows a block and the last few as a smaller one.
+template <class V, int RN>
+inline void interleaved_blocks(const ProductArgs& a, int t0, int tn, int64_t j0, bool pair) {
+  if constexpr (RN > 1) {
+    if (tn < RN) return interleaved_blocks<V, RN - 1>(a, t0, tn, j0, pair);
+  }
+  int t = t0;
+  for (; t + RN <= t0 + tn; t += RN) interleaved_block<V, RN>(a, t, j0, pair);
+  if constexpr (RN > 1) {
+    if (t < t0 + tn) interleaved_blocks<V, RN - 1>(a, t, t0 + tn - t, j0, pair);
+  }
+}
+
+// Columns [first, last) (whole tiles) of every row of an interleaved 8-bit weight, x quantized
+// (`a.quantized`): two tiles at a time, every block of rows over them before the next two, so
+// that only the first block reads them from memory (a verify of 5 as a block of 4 and then one
+// row over all the weights took 1.31x a row alone at the 0.8B shape, in blocks 1.15x at 4 rows).
+template <class V>
+inline void interleaved_columns(const ProductArgs& a, int64_t first, int64_t last) {
+  constexpr int rows_a_block = V::W == 16 ? 5 : 2;  // what the registers hold
+  for (int64_t j0 = first; j0 < last; j0 += 2 * kInterleave)
+    interleaved_blocks<V, rows_a_block>(a, 0, a.rows, j0, last - j0 >= 2 * kInterleave);
+}
+
 template <class V>
 void columns(const ProductArgs& a, int64_t first, int64_t last) {
   using reg = typename V::reg;
@@ -603,6 +749,10 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
       else
         quantize_rows<V, 8>(a.x, a.x_stride, a.rows, in, wv.group, xq);
     });
+  }
+  if (wv.interleaved) {
+    interleaved_columns<V>(a, first, last);
+    return;
   }
   const QuantizedRows* quantized = a.quantized;
   alignas(64) reg acc[kBlockRows][J];

@@ -73,6 +73,8 @@ struct Neon {
   static ireg dot_u4(ireg acc, ireg u, ireg s) { return dot_u8(acc, u, s); }
   static reg to_float(ireg v) { return vcvtq_f32_s32(v); }
   static reg mul(reg a, reg b) { return vmulq_f32(a, b); }
+  static reg splat(float v) { return vdupq_n_f32(v); }
+  static ireg splat_word(uint32_t w) { return vreinterpretq_s32_u32(vdupq_n_u32(w)); }
   // the bytes of lane i's float: 4 * ((i * codes_per_lane) / group) + 0..3 (for expand's
   // table lookup)
   static ireg lane_groups(int codes_per_lane, int group) {

@@ -59,6 +59,8 @@ struct Scalar {
   static ireg dot_u4(ireg acc, ireg u, ireg s) { return dot_u8(acc, u, s); }
   static reg to_float(ireg v) { return static_cast<float>(static_cast<int32_t>(v)); }
   static reg mul(reg a, reg b) { return a * b; }
+  static reg splat(float v) { return v; }
+  static ireg splat_word(uint32_t w) { return w; }
   static ireg lane_groups(int, int) { return 0; }
   static reg expand(const float* s, ireg idx) { return s[idx]; }
 };

@@ -215,6 +215,7 @@ constexpr int64_t kParallelBytes = 64 << 10;
 struct WeightSpec {
   int bits;
   int group;
+  bool interleaved = false;  // WeightView::interleaved
   int inputs() const { return bits > 0 ? 3 : 1; }
   bool operator==(const WeightSpec&) const = default;
 };
@@ -229,6 +230,7 @@ WeightView view_of(const mx::array* weight, const WeightSpec& spec, int64_t in, 
     view.scale_type = real_of(weight[1].dtype());
     view.bits = spec.bits;
     view.group = spec.group;
+    view.interleaved = spec.interleaved;
   } else {
     view.kind = static_cast<WeightKind>(static_cast<int>(real_of(w.dtype())));
   }
@@ -426,7 +428,8 @@ class RowsProduct : public mx::Primitive {
 // One weight's operands checked against `in`, appended to `inputs`; its spec.
 WeightSpec add_weight(std::vector<mx::array>& inputs, int64_t in, const mx::array& w,
                       const std::optional<mx::array>& scales,
-                      const std::optional<mx::array>& biases, int bits, int group_size) {
+                      const std::optional<mx::array>& biases, int bits, int group_size,
+                      bool interleaved = false) {
   if (w.ndim() != 2) throw std::invalid_argument("product: x [..., in], w [out, in]");
   inputs.push_back(w);
   if (bits == 0) {
@@ -445,9 +448,12 @@ WeightSpec add_weight(std::vector<mx::array>& inputs, int64_t in, const mx::arra
     throw std::invalid_argument("product: scales and biases must be [out, in / group_size]");
   real_of(scales->dtype());
   if (biases->dtype() != scales->dtype()) throw std::invalid_argument("product: biases' type");
+  if (interleaved && (bits != 8 || w.shape(0) % kInterleave != 0 || group_size % kActivationRun))
+    throw std::invalid_argument("product: an interleaved weight is 8-bit, of a multiple of 16 "
+                                "rows and of groups of a multiple of 32");
   inputs.push_back(*scales);
   inputs.push_back(*biases);
-  return {bits, group_size};
+  return {bits, group_size, interleaved};
 }
 
 std::vector<mx::array> products_of(const mx::array& x, std::vector<mx::array> inputs,
@@ -475,19 +481,21 @@ mx::array product(
     const std::optional<mx::array>& biases,
     int bits,
     int group_size,
-    bool prompt) {
+    bool prompt,
+    bool interleaved) {
   if (x.ndim() < 1) throw std::invalid_argument("product: x [..., in], w [out, in]");
   real_of(x.dtype());
   std::vector<mx::array> inputs{x};
-  std::vector<WeightSpec> specs{add_weight(inputs, x.shape(-1), w, scales, biases, bits, group_size)};
+  std::vector<WeightSpec> specs{
+      add_weight(inputs, x.shape(-1), w, scales, biases, bits, group_size, interleaved)};
   ProductExtras extras;
   extras.prompt = prompt;
   return products_of(x, std::move(inputs), std::move(specs), extras)[0];
 }
 
-// A weight as Python hands it to `products`: (w, scales, biases, bits, group_size).
-using WeightArgs =
-    std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, int, int>;
+// A weight as Python hands it to `products`: (w, scales, biases, bits, group_size[,
+// interleaved]).
+using WeightArgs = nb::tuple;
 
 std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights,
                                 const std::optional<mx::array>& norm_weight, float eps,
@@ -502,8 +510,17 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   const int64_t in = x.shape(-1) + (joined ? joined->shape(-1) : 0);
   std::vector<mx::array> inputs{x};
   std::vector<WeightSpec> specs;
-  for (const auto& [w, scales, biases, bits, group] : weights)
-    specs.push_back(add_weight(inputs, in, w, scales, biases, bits, group));
+  for (const auto& weight : weights) {
+    if (weight.size() != 5 && weight.size() != 6)
+      throw std::invalid_argument(
+          "products: a weight is (w, scales, biases, bits, group_size[, interleaved])");
+    const auto optional = [&](size_t i) {
+      return weight[i].is_none() ? std::optional<mx::array>{} : nb::cast<mx::array>(weight[i]);
+    };
+    specs.push_back(add_weight(inputs, in, nb::cast<mx::array>(weight[0]), optional(1),
+                               optional(2), nb::cast<int>(weight[3]), nb::cast<int>(weight[4]),
+                               weight.size() == 6 && nb::cast<bool>(weight[5])));
+  }
   ProductExtras extras;
   extras.prompt = prompt;
   if (norm_weight) {
@@ -516,7 +533,7 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   }
   if (residual) {
     mx::Shape shape = x.shape();
-    shape.back() = std::get<0>(weights[0]).shape(0);
+    shape.back() = nb::cast<mx::array>(weights[0][0]).shape(0);
     if (weights.size() != 1 || x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
         residual->shape() != shape)
       throw std::invalid_argument("products: a residual needs one weight, float32 x and a "
@@ -637,10 +654,11 @@ NB_MODULE(_products, m) {
       "bits"_a = 0,
       "group_size"_a = 0,
       "prompt"_a = false,
+      "interleaved"_a = false,
       "x @ w.T for w [out, in] in float32/bfloat16/float16, or mlx's affine-quantized layout "
       "(packed uint32 codes with scales and biases, as mx.quantize writes); lazy, like any op. "
       "prompt: a prefill's product, whose path may differ from decoding's (the same for every "
-      "row count).");
+      "row count). interleaved: an 8-bit weight laid out by engine.model.products.interleave.");
   m.def(
       "products",
       &products,

@@ -28,7 +28,15 @@ struct WeightView {
   int group = 0;
   int64_t out;
   int64_t in;
+  // 8-bit affine only: the codes, scales and biases of every kInterleave output rows laid side
+  // by side (kernel_impl.h, interleaved_columns): word (tile, k / 4, row % kInterleave) of the
+  // codes holds row tile * kInterleave + row % kInterleave's codes k..k+3; scale and bias
+  // (tile, group, row % kInterleave) that row's of the group
+  bool interleaved = false;
 };
+
+// Output rows an interleaved weight lays side by side: one AVX-512 vector of int32 lanes.
+constexpr int kInterleave = 16;
 
 // The activation rows as the 4- and 8-bit path multiplies them (kernel_impl.h,
 // quantize_rows): 8-bit integers laid out for the codes, one fp32 scale per run of 32 (then
