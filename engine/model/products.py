@@ -165,8 +165,12 @@ def prepare(model: nn.Module, parts: int = 1) -> None:
 #: AVX-512 VNNI sums four codes of sixteen outputs in one instruction, where row-major codes
 #: take four instructions every 64 codes and row (every 8-bit projection of a 0.8B-shaped
 #: token on an AMD EPYC: 5 rows 33.3-40.3 against 24.0-26.2 ms, one row level). AMX keeps
-#: row-major codes for its tiles; the other sets are unmeasured.
+#: row-major codes for its tiles; the other sets are unmeasured. The kernel takes 4-bit
+#: weights so laid out too (``INTERLEAVED_BITS``), but at the 0.8B shape a plain 4-bit step ran
+#: 7% slower so (20.9 against 22.3-22.6 ms; verifies of 5 13-17% faster, a 512-token prefill
+#: 1.33x): plain decoding keeps row-major 4-bit codes.
 INTERLEAVED_ISAS = ("avx512-vnni",)
+INTERLEAVED_BITS = (8,)
 #: output rows ``interleave`` lays side by side (the kernel's ``kInterleave``)
 INTERLEAVE = 16
 
@@ -174,11 +178,11 @@ INTERLEAVE = 16
 def interleave(
     weight: mx.array, scales: mx.array, biases: mx.array
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """An 8-bit affine layer's codes, scales and biases with every ``INTERLEAVE`` output rows
-    side by side: word (tile, k / 4, row) of the codes holds output tile * 16 + row's codes
-    k..k+3, and (tile, group, row) of the scales and biases that row's of the group. The
-    shapes stay [out, in / 4] and [out, in / group], so memory and byte counts are the
-    checkpoint's; only the kernel reads them (``_operand`` says so)."""
+    """An affine layer's packed codes, scales and biases with every ``INTERLEAVE`` output rows
+    side by side: word (tile, w, row) of the codes holds output tile * 16 + row's word w (its
+    codes 32 / bits * w on), and (tile, group, row) of the scales and biases that row's of the
+    group. The shapes stay the checkpoint's, and so do memory and byte counts; only the kernel
+    reads them (4- and 8-bit: ``interleaved=True``)."""
     out = weight.shape[0]
 
     def tiles(a: mx.array) -> mx.array:
@@ -201,7 +205,7 @@ def interleave_layers(model: nn.Module) -> int:
     for _, module in model.named_modules():
         kind = _INTERLEAVED_KINDS.get(type(module))
         quantized = _quantized(module) if kind is not None else None
-        if quantized is None or quantized[0] != 8 or quantized[1] % 32:
+        if quantized is None or quantized[0] not in INTERLEAVED_BITS or quantized[1] % 32:
             continue
         weight = module["weight"]
         if weight.shape[0] % INTERLEAVE:

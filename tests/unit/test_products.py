@@ -124,31 +124,33 @@ def test_quantized_against_float64(isa: str, bits: int, group: int) -> None:
                 _close(got, exact, 1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", GROUPS)
-def test_interleaved_8bit_against_float64(isa: str, group: int) -> None:
-    """8-bit weights laid out by ``products.interleave`` (16 output rows side by side): the
-    same arithmetic as row-major codes — integer sums against the 8-bit activation, scaled and
-    biased in fp32 — so x quantized that way times the dequantized weight, for every row count
-    (blocks of five rows and fewer, one tile left over at the end of the columns)."""
-    inner, out = group * 3, 48
+def test_interleaved_codes_against_float64(isa: str, bits: int, group: int) -> None:
+    """4- and 8-bit weights laid out by ``products.interleave`` (16 output rows side by side):
+    the same arithmetic as row-major codes — integer sums against the 8-bit activation, scaled
+    and biased in fp32 — so x quantized that way times the dequantized weight, for every row
+    count (blocks of five rows and fewer; four tiles at a time and the ones left over at the
+    end of the columns)."""
+    inner, out = group * 3, 112
     w = mx.array(_random((out, inner), 13))
     for scale_type in (mx.float32, mx.bfloat16):
-        packed, scales, biases = mx.quantize(w.astype(scale_type), group_size=group, bits=8)
+        packed, scales, biases = mx.quantize(w.astype(scale_type), group_size=group, bits=bits)
         s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
         b64 = np.array(biases.astype(mx.float32)).astype(np.float64)
-        codes = _codes(packed, 8, inner).reshape(out, inner // group, group)
+        codes = _codes(packed, bits, inner).reshape(out, inner // group, group)
         dequantized = (codes * s64[..., None] + b64[..., None]).reshape(out, inner)
         laid_out = products.interleave(packed, scales, biases)
         for rows, prompt in ((1, False), (4, False), (5, False), (11, False), (70, True)):
             x = _random((rows, inner), rows)
             got = native.product(
-                mx.array(x), *laid_out, bits=8, group_size=group, prompt=prompt, interleaved=True
+                mx.array(x), *laid_out, bits=bits, group_size=group, prompt=prompt, interleaved=True
             )
             _close(got, _as_the_kernel_quantizes(x) @ dequantized.T, 1e-5)
             _close(got, x.astype(np.float64) @ dequantized.T, 2e-2)
 
 
-@pytest.mark.parametrize("bits", [4, 8, "8-interleaved"])
+@pytest.mark.parametrize("bits", [4, 8, "4-interleaved", "8-interleaved"])
 @pytest.mark.parametrize("rows", [3, 6, 20])
 def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
     isa: str, bits: int | str, rows: int
@@ -156,8 +158,8 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
     """An inf in one row's activation makes that row's outputs NaN, as a float product's
     would be, and leaves the other rows' outputs what they are alone (whatever path the row
     count takes: lane sums, tiles of a few rows, tiles of many, interleaved 8-bit blocks)."""
-    interleaved = bits == "8-interleaved"
-    bits = 8 if interleaved else int(bits)
+    interleaved = str(bits).endswith("interleaved")
+    bits = int(str(bits)[0])
     w = mx.array(_random((48, 128), 9))
     packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
     if interleaved:
@@ -196,6 +198,7 @@ def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
         "q8-group32-wide",
         "q8-interleaved",
         "q8-group32-interleaved",
+        "q4-interleaved",
         "q4-prompt",
         "q4-group32-prompt",
         "bf16-prompt",
@@ -284,8 +287,9 @@ def test_bad_operands_raise() -> None:
         native.product(mx.zeros((1, 64)), packed, scales, biases, bits=8, group_size=32)
     with pytest.raises(ValueError):
         native.product(mx.zeros((1, 64)), packed, scales, None, bits=4, group_size=32)
-    with pytest.raises(ValueError, match="interleaved"):  # 4-bit
-        native.product(mx.zeros((1, 64)), packed, scales, biases, 4, 32, interleaved=True)
+    packed, scales, biases = mx.quantize(mx.zeros((16, 64)), group_size=32, bits=2)
+    with pytest.raises(ValueError, match="interleaved"):  # 2-bit
+        native.product(mx.zeros((1, 64)), packed, scales, biases, 2, 32, interleaved=True)
     packed, scales, biases = mx.quantize(mx.zeros((24, 64)), group_size=32, bits=8)
     with pytest.raises(ValueError, match="interleaved"):  # 24 rows: not whole tiles of 16
         native.product(mx.zeros((1, 64)), packed, scales, biases, 8, 32, interleaved=True)

@@ -566,10 +566,11 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
   return type == Real::bf16 ? V::load_bf16(h) : V::load_f16(h);
 }
 
-// RN activation rows by JT tiles of kInterleave output columns of an interleaved 8-bit weight
-// (WeightView::interleaved), from tile `tile` on: each vector lane one output, so that a
-// vector of codes (four of each of its outputs, side by side) meets the same four activation
-// codes in every lane, broadcast. Run by run: the integer sums of the run's eight words, then
+// RN activation rows by JT tiles of kInterleave output columns of an interleaved 8- or 4-bit
+// weight (WeightView::interleaved), from tile `tile` on: each vector lane one output, so that a
+// vector of codes (four of each of its outputs side by side; 4-bit: eight, as low and high
+// nibbles) meets the same four activation codes in every lane, broadcast. Run by run: the
+// integer sums of the run's words, then
 // that sum as fp32 times (the lanes' group scales times the row's run scale) added to the
 // lane; then each group's bias times the row's group sum. Row-major codes take four operations
 // every 64 codes and row (the integer sum, its conversion, the two scales' product and the
@@ -577,7 +578,7 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in cache
 // (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever RN, JT
 // or the thread: row t's outputs are its one-row product's, bit for bit.
-template <class V, int RN, int JT>
+template <class V, int Bits, int RN, int JT>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const float* gs, int64_t gss,
                              typename V::reg (*c)[JT * (kInterleave / V::W)]) {
@@ -585,8 +586,10 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
   using ireg = typename V::ireg;
   constexpr int NV = kInterleave / V::W;  // vectors a tile
   constexpr int N = JT * NV;
-  constexpr int words_a_run = kRun / 4;
-  const int64_t words = wv.in / 4;  // a row's
+  constexpr int codes_a_word = 32 / Bits;
+  constexpr int words_a_run = kRun / codes_a_word;
+  constexpr int B = block_codes<Bits, V>();  // the activation's layout (quantize_rows)
+  const int64_t words = wv.in / codes_a_word;  // a row's
   const int64_t groups = wv.in / wv.group;
   const auto* codes = static_cast<const uint32_t*>(wv.data) + tile * words * kInterleave;
   for (int r = 0; r < RN; ++r)
@@ -600,14 +603,36 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
       ireg v[N];
       for (int jt = 0; jt < JT; ++jt) {
         const uint32_t* p = codes + (jt * words + word) * kInterleave;
-        if (w == 0) __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
+        if (w == 0) {  // four runs on into L1 and 4 KiB on into L2 (8-bit T=1-2: ~2% faster)
+          __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
+          __builtin_prefetch(p + 1024, 0, 2);
+        }
         for (int s = 0; s < NV; ++s) v[jt * NV + s] = V::bytes(p + s * V::W);
       }
-      for (int r = 0; r < RN; ++r) {
-        uint32_t x4;
-        std::memcpy(&x4, q + r * qs + word * 4, 4);
-        const ireg b = V::splat_word(x4);
-        for (int n = 0; n < N; ++n) d[r][n] = V::dot_u8(d[r][n], v[n], b);
+      if constexpr (Bits == 8) {
+        for (int r = 0; r < RN; ++r) {
+          uint32_t x4;
+          std::memcpy(&x4, q + r * qs + word * 4, 4);
+          const ireg b = V::splat_word(x4);
+          for (int n = 0; n < N; ++n) d[r][n] = V::dot_u8(d[r][n], v[n], b);
+        }
+      } else {
+        // a word's low nibbles are its codes 0, 2, 4, 6, the high ones 1, 3, 5, 7: against the
+        // activation's even and odd codes, which quantize_rows lays out four to a word
+        ireg lo[N], hi[N];
+        for (int n = 0; n < N; ++n) {
+          lo[n] = V::low_nibbles(v[n]);
+          hi[n] = V::high_nibbles(v[n]);
+        }
+        const int64_t k = word * codes_a_word;
+        const int64_t even = k / B * B + k % B / 2;
+        for (int r = 0; r < RN; ++r) {
+          uint32_t xe, xo;
+          std::memcpy(&xe, q + r * qs + even, 4);
+          std::memcpy(&xo, q + r * qs + even + B / 2, 4);
+          const ireg be = V::splat_word(xe), bo = V::splat_word(xo);
+          for (int n = 0; n < N; ++n) d[r][n] = V::dot_u4(V::dot_u4(d[r][n], lo[n], be), hi[n], bo);
+        }
       }
     }
     const int64_t g = run * kRun / wv.group;
@@ -645,63 +670,63 @@ inline void store_lanes(const ProductArgs& a, int t, int64_t j0, const typename 
   }
 }
 
-// Rows t..t + RN - 1 of an interleaved 8-bit weight's tiles from column j0 on: two tiles side
-// by side (on AVX-512 five rows take 10 integer and 10 float accumulators), or the one tile
-// left at the end of the columns.
-template <class V, int RN>
-inline void interleaved_block(const ProductArgs& a, int t, int64_t j0, bool pair) {
-  // five rows take one tile at a time: two side by side spilled the registers (a verify of 5
-  // at the 0.8B shape 33.5 ms against 26.2 as 4 + 1 rows)
-  constexpr int JT = RN > 4 ? 1 : 2;
-  if constexpr (JT == 1) {
-    if (pair) {
-      interleaved_block<V, RN>(a, t, j0, false);
-      interleaved_block<V, RN>(a, t, j0 + kInterleave, false);
-      return;
-    }
-  }
-  constexpr int N = JT * (kInterleave / V::W);
+// Rows t..t + RN - 1 of an interleaved weight's `tiles` tiles from column j0 on, JT tiles side
+// by side at a time (the rest one by one): four for one row (the activation's broadcast words
+// shared by more outputs), two for 2-4 rows (on AVX-512 four rows take 8 integer and 8 float
+// accumulators), one for five.
+template <class V, int Bits, int RN>
+inline void interleaved_block(const ProductArgs& a, int t, int64_t j0, int tiles) {
+  constexpr int JT = RN == 1 ? 4 : RN > 4 ? 1 : 2;
+  constexpr int NV = kInterleave / V::W;
   const WeightView& wv = a.w;
   const QuantizedRows& xq = *a.quantized;
   const int64_t groups = wv.in / wv.group;
   const int8_t* q = xq.q.data() + t * xq.q_stride;
   const float* xscale = xq.scales.data() + t * xq.scale_stride;
   const float* gs = xq.group_sums.data() + t * groups;
-  const int64_t tile = j0 / kInterleave;
-  if (pair && JT == 2) {
-    alignas(64) typename V::reg c[RN][N];
-    interleaved_tile<V, RN, JT>(wv, tile, q, xq.q_stride, xscale, xq.scale_stride, gs, groups, c);
-    store_lanes<V, RN, N>(a, t, j0, c);
-  } else {
-    constexpr int NV = kInterleave / V::W;
+  int done = 0;
+  for (; done + JT <= tiles; done += JT) {
+    alignas(64) typename V::reg c[RN][JT * NV];
+    interleaved_tile<V, Bits, RN, JT>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
+                                      xq.scale_stride, gs, groups, c);
+    store_lanes<V, RN, JT * NV>(a, t, j0 + done * kInterleave, c);
+  }
+  for (; done < tiles; ++done) {
     alignas(64) typename V::reg c[RN][NV];
-    interleaved_tile<V, RN, 1>(wv, tile, q, xq.q_stride, xscale, xq.scale_stride, gs, groups, c);
-    store_lanes<V, RN, NV>(a, t, j0, c);
+    interleaved_tile<V, Bits, RN, 1>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
+                                     xq.scale_stride, gs, groups, c);
+    store_lanes<V, RN, NV>(a, t, j0 + done * kInterleave, c);
   }
 }
 
 // Rows [t0, t0 + tn) at the tiles from j0 on, RN rows a block and the last few as a smaller one.
-template <class V, int RN>
-inline void interleaved_blocks(const ProductArgs& a, int t0, int tn, int64_t j0, bool pair) {
+template <class V, int Bits, int RN>
+inline void interleaved_blocks(const ProductArgs& a, int t0, int tn, int64_t j0, int tiles) {
   if constexpr (RN > 1) {
-    if (tn < RN) return interleaved_blocks<V, RN - 1>(a, t0, tn, j0, pair);
+    if (tn < RN) return interleaved_blocks<V, Bits, RN - 1>(a, t0, tn, j0, tiles);
   }
   int t = t0;
-  for (; t + RN <= t0 + tn; t += RN) interleaved_block<V, RN>(a, t, j0, pair);
+  for (; t + RN <= t0 + tn; t += RN) interleaved_block<V, Bits, RN>(a, t, j0, tiles);
   if constexpr (RN > 1) {
-    if (t < t0 + tn) interleaved_blocks<V, RN - 1>(a, t, t0 + tn - t, j0, pair);
+    if (t < t0 + tn) interleaved_blocks<V, Bits, RN - 1>(a, t, t0 + tn - t, j0, tiles);
   }
 }
 
-// Columns [first, last) (whole tiles) of every row of an interleaved 8-bit weight, x quantized
-// (`a.quantized`): two tiles at a time, every block of rows over them before the next two, so
+// Columns [first, last) (whole tiles) of every row of an interleaved weight, x quantized
+// (`a.quantized`): four tiles at a time, every block of rows over them before the next four, so
 // that only the first block reads them from memory (a verify of 5 as a block of 4 and then one
 // row over all the weights took 1.31x a row alone at the 0.8B shape, in blocks 1.15x at 4 rows).
 template <class V>
 inline void interleaved_columns(const ProductArgs& a, int64_t first, int64_t last) {
   constexpr int rows_a_block = V::W == 16 ? 5 : 2;  // what the registers hold
-  for (int64_t j0 = first; j0 < last; j0 += 2 * kInterleave)
-    interleaved_blocks<V, rows_a_block>(a, 0, a.rows, j0, last - j0 >= 2 * kInterleave);
+  constexpr int tiles_a_step = 4;
+  for (int64_t j0 = first; j0 < last; j0 += tiles_a_step * kInterleave) {
+    const int tiles = static_cast<int>(std::min<int64_t>(tiles_a_step, (last - j0) / kInterleave));
+    if (a.w.bits == 8)
+      interleaved_blocks<V, 8, rows_a_block>(a, 0, a.rows, j0, tiles);
+    else
+      interleaved_blocks<V, 4, rows_a_block>(a, 0, a.rows, j0, tiles);
+  }
 }
 
 template <class V>

@@ -448,9 +448,10 @@ WeightSpec add_weight(std::vector<mx::array>& inputs, int64_t in, const mx::arra
     throw std::invalid_argument("product: scales and biases must be [out, in / group_size]");
   real_of(scales->dtype());
   if (biases->dtype() != scales->dtype()) throw std::invalid_argument("product: biases' type");
-  if (interleaved && (bits != 8 || w.shape(0) % kInterleave != 0 || group_size % kActivationRun))
-    throw std::invalid_argument("product: an interleaved weight is 8-bit, of a multiple of 16 "
-                                "rows and of groups of a multiple of 32");
+  if (interleaved && ((bits != 8 && bits != 4) || w.shape(0) % kInterleave != 0 ||
+                      group_size % kActivationRun))
+    throw std::invalid_argument("product: an interleaved weight is 4- or 8-bit, of a multiple of "
+                                "16 rows and of groups of a multiple of 32");
   inputs.push_back(*scales);
   inputs.push_back(*biases);
   return {bits, group_size, interleaved};
@@ -658,7 +659,8 @@ NB_MODULE(_products, m) {
       "x @ w.T for w [out, in] in float32/bfloat16/float16, or mlx's affine-quantized layout "
       "(packed uint32 codes with scales and biases, as mx.quantize writes); lazy, like any op. "
       "prompt: a prefill's product, whose path may differ from decoding's (the same for every "
-      "row count). interleaved: an 8-bit weight laid out by engine.model.products.interleave.");
+      "row count). interleaved: a 4- or 8-bit weight laid out by "
+      "engine.model.products.interleave.");
   m.def(
       "products",
       &products,

@@ -28,10 +28,10 @@ struct WeightView {
   int group = 0;
   int64_t out;
   int64_t in;
-  // 8-bit affine only: the codes, scales and biases of every kInterleave output rows laid side
-  // by side (kernel_impl.h, interleaved_columns): word (tile, k / 4, row % kInterleave) of the
-  // codes holds row tile * kInterleave + row % kInterleave's codes k..k+3; scale and bias
-  // (tile, group, row % kInterleave) that row's of the group
+  // 4- and 8-bit affine only: the codes, scales and biases of every kInterleave output rows
+  // laid side by side (kernel_impl.h, interleaved_columns): word (tile, w, row % kInterleave)
+  // of the codes holds row tile * kInterleave + row % kInterleave's word w (its codes
+  // 32 / bits * w on); scale and bias (tile, group, row % kInterleave) that row's of the group
   bool interleaved = false;
 };
 
