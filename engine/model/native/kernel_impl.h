@@ -570,14 +570,13 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // weight (WeightView::interleaved), from tile `tile` on: each vector lane one output, so that a
 // vector of codes (four of each of its outputs side by side; 4-bit: eight, as low and high
 // nibbles) meets the same four activation codes in every lane, broadcast. Run by run: the
-// integer sums of the run's words, then
-// that sum as fp32 times (the lanes' group scales times the row's run scale) added to the
-// lane; then each group's bias times the row's group sum. Row-major codes take four operations
-// every 64 codes and row (the integer sum, its conversion, the two scales' product and the
-// multiply-add: kernel_impl.h's code_tile), these one and 3/8: on one core of an AMD EPYC
-// (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in cache
-// (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever RN, JT
-// or the thread: row t's outputs are its one-row product's, bit for bit.
+// integer sums of the run's words, then that sum as fp32 times (the lanes' group scales times
+// the row's run scale) added to the lane; then each group's bias times the row's group sum.
+// Row-major 8-bit codes take four operations every 64 codes and row (the integer sum, its
+// conversion, the two scales' product and the multiply-add: code_tile), these one and 3/8: on
+// one core of an AMD EPYC (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in
+// cache (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever
+// RN, JT or the thread: row t's outputs are its one-row product's, bit for bit.
 template <class V, int Bits, int RN, int JT>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const float* gs, int64_t gss,
@@ -631,7 +630,8 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
           std::memcpy(&xe, q + r * qs + even, 4);
           std::memcpy(&xo, q + r * qs + even + B / 2, 4);
           const ireg be = V::splat_word(xe), bo = V::splat_word(xo);
-          for (int n = 0; n < N; ++n) d[r][n] = V::dot_u4(V::dot_u4(d[r][n], lo[n], be), hi[n], bo);
+          for (int n = 0; n < N; ++n)
+            d[r][n] = V::dot_u4(V::dot_u4(d[r][n], lo[n], be), hi[n], bo);
         }
       }
     }
@@ -666,7 +666,8 @@ inline void store_lanes(const ProductArgs& a, int t, int64_t j0, const typename 
   for (int r = 0; r < RN; ++r) {
     alignas(64) float lanes[N * V::W];
     for (int n = 0; n < N; ++n) V::store(lanes + n * V::W, c[r][n]);
-    for (int j = 0; j < N * V::W; ++j) store_real(a.y, a.y_type, (t + r) * a.w.out + j0 + j, lanes[j]);
+    for (int j = 0; j < N * V::W; ++j)
+      store_real(a.y, a.y_type, (t + r) * a.w.out + j0 + j, lanes[j]);
   }
 }
 
@@ -721,7 +722,8 @@ inline void interleaved_columns(const ProductArgs& a, int64_t first, int64_t las
   constexpr int rows_a_block = V::W == 16 ? 5 : 2;  // what the registers hold
   constexpr int tiles_a_step = 4;
   for (int64_t j0 = first; j0 < last; j0 += tiles_a_step * kInterleave) {
-    const int tiles = static_cast<int>(std::min<int64_t>(tiles_a_step, (last - j0) / kInterleave));
+    const int tiles =
+        static_cast<int>(std::min<int64_t>(tiles_a_step, (last - j0) / kInterleave));
     if (a.w.bits == 8)
       interleaved_blocks<V, 8, rows_a_block>(a, 0, a.rows, j0, tiles);
     else
