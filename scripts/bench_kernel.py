@@ -8,18 +8,18 @@ One "token" is every projection of a decoding step at the shape: the trunk's 24 
 Gated-DeltaNet layers then one attention layer, each with its MLP) and the 248,320-row
 vocabulary projection, each a weight of its own (random values: speed does not depend on them),
 all evaluated together as one step evaluates them, each laid out as the engine lays it out for
-the kernel (``laid_out``: 8-bit weights 16 outputs to a vector on AVX-512 VNNI). For each dtype
-and row count T it reports ms per token, the bytes of weights read per second (T=1) against
-``read`` — every byte of the same weight arrays read once on the kernel's threads (the same
-memory: a fresh array's pages read slower than ones the kernel has been reading for a while) —
-and the T-row time as a multiple of one row's; the read and every row count take turns, repeat
-by repeat, best of each (this machine's bandwidth wanders by a third over minutes: timed one
-after the other, a ratio measured the drift). mlx's own product of the same weights is timed at
-T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and quantized weights). ``--crossover``
-times fp32 products of many rows (prefill) on the kernel and on BLIS with every core, to place
-``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds the floors: the weights' bytes at
-the read bandwidth, and each row count's arithmetic alone (a weight that stays in cache), so
-that a ratio the kernel misses shows what bounds it.
+the kernel (``laid_out``: 4- and 8-bit weights 16 outputs to a vector on AVX-512 VNNI). For each
+dtype and row count T it reports ms per token, the bytes of weights read per second (T=1)
+against ``read`` — every byte of the same weight arrays read once on the kernel's threads (the
+same memory: a fresh array's pages read slower than ones the kernel has been reading for a
+while) — and the T-row time as a multiple of one row's; the read and every row count take turns,
+repeat by repeat, best of each (this machine's bandwidth wanders by a third over minutes: timed
+one after the other, a ratio measured the drift). mlx's own product of the same weights is timed
+at T=1 and T=5 (BLIS for fp32, mlx's CPU kernels for bf16 and quantized weights).
+``--crossover`` times fp32 products of many rows (prefill) on the kernel and on BLIS with every
+core, to place ``engine.model.products.NATIVE_MAX_ROWS``. ``--bound`` adds the floors: the
+weights' bytes at the read bandwidth, and each row count's arithmetic alone (a weight that stays
+in cache), so that a ratio the kernel misses shows what bounds it.
 
 Results: bench-results/bench_kernel.json and .md.
 """
@@ -78,10 +78,13 @@ def make_weights(dtype: str) -> list[tuple[mx.array, ...]]:
 
 
 def laid_out(parts: tuple[mx.array, ...], dtype: str) -> tuple[tuple[mx.array, ...], bool]:
-    """A weight as the engine hands it to the kernel: 8-bit layers laid out 16 outputs to a
-    vector where the kernel's instruction set takes them so (``products.interleave_layers``)."""
+    """A weight as the engine hands it to the kernel: 4- and 8-bit layers laid out 16 outputs to
+    a vector where the kernel's instruction set takes them so (``products.interleave_layers``)."""
     isa = products.native().isa()
-    if dtype != "q8" or isa not in products.INTERLEAVED_ISAS:
+    if (
+        QUANTIZED.get(dtype) not in products.INTERLEAVED_BITS
+        or isa not in products.INTERLEAVED_ISAS
+    ):
         return parts, False
     if parts[0].shape[0] % products.INTERLEAVE:
         return parts, False

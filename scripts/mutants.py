@@ -197,7 +197,7 @@ MUTATIONS = [
         "engine/model/products.py",
         "    if type(table) not in _LAID_OUT:\n        return arrays[0][index]",
         "    if True:\n        return arrays[0][index]",
-        ("tests/unit/test_products.py::test_8bit_layers_laid_out_for_the_kernel",),
+        ("tests/unit/test_products.py::test_quantized_layers_laid_out_for_the_kernel",),
         "an embedding laid out 16 rows to a vector looks its rows up as if row-major: every "
         "token embeds as another row's codes",
     ),

@@ -153,24 +153,22 @@ def _quantized(module: nn.Module) -> tuple[int, int] | None:
 def prepare(model: nn.Module, parts: int = 1) -> None:
     """Ready every projection under ``model`` for decoding once its weights are final: the
     transposed views mlx's own products use (``mlx_products.prepare_transposed``), with column
-    parts and row-by-row products only where the kernel does not take few rows; 8-bit layers
+    parts and row-by-row products only where the kernel does not take few rows; 4- and 8-bit layers
     laid out for the kernel where its instruction set multiplies them faster so
     (``interleave_layers``)."""
     mlx_products.prepare_transposed(model, parts, few_rows=not on_native())
     if count := interleave_layers(model):
-        log.info("products: %d 8-bit layers laid out for the %s kernel", count, _native.isa())
+        log.info("products: %d 4/8-bit layers laid out for the %s kernel", count, _native.isa())
 
 
-#: instruction sets whose kernel multiplies 8-bit weights faster laid out by ``interleave``:
-#: AVX-512 VNNI sums four codes of sixteen outputs in one instruction, where row-major codes
-#: take four instructions every 64 codes and row (every 8-bit projection of a 0.8B-shaped
-#: token on an AMD EPYC: 5 rows 33.3-40.3 against 24.0-26.2 ms, one row level). AMX keeps
-#: row-major codes for its tiles; the other sets are unmeasured. The kernel takes 4-bit
-#: weights so laid out too (``INTERLEAVED_BITS``), but at the 0.8B shape a plain 4-bit step ran
-#: 7% slower so (20.9 against 22.3-22.6 ms; verifies of 5 13-17% faster, a 512-token prefill
-#: 1.33x): plain decoding keeps row-major 4-bit codes.
+#: instruction sets whose kernel multiplies 4- and 8-bit weights faster laid out by
+#: ``interleave``: AVX-512 VNNI sums four codes of sixteen outputs in one instruction, where
+#: row-major 8-bit codes take four instructions every 64 codes and row. At the 0.8B shape on an
+#: AMD EPYC, in one process against row-major layers: 8-bit plain steps 0.93-0.95x the time,
+#: verifies of 4-5 0.72-0.79x; 4-bit 0.95x and 0.87-0.89x. AMX keeps row-major codes for its
+#: tiles; the other sets are unmeasured.
 INTERLEAVED_ISAS = ("avx512-vnni",)
-INTERLEAVED_BITS = (8,)
+INTERLEAVED_BITS = (4, 8)
 #: output rows ``interleave`` lays side by side (the kernel's ``kInterleave``)
 INTERLEAVE = 16
 
@@ -194,7 +192,7 @@ def interleave(
 
 
 def interleave_layers(model: nn.Module) -> int:
-    """Lay out every 8-bit ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding`` under
+    """Lay out every 4- and 8-bit ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding`` under
     ``model`` by ``interleave`` where the kernel's instruction set is one of
     ``INTERLEAVED_ISAS`` (and the layer's shape allows: a multiple of 16 rows, groups of a
     multiple of 32), each becoming an ``InterleavedLinear`` or ``InterleavedEmbedding``;
@@ -219,7 +217,7 @@ def interleave_layers(model: nn.Module) -> int:
 
 
 class InterleavedLinear(nn.QuantizedLinear):
-    """An 8-bit ``nn.QuantizedLinear`` laid out by ``interleave``: multiplied by the kernel
+    """A 4- or 8-bit ``nn.QuantizedLinear`` laid out by ``interleave``: multiplied by the kernel
     alone, wherever it is called from (mlx's own product would read the codes in the wrong
     order)."""
 
@@ -228,7 +226,7 @@ class InterleavedLinear(nn.QuantizedLinear):
 
 
 class InterleavedEmbedding(nn.QuantizedEmbedding):
-    """An 8-bit ``nn.QuantizedEmbedding`` laid out by ``interleave``: its rows read through
+    """A 4- or 8-bit ``nn.QuantizedEmbedding`` laid out by ``interleave``: its rows read through
     ``quantized_rows``, its projection (a tied output) by the kernel alone."""
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -239,7 +237,7 @@ class InterleavedEmbedding(nn.QuantizedEmbedding):
         return _interleaved_product(self, x)
 
 
-#: the 8-bit layers laid out for the kernel (``interleave_layers``)
+#: the layers laid out for the kernel (``interleave_layers``)
 _LAID_OUT = (InterleavedLinear, InterleavedEmbedding)
 _INTERLEAVED_KINDS: dict[type, type] = {
     nn.QuantizedLinear: InterleavedLinear,
@@ -251,7 +249,7 @@ def _interleaved_product(module: nn.Module, x: mx.array) -> mx.array:
     out = _on_kernel(module, x)
     if out is None:
         raise TypeError(
-            f"an interleaved 8-bit layer multiplies float inputs on the native kernel only, "
+            f"an interleaved quantized layer multiplies float inputs on the native kernel only, "
             f"not {x.dtype} on {mx.default_device()}"
         )
     return out

@@ -93,16 +93,18 @@ def test_round_trip_greedy_speculative_equals_plain(converted, bits: int, head_b
 
 
 @pytest.mark.skipif(not products.on_native(), reason="the native kernel runs on a CPU only")
-@pytest.mark.parametrize("variant", ["dense-tied", "moe-tied"])
-def test_8bit_layers_laid_out_for_the_kernel_decode_exactly(
-    converted, variant: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("variant", "bits"), [("dense-tied", 4), ("dense-tied", 8), ("moe-tied", 8)]
+)
+def test_layers_laid_out_for_the_kernel_decode_exactly(
+    converted, variant: str, bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """8-bit layers laid out for the kernel (``products.interleave_layers``; on this CPU's
-    instruction set whichever it is) keep speculative decoding token-identical to plain: the
-    tied embedding looked up and projected, the MoE block's shared expert called by mlx-lm's
+    """4- and 8-bit layers laid out for the kernel (``products.interleave_layers``; on this
+    CPU's instruction set whichever it is) keep speculative decoding token-identical to plain:
+    the tied embedding looked up and projected, the MoE block's shared expert called by mlx-lm's
     own code, the head's layers."""
     monkeypatch.setattr(products, "INTERLEAVED_ISAS", (products.native().isa(),))
-    engine = Engine.load(str(converted(variant, 8, 8)), draft_tokens=0)
+    engine = Engine.load(str(converted(variant, bits, bits)), draft_tokens=0)
     laid_out = {
         type(m) for _, m in engine.loaded.model.named_modules() if type(m) in products._LAID_OUT
     }

@@ -333,9 +333,9 @@ def test_the_model_s_projections_run_on_the_kernel_row_by_row_exact() -> None:
         assert np.allclose(together, np.array(reference.astype(mx.float32)), rtol=2e-2, atol=2e-2)
 
 
-def test_8bit_layers_laid_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``interleave_layers`` lays out the 8-bit layers whose shapes allow it (whole tiles of 16
-    rows, groups of a multiple of 32) and no other; each then behaves as before wherever it is
+def test_quantized_layers_laid_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``interleave_layers`` lays out the 4- and 8-bit layers whose shapes allow it (whole tiles
+    of 16 rows, groups of a multiple of 32) and no other; each then behaves as before wherever it is
     called from: an embedding looks up the same rows bit for bit (``quantized_rows`` too), a
     layer called directly (as mlx-lm's MoE block calls its shared expert) or through
     ``products`` runs the kernel, its rows bit for bit those of one row alone and within the
@@ -347,17 +347,20 @@ def test_8bit_layers_laid_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) ->
     model = nn.Module()
     model.linear = nn.Linear(128, 48, bias=False).to_quantized(group_size=64, bits=8)
     model.table = nn.Embedding(320, 64).to_quantized(group_size=32, bits=8)
-    model.odd = nn.Linear(128, 40, bias=False).to_quantized(group_size=64, bits=8)
     model.four = nn.Linear(128, 48, bias=False).to_quantized(group_size=64, bits=4)
+    model.odd = nn.Linear(128, 40, bias=False).to_quantized(group_size=64, bits=8)
+    model.two = nn.Linear(128, 48, bias=False).to_quantized(group_size=64, bits=2)
     mx.eval(model.parameters())
     x = mx.random.normal((5, 128))
     ids = mx.array([[0, 17, 319, 16, 15]])
     before = model.linear(x), model.table(ids), model.table.as_linear(x[:, :64])
     rows_before = products.quantized_rows(model.table, ids[0])
-    assert products.interleave_layers(model) == 2
+    four = model.four(x)
+    assert products.interleave_layers(model) == 3
     assert type(model.linear) is products.InterleavedLinear
+    assert type(model.four) is products.InterleavedLinear
     assert type(model.table) is products.InterleavedEmbedding
-    assert type(model.odd) is nn.QuantizedLinear and type(model.four) is nn.QuantizedLinear
+    assert type(model.odd) is nn.QuantizedLinear and type(model.two) is nn.QuantizedLinear
     assert np.array_equal(np.array(model.table(ids)), np.array(before[1]))
     for got, want in zip(products.quantized_rows(model.table, ids[0]), rows_before, strict=True):
         assert np.array_equal(np.array(got), np.array(want))
@@ -366,6 +369,7 @@ def test_8bit_layers_laid_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) ->
         (products.linear(model.linear, x), before[0]),
         (model.table.as_linear(x[:, :64]), before[2]),
         (products.product(model.table, x[:, :64]), before[2]),
+        (model.four(x), four),
     ):
         assert np.allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2)
     together = np.array(products.linear(model.linear, x))

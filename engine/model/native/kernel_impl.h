@@ -566,8 +566,8 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
   return type == Real::bf16 ? V::load_bf16(h) : V::load_f16(h);
 }
 
-// RN activation rows by JT tiles of kInterleave output columns of an interleaved 8- or 4-bit
-// weight (WeightView::interleaved), from tile `tile` on: each vector lane one output, so that a
+// RN activation rows by one tile of kInterleave output columns of an interleaved 8- or 4-bit
+// weight (WeightView::interleaved), tile `tile`: each vector lane one output, so that a
 // vector of codes (four of each of its outputs side by side; 4-bit: eight, as low and high
 // nibbles) meets the same four activation codes in every lane, broadcast. Run by run: the
 // integer sums of the run's words, then that sum as fp32 times (the lanes' group scales times
@@ -576,15 +576,14 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // conversion, the two scales' product and the multiply-add: code_tile), these one and 3/8: on
 // one core of an AMD EPYC (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in
 // cache (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever
-// RN, JT or the thread: row t's outputs are its one-row product's, bit for bit.
-template <class V, int Bits, int RN, int JT>
+// RN or the thread: row t's outputs are its one-row product's, bit for bit.
+template <class V, int Bits, int RN>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const float* gs, int64_t gss,
-                             typename V::reg (*c)[JT * (kInterleave / V::W)]) {
+                             typename V::reg (*c)[kInterleave / V::W]) {
   using reg = typename V::reg;
   using ireg = typename V::ireg;
-  constexpr int NV = kInterleave / V::W;  // vectors a tile
-  constexpr int N = JT * NV;
+  constexpr int N = kInterleave / V::W;  // vectors a tile
   constexpr int codes_a_word = 32 / Bits;
   constexpr int words_a_run = kRun / codes_a_word;
   constexpr int B = block_codes<Bits, V>();  // the activation's layout (quantize_rows)
@@ -600,14 +599,12 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
     for (int w = 0; w < words_a_run; ++w) {
       const int64_t word = run * words_a_run + w;
       ireg v[N];
-      for (int jt = 0; jt < JT; ++jt) {
-        const uint32_t* p = codes + (jt * words + word) * kInterleave;
-        if (w == 0) {  // four runs on into L1 and 4 KiB on into L2 (8-bit T=1-2: ~2% faster)
-          __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
-          __builtin_prefetch(p + 1024, 0, 2);
-        }
-        for (int s = 0; s < NV; ++s) v[jt * NV + s] = V::bytes(p + s * V::W);
+      const uint32_t* p = codes + word * kInterleave;
+      if (w == 0) {  // four runs on into L1 and 4 KiB on into L2 (8-bit T=1-2: ~2% faster)
+        __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
+        __builtin_prefetch(p + 1024, 0, 2);
       }
+      for (int n = 0; n < N; ++n) v[n] = V::bytes(p + n * V::W);
       if constexpr (Bits == 8) {
         for (int r = 0; r < RN; ++r) {
           uint32_t x4;
@@ -636,27 +633,20 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
       }
     }
     const int64_t g = run * kRun / wv.group;
-    for (int jt = 0; jt < JT; ++jt)
-      for (int s = 0; s < NV; ++s) {
-        const int64_t at = ((tile + jt) * groups + g) * kInterleave + s * V::W;
-        const reg scale = real_lanes<V>(wv.scales, wv.scale_type, at);
-        for (int r = 0; r < RN; ++r) {
-          const int n = jt * NV + s;
-          c[r][n] = V::fma(V::to_float(d[r][n]), V::mul(scale, V::splat(xscale[r * xss + run])),
-                           c[r][n]);
-        }
-      }
+    for (int n = 0; n < N; ++n) {
+      const reg scale =
+          real_lanes<V>(wv.scales, wv.scale_type, (tile * groups + g) * kInterleave + n * V::W);
+      for (int r = 0; r < RN; ++r)
+        c[r][n] = V::fma(V::to_float(d[r][n]), V::mul(scale, V::splat(xscale[r * xss + run])),
+                         c[r][n]);
+    }
   }
   for (int64_t g = 0; g < groups; ++g)
-    for (int jt = 0; jt < JT; ++jt)
-      for (int s = 0; s < NV; ++s) {
-        const int64_t at = ((tile + jt) * groups + g) * kInterleave + s * V::W;
-        const reg bias = real_lanes<V>(wv.biases, wv.scale_type, at);
-        for (int r = 0; r < RN; ++r) {
-          const int n = jt * NV + s;
-          c[r][n] = V::fma(bias, V::splat(gs[r * gss + g]), c[r][n]);
-        }
-      }
+    for (int n = 0; n < N; ++n) {
+      const reg bias =
+          real_lanes<V>(wv.biases, wv.scale_type, (tile * groups + g) * kInterleave + n * V::W);
+      for (int r = 0; r < RN; ++r) c[r][n] = V::fma(bias, V::splat(gs[r * gss + g]), c[r][n]);
+    }
 }
 
 // Rows t.. t + RN - 1 of the output, columns j0.. j0 + N * V::W - 1, from accumulators of one
@@ -671,32 +661,24 @@ inline void store_lanes(const ProductArgs& a, int t, int64_t j0, const typename 
   }
 }
 
-// Rows t..t + RN - 1 of an interleaved weight's `tiles` tiles from column j0 on, JT tiles side
-// by side at a time (the rest one by one): four for one row (the activation's broadcast words
-// shared by more outputs), two for 2-4 rows (on AVX-512 four rows take 8 integer and 8 float
-// accumulators), one for five.
+// Rows t..t + RN - 1 of an interleaved weight's `tiles` tiles from column j0 on, one tile at a
+// time: one stream of codes (two or four tiles side by side, sharing the activation's
+// broadcast words, made a 0.8B 8-bit plain step 5% slower than row-major codes and one tile
+// 5% faster; verifies of 3-5 as fast or faster).
 template <class V, int Bits, int RN>
 inline void interleaved_block(const ProductArgs& a, int t, int64_t j0, int tiles) {
-  constexpr int JT = RN == 1 ? 4 : RN > 4 ? 1 : 2;
-  constexpr int NV = kInterleave / V::W;
+  constexpr int N = kInterleave / V::W;
   const WeightView& wv = a.w;
   const QuantizedRows& xq = *a.quantized;
   const int64_t groups = wv.in / wv.group;
   const int8_t* q = xq.q.data() + t * xq.q_stride;
   const float* xscale = xq.scales.data() + t * xq.scale_stride;
   const float* gs = xq.group_sums.data() + t * groups;
-  int done = 0;
-  for (; done + JT <= tiles; done += JT) {
-    alignas(64) typename V::reg c[RN][JT * NV];
-    interleaved_tile<V, Bits, RN, JT>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
-                                      xq.scale_stride, gs, groups, c);
-    store_lanes<V, RN, JT * NV>(a, t, j0 + done * kInterleave, c);
-  }
-  for (; done < tiles; ++done) {
-    alignas(64) typename V::reg c[RN][NV];
-    interleaved_tile<V, Bits, RN, 1>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
-                                     xq.scale_stride, gs, groups, c);
-    store_lanes<V, RN, NV>(a, t, j0 + done * kInterleave, c);
+  for (int done = 0; done < tiles; ++done) {
+    alignas(64) typename V::reg c[RN][N];
+    interleaved_tile<V, Bits, RN>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
+                                  xq.scale_stride, gs, groups, c);
+    store_lanes<V, RN, N>(a, t, j0 + done * kInterleave, c);
   }
 }
 
