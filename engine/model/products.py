@@ -21,7 +21,8 @@ count), so greedy output does not move with K or the batch size.
 Metal and CUDA keep mlx's own products, and so does a CPU without the built extension (one log
 line says which runs: ``description``). Products of more than ``NATIVE_MAX_ROWS`` rows
 (long prefills) keep BLAS, which threads them itself (half-precision and quantized weights
-widened to float32 for it, one weight at a time: mlx has no fast CPU product for them).
+widened to float32 for it, one weight at a time: mlx has no fast CPU product for them), except
+by 4- and 8-bit layers laid out for the kernel (``interleave_layers``), which only it reads.
 """
 
 from __future__ import annotations
@@ -390,8 +391,9 @@ _Operand = tuple[mx.array, mx.array | None, mx.array | None, int, int, bool]
 def _operand(module: nn.Module, x: mx.array) -> _Operand | None:
     """``module``'s weight as the kernel multiplies ``x`` by it, for an ``nn.Linear``,
     ``nn.QuantizedLinear``, ``nn.Embedding`` or ``nn.QuantizedEmbedding`` used as a projection
-    of at most ``NATIVE_MAX_ROWS`` rows; None where the kernel does not take it (not on a CPU,
-    not built, more rows, a type mlx would promote differently)."""
+    of at most ``NATIVE_MAX_ROWS`` rows (any number for a layer ``interleave_layers`` laid out);
+    None where the kernel does not take it (not on a CPU, not built, more rows, a type mlx
+    would promote differently)."""
     weight = _kernel_weight(module, x)
     # an interleaved weight is the kernel's alone, whatever the row count
     interleaved = type(module) in _LAID_OUT
