@@ -8,7 +8,7 @@ One "token" is every projection of a decoding step at the shape: the trunk's 24 
 Gated-DeltaNet layers then one attention layer, each with its MLP) and the 248,320-row
 vocabulary projection, each a weight of its own (random values: speed does not depend on them),
 all evaluated together as one step evaluates them, each laid out as the engine lays it out for
-the kernel (``laid_out``: 4- and 8-bit weights 16 outputs to a vector on AVX-512 VNNI). For each
+the kernel (``laid_out``: 4- and 8-bit weights 16 outputs to a vector on AVX-512). For each
 dtype and row count T it reports ms per token, the bytes of weights read per second (T=1)
 against ``read`` — every byte of the same weight arrays read once on the kernel's threads (the
 same memory: a fresh array's pages read slower than ones the kernel has been reading for a

@@ -166,9 +166,11 @@ def prepare(model: nn.Module, parts: int = 1) -> None:
 #: ``interleave``: AVX-512 VNNI sums four codes of sixteen outputs in one instruction, where
 #: row-major 8-bit codes take four instructions every 64 codes and row. At the 0.8B shape on an
 #: AMD EPYC, in one process against row-major layers: 8-bit plain steps 0.93-0.95x the time,
-#: verifies of 4-5 0.72-0.79x; 4-bit 0.95x and 0.87-0.89x. AMX keeps row-major codes for its
-#: tiles; the other sets are unmeasured.
-INTERLEAVED_ISAS = ("avx512-vnni",)
+#: verifies of 4-5 0.72-0.79x; 4-bit 0.95x and 0.87-0.89x. The same CPU running the kernel
+#: without VNNI (``avx512``: two instructions a 4-code sum): 0.93x and 0.76-0.78x, 4-bit 0.96x
+#: and 0.77-0.80x. AVX2 there: 4-bit 0.91-0.96x, but 8-bit plain steps 1.10x (verifies
+#: 0.78-0.81x) — not taken. AMX keeps row-major codes for its tiles; NEON is unmeasured.
+INTERLEAVED_ISAS = ("avx512-vnni", "avx512")
 INTERLEAVED_BITS = (4, 8)
 #: output rows ``interleave`` lays side by side (the kernel's ``kInterleave``)
 INTERLEAVE = 16
