@@ -80,13 +80,7 @@ def make_weights(dtype: str) -> list[tuple[mx.array, ...]]:
 def laid_out(parts: tuple[mx.array, ...], dtype: str) -> tuple[tuple[mx.array, ...], bool]:
     """A weight as the engine hands it to the kernel: 4- and 8-bit layers laid out 16 outputs to
     a vector where the kernel's instruction set takes them so (``products.interleave_layers``)."""
-    isa = products.native().isa()
-    if (
-        QUANTIZED.get(dtype) not in products.INTERLEAVED_BITS
-        or isa not in products.INTERLEAVED_ISAS
-    ):
-        return parts, False
-    if parts[0].shape[0] % products.INTERLEAVE:
+    if dtype not in QUANTIZED or not products.interleaves(QUANTIZED[dtype], GROUP, len(parts[0])):
         return parts, False
     laid = products.interleave(*parts)
     mx.eval(*laid)

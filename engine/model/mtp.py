@@ -148,20 +148,7 @@ def table_rows(table: nn.Module, index: mx.array) -> mx.array:
     or not), as floats."""
     if "scales" not in table:
         return table.weight[index]
-    mode = getattr(table, "mode", "affine")
-    if mode == "affine":  # (laid out for the kernel or not: products.quantized_rows)
-        return mx.dequantize(
-            *products.quantized_rows(table, index), group_size=table.group_size, bits=table.bits
-        )
-    biases = table.get("biases")
-    return mx.dequantize(
-        table.weight[index],
-        table.scales[index],
-        None if biases is None else biases[index],
-        group_size=table.group_size,
-        bits=table.bits,
-        mode=mode,
-    )
+    return products.dequantized_rows(table, index)
 
 
 def project_to_vocab(trunk: Any, hidden: mx.array) -> mx.array:

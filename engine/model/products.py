@@ -200,16 +200,12 @@ def interleave_layers(model: nn.Module) -> int:
     ``INTERLEAVED_ISAS`` (and the layer's shape allows: a multiple of 16 rows, groups of a
     multiple of 32), each becoming an ``InterleavedLinear`` or ``InterleavedEmbedding``;
     returns how many."""
-    if not on_native() or _native.isa() not in INTERLEAVED_ISAS:
-        return 0
     count = 0
     for _, module in model.named_modules():
         kind = _INTERLEAVED_KINDS.get(type(module))
         quantized = _quantized(module) if kind is not None else None
-        if quantized is None or quantized[0] not in INTERLEAVED_BITS or quantized[1] % 32:
-            continue
-        weight = module["weight"]
-        if weight.shape[0] % INTERLEAVE:
+        weight = module.get("weight")
+        if quantized is None or not interleaves(*quantized, weight.shape[0]):
             continue
         laid_out = interleave(weight, module["scales"], module["biases"])
         mx.eval(*laid_out)  # one layer at a time: a layer's bytes over the checkpoint's at most
@@ -217,6 +213,14 @@ def interleave_layers(model: nn.Module) -> int:
         module.__class__ = kind
         count += 1
     return count
+
+
+def interleaves(bits: int, group: int, rows: int) -> bool:
+    """Whether ``interleave_layers`` lays out an affine weight of ``bits`` bits, groups of
+    ``group`` and ``rows`` output rows on this machine's kernel."""
+    if not on_native() or _native.isa() not in INTERLEAVED_ISAS:
+        return False
+    return bits in INTERLEAVED_BITS and group % 32 == 0 and rows % INTERLEAVE == 0
 
 
 class InterleavedLinear(nn.QuantizedLinear):
@@ -233,8 +237,7 @@ class InterleavedEmbedding(nn.QuantizedEmbedding):
     ``quantized_rows``, its projection (a tied output) by the kernel alone."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, scales, biases = quantized_rows(self, x)
-        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
+        return dequantized_rows(self, x)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _interleaved_product(self, x)
@@ -258,18 +261,30 @@ def _interleaved_product(module: nn.Module, x: mx.array) -> mx.array:
     return out
 
 
-def quantized_rows(table: nn.Module, index: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Rows ``index`` of an affine-quantized table's codes, scales and biases, row-major as
-    ``mx.dequantize`` takes them, whether or not ``interleave`` laid the table out."""
-    arrays = table["weight"], table["scales"], table["biases"]
+def quantized_rows(table: nn.Module, index: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Rows ``index`` of a quantized table's codes, scales and biases (None without them),
+    row-major as ``mx.dequantize`` takes them, whether or not ``interleave`` laid the table
+    out."""
+    biases = table.get("biases")
+    arrays = table["weight"], table["scales"], biases
     if type(table) not in _LAID_OUT:
-        return arrays[0][index], arrays[1][index], arrays[2][index]
+        return arrays[0][index], arrays[1][index], None if biases is None else biases[index]
     tile, row = index // INTERLEAVE, index % INTERLEAVE
 
     def rows(a: mx.array) -> mx.array:
         return a.reshape(a.shape[0] // INTERLEAVE, a.shape[1], INTERLEAVE)[tile, :, row]
 
-    return rows(arrays[0]), rows(arrays[1]), rows(arrays[2])
+    return rows(arrays[0]), rows(arrays[1]), rows(biases)
+
+
+def dequantized_rows(table: nn.Module, index: mx.array) -> mx.array:
+    """Rows ``index`` of a quantized table (an embedding's lookup), as floats."""
+    return mx.dequantize(
+        *quantized_rows(table, index),
+        group_size=table.group_size,
+        bits=table.bits,
+        mode=getattr(table, "mode", "affine"),
+    )
 
 
 def product(module: nn.Module, x: mx.array) -> mx.array | None:

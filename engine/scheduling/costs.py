@@ -109,10 +109,7 @@ class CostTable:
         """Expected seconds of the head's catch-up after a cycle whose committed-token counts
         have distribution ``committed`` (``committed_distribution``). Without a measured
         ``absorb`` a catch-up over one position is taken to cost one head step."""
-        seconds = self._catch_ups
-        if len(committed) > len(seconds):
-            return sum(p * self.absorb_seconds(n) for n, p in enumerate(committed, 1))
-        return sum(p * s for p, s in zip(committed, seconds, strict=False))
+        return sum(p * self.absorb_seconds(n) for n, p in enumerate(committed, 1))
 
     @cached_property
     def _catch_ups(self) -> list[float]:
