@@ -76,6 +76,7 @@ SHAPES = [  # B, T, Hk, Hv, Dk, Dv
     (2, 5, 3, 6, 37, 19),  # a partial 16-lane vector, a partial row group
     (3, 4, 1, 3, 16, 5),
     (2, 9, 16, 16, 128, 128),  # Qwen3.5-0.8B's heads, the longest verify: on every thread
+    (1, 3, 1, 2, 260, 6),  # keys past the kernel's row buffer: the rows updated in place
 ]
 
 
