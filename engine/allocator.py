@@ -6,7 +6,7 @@ primitives per decode cycle, allocated on the calling thread and freed on either
 malloc spends ~14% of the calling thread's samples there; under jemalloc a plain decode step of
 the demo model takes ~0.78x the CPU time and a K=4 cycle ~0.76x, with token-identical output
 (the allocator touches no float), and glibc's tunables (arena count, tcache size, trim and mmap
-thresholds) did not close the gap (docs/BENCHMARKS.md, "CPU choices and what they measured").
+thresholds) did not close the gap (docs/CPU_CHOICES.md).
 
 An allocator is chosen when the process starts: memory glibc handed out cannot be freed by
 another malloc, and ``LD_PRELOAD`` is read by the dynamic loader only. So the console command
@@ -24,7 +24,7 @@ mlx arrays from malloc, lie in 2 MiB pages where the kernel leaves THP to ``madv
 and most distributions' default). Decoding streams every weight once a token; in 4 KiB pages
 that is a TLB miss every 4 KiB, and the hardware prefetcher stops at each page's end. Plain
 decoding at the Qwen3.5-0.8B shape runs ~17% faster in 4 bits and ~7% in bf16
-(docs/BENCHMARKS.md, "CPU choices"). With the system's malloc the weights stay in 4 KiB pages.
+(docs/CPU_CHOICES.md). With the system's malloc the weights stay in 4 KiB pages.
 """
 
 from __future__ import annotations

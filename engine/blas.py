@@ -10,7 +10,7 @@ sgemm pays for packing the whole weight matrix and for waking its threads on eve
 [2, 256] x [256, 768] product costs ~38 us with OpenBLAS (2 threads) and ~25 us with BLIS on one
 thread. Big products (prefill) want every core instead. BLIS takes its thread count at run time,
 so decoding runs on one thread and ``all_cores()`` widens it around long prefill chunks
-(docs/BENCHMARKS.md, "CPU choices and what they measured").
+(docs/CPU_CHOICES.md).
 
 Nothing happens on macOS (Accelerate). ``MTPSERVE_BLAS`` may name a library explicitly, or be
 ``none`` to keep the bundled one (for before/after measurements).

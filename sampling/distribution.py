@@ -282,8 +282,7 @@ def softmax(logits: mx.array) -> mx.array:
     On CPUs a row of ``WIDE_SOFTMAX`` or more (a vocabulary: most of a sampled row's
     truncation without top_k) takes its exponential from ``power(e, x)``, a third of mlx's CPU
     ``exp``; the four primitives that costs instead of one lose below ~2,000 columns, so
-    narrower rows and other devices use ``mx.softmax`` (docs/BENCHMARKS.md, "CPU choices and
-    what they measured")."""
+    narrower rows and other devices use ``mx.softmax`` (docs/CPU_CHOICES.md)."""
     if logits.shape[-1] < WIDE_SOFTMAX or mx.default_device().type != mx.DeviceType.cpu:
         return mx.softmax(logits, axis=-1, precise=True)
     weights = mx.power(math.e, logits - mx.max(logits, axis=-1, keepdims=True))

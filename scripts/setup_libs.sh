@@ -2,7 +2,7 @@
 # Linux: make sure a fast BLAS and jemalloc are present.
 # The mlx-cpu wheel links netlib's reference BLAS; mtpserve preloads BLIS (or, failing that,
 # OpenBLAS) in-process (engine/blas.py): fp32 matmuls ~20x faster, and BLIS beats OpenBLAS on
-# the small products of decoding (docs/BENCHMARKS.md, "CPU choices and what they measured").
+# the small products of decoding (docs/CPU_CHOICES.md).
 # jemalloc: the `mtpserve` command re-executes itself under it (engine/allocator.py), which cuts
 # the per-primitive cost of mlx's host bookkeeping (same heading).
 # Never fails the install: without these libraries mtpserve still runs, on the slow BLAS and

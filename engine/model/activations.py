@@ -4,7 +4,7 @@ mlx's CPU backend evaluates ``exp`` (and with it ``sigmoid``, ``silu`` and the c
 that fuse them) one element at a time with out-of-line ``fmaf`` calls, about 3x the cost of
 ``power(e, x)`` (glibc's ``powf``; within 1 ulp, where mlx's ``exp`` is off by up to ~7), and a
 decoder layer takes ~1,500 exponentials per position, so CPUs use ``power(e, x)``
-(docs/BENCHMARKS.md, "CPU choices and what they measured"). On GPUs ``exp`` is one instruction:
+(docs/CPU_CHOICES.md). On GPUs ``exp`` is one instruction:
 ``mx.exp`` there. Where the native kernel runs, the two largest users, an MLP's SwiGLU
 (``swiglu``) and a GDN layer's conv (``gated_deltanet.causal_conv_silu``), are its own ops
 with a 16-lane polynomial exp instead (~10x cheaper an element than powf).

@@ -135,8 +135,7 @@ def delta_rule_chunk(
 #: Positions per closed-form block of a prefill's recurrence on CPUs. Blocks end at multiples of
 #: it counted from position 0 (as prefill chunks do, and it divides them), so a prefill resumed
 #: at a chunk boundary — a conversation-cache block end — computes the floats a cold prefill of
-#: the same tokens computes. 64: of 16..128, the fastest here (docs/BENCHMARKS.md,
-#: "CPU choices and what they measured").
+#: the same tokens computes. 64: of 16..128, the fastest here (docs/CPU_CHOICES.md).
 PREFILL_GDN_BLOCK = 64
 
 

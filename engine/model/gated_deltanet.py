@@ -138,7 +138,7 @@ class BatchCommit:
         if all(keep == keeps[0] for keep in keeps):
             # every row kept as many positions (every plain cycle): the states there as one
             # row's, a slice of the windows and, after the last position, the pass's own final
-            # state (docs/BENCHMARKS.md, "CPU choices", "A batch's GDN states formed by slices")
+            # state (docs/CPU_CHOICES.md, "A batch's GDN states formed by slices")
             self.recurrent = self.capture.state_after(keeps[0])
             self.conv = self.window[:, keeps[0] : keeps[0] + width]
         else:

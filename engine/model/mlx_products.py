@@ -27,8 +27,7 @@ _TRANSPOSED = "_mtpserve_transposed"
 #: ``prepare_transposed``, each on its own mlx CPU stream, so that mlx's products (one stream's
 #: kernels run on one thread, and BLIS does not thread a product of few rows) read a large weight
 #: on every core; the columns are bit-identical, and smaller weights stay whole because their
-#: extra dispatches cost what the second core gives (docs/BENCHMARKS.md, "CPU choices and what
-#: they measured").
+#: extra dispatches cost what the second core gives (docs/CPU_CHOICES.md).
 SPLIT_WEIGHT_PARAMS = 3 << 20
 #: Products of more rows than this (prefill chunks) keep one BLAS call: BLIS threads those itself
 #: (``engine.blas.all_cores``).
@@ -46,7 +45,7 @@ MAX_PRODUCT_PARTS = 4
 #: size of the weight (or column part) in bytes: (most bytes, most rows), first match. Row by
 #: row reads the weight once per row, so it can pay only while the weight stays in cache, and
 #: whether it pays depends on the CPU and its BLAS, so ``rowwise_rows`` measures it at load
-#: (docs/BENCHMARKS.md, "CPU choices and what they measured"). Half-precision products were
+#: (docs/CPU_CHOICES.md). Half-precision products were
 #: slower row by row on every CPU measured: they keep one product unmeasured.
 ROWWISE_LIMITS = ((8 << 20, 16), (16 << 20, 8))
 #: A larger weight streams from memory, and whole it would be read once per row: it may run row
@@ -164,8 +163,7 @@ def rowwise_rows(operand: _Operand) -> int:
     """The most rows ``operand`` multiplies row by row on this machine: the largest of
     ``ROWWISE_TRIAL_ROWS`` (up to ``operand.most_rows``) at and below which row by row took at
     most ``ROWWISE_PAYS`` of one product's time; 1 (never) when it does not pay at 2 rows.
-    Measured once per weight shape and process, a small part of a load (docs/BENCHMARKS.md,
-    "CPU choices and what they measured")."""
+    Measured once per weight shape and process, a small part of a load (docs/CPU_CHOICES.md)."""
     view = operand.view
     key = (tuple(view.shape), view.dtype, bool(operand.blocks))
     if key not in _rowwise_rows:

@@ -476,7 +476,7 @@ class BatchDecoder:
         (a row's positions cost more in a batch than the one-row table's slope: an 8-row plain
         demo cycle 0.4 ms a row more). Without a table each K runs its own pass. At the 0.8B
         shape in bf16 two rows of K=1 and K=3 in one pass ran 1.21x the two passes; seven demo
-        rows of K=1 padded to a row of K=4 ran 0.72-0.75x (docs/BENCHMARKS.md, "CPU choices")."""
+        rows of K=1 padded to a row of K=4 ran 0.72-0.75x (docs/CPU_CHOICES.md)."""
         table = self._cost_table()
         if table is None or len(table.trunk) < 2:
             return list(groups.values())

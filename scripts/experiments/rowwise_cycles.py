@@ -6,8 +6,7 @@ and times the same cycles on both, interleaved cycle by cycle so that the machin
 falls on both alike: ``rows`` greedy sequences (1, 2, 4, 8) at K = 0, 2, 3, each a
 ``launch_cycles`` + ``read_cycles`` + commit, median of 60 over three fresh groups.
 ``engine.model.mlx_products.rowwise_rows`` makes this choice per weight shape at load; this script
-shows what the choice is worth on the whole cycle (docs/BENCHMARKS.md, "CPU choices and what
-they measured")::
+shows what the choice is worth on the whole cycle (docs/CPU_CHOICES.md)::
 
     python scripts/experiments/rowwise_cycles.py
 """

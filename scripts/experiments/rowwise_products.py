@@ -8,8 +8,7 @@ the best of three chains of products (evaluated together) per way:
   (``engine.model.mlx_products._times``), whose rows equal the one-row product bit for bit.
 
 Prints microseconds per product and the ratio row by row / one product (below 1: row by row
-is faster), the table behind ``engine.model.mlx_products.ROWWISE_LIMITS`` (docs/BENCHMARKS.md, "CPU
-choices and what they measured");
+is faster), the table behind ``engine.model.mlx_products.ROWWISE_LIMITS`` (docs/CPU_CHOICES.md);
 ``--blocks``: weights too large for the cache, row by row in row blocks of 4, 8 and 16 MiB
 (``ROWWISE_BLOCK_BYTES``)::
 

@@ -19,7 +19,7 @@
 // A tile product costs about the same for 1 to 16 rows, the float work per run grows with them:
 // every 8-bit projection of a Qwen3.5-0.8B-shaped token on a 2-core Xeon VM, taking turns with
 // the VNNI kernel in one process (scripts/experiments/amx_token.py), is level with it at 1-3
-// rows and faster from 4 (see docs/BENCHMARKS.md, "CPU choices"). 4-bit codes unpacked to bytes
+// rows and faster from 4 (see docs/CPU_CHOICES.md). 4-bit codes unpacked to bytes
 // for the tiles cost a product of 1-5 rows 1.2-1.6x the VNNI kernel's, so 4-bit weights stay on
 // it while decoding; a prompt's products (ProductArgs::prompt: a prefill chunk, up to 128 rows)
 // take the tiles for every row count, each 16-row weight tile unpacked once for all of them,
