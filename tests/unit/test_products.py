@@ -395,20 +395,20 @@ def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> No
     packed4b = mx.quantize(mx.array(_random((32, 128), 27)), group_size=64, bits=4)
     packed8b = mx.quantize(mx.array(_random((24, 128), 28)), group_size=32, bits=8)
     weights = [
-        (mx.array(_random((1000, 128), 24)), None, None, 0, 0),
-        (mx.array(_random((3, 128), 25)).astype(mx.bfloat16), None, None, 0, 0),
-        (*packed4, 4, 64),
-        (mx.array(_random((16, 128), 26)).astype(mx.float16), None, None, 0, 0),
-        (*packed8, 8, 32),
-        (*packed4b, 4, 64),
-        (*packed8b, 8, 32),
+        (mx.array(_random((1000, 128), 24)), None, None, 0, 0, False),
+        (mx.array(_random((3, 128), 25)).astype(mx.bfloat16), None, None, 0, 0, False),
+        (*packed4, 4, 64, False),
+        (mx.array(_random((16, 128), 26)).astype(mx.float16), None, None, 0, 0, False),
+        (*packed8, 8, 32, False),
+        (*packed4b, 4, 64, False),
+        (*packed8b, 8, 32, False),
     ]
     before = native.threads()
     try:
         for threads, prompt in ((1, False), (2, False), (3, False), (2, True)):
             native.set_threads(threads)
             together = native.products(x, weights, prompt=prompt)
-            for out, (w, scales, biases, bits, group) in zip(together, weights, strict=True):
+            for out, (w, scales, biases, bits, group, _) in zip(together, weights, strict=True):
                 alone = native.product(
                     x, w, scales, biases, bits=bits, group_size=group, prompt=prompt
                 )
@@ -419,7 +419,7 @@ def test_several_weights_in_one_op_are_each_weight_s_own_product(isa: str) -> No
     with pytest.raises(ValueError):
         native.products(x, [])
     with pytest.raises(ValueError):
-        native.products(x, [(mx.zeros((4, 127)), None, None, 0, 0)])
+        native.products(x, [(mx.zeros((4, 127)), None, None, 0, 0, False)])
 
     class Sharded(nn.Linear):  # another type (a tensor-parallel layer): its own product
         pass
@@ -448,8 +448,8 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
     norm_weight = (mx.array(_random((200,), 32)) * 0.1 + 1).astype(mx.bfloat16)
     packed = mx.quantize(mx.array(_random((64, 256), 33)), group_size=64, bits=4)
     weights = [
-        (mx.array(_random((300, 200), 34)), None, None, 0, 0),
-        (mx.array(_random((16, 200), 35)).astype(mx.bfloat16), None, None, 0, 0),
+        (mx.array(_random((300, 200), 34)), None, None, 0, 0, False),
+        (mx.array(_random((16, 200), 35)).astype(mx.bfloat16), None, None, 0, 0, False),
     ]
     residual = mx.array(_random((2, 3, 300), 36))
     normed = rms_norm(x, norm_weight, 1e-6)
@@ -470,7 +470,7 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
             want = native.product(native.swiglu(x, up), weights[0][0]) + residual
             assert np.array_equal(np.array(down), np.array(want)), threads
             x4 = mx.array(_random((2, 3, 256), 37))
-            [added] = native.products(x4, [(*packed, 4, 64)], residual=residual[..., :64])
+            [added] = native.products(x4, [(*packed, 4, 64, False)], residual=residual[..., :64])
             want = native.product(x4, *packed, bits=4, group_size=64) + residual[..., :64]
             assert np.array_equal(np.array(added), np.array(want)), threads
     finally:

@@ -494,9 +494,10 @@ mx::array product(
   return products_of(x, std::move(inputs), std::move(specs), extras)[0];
 }
 
-// A weight as Python hands it to `products`: (w, scales, biases, bits, group_size[,
-// interleaved]).
-using WeightArgs = nb::tuple;
+// A weight as Python hands it to `products`: (w, scales, biases, bits, group_size,
+// interleaved).
+using WeightArgs =
+    std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, int, int, bool>;
 
 std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs>& weights,
                                 const std::optional<mx::array>& norm_weight, float eps,
@@ -511,17 +512,8 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   const int64_t in = x.shape(-1) + (joined ? joined->shape(-1) : 0);
   std::vector<mx::array> inputs{x};
   std::vector<WeightSpec> specs;
-  for (const auto& weight : weights) {
-    if (weight.size() != 5 && weight.size() != 6)
-      throw std::invalid_argument(
-          "products: a weight is (w, scales, biases, bits, group_size[, interleaved])");
-    const auto optional = [&](size_t i) {
-      return weight[i].is_none() ? std::optional<mx::array>{} : nb::cast<mx::array>(weight[i]);
-    };
-    specs.push_back(add_weight(inputs, in, nb::cast<mx::array>(weight[0]), optional(1),
-                               optional(2), nb::cast<int>(weight[3]), nb::cast<int>(weight[4]),
-                               weight.size() == 6 && nb::cast<bool>(weight[5])));
-  }
+  for (const auto& [w, scales, biases, bits, group, interleaved] : weights)
+    specs.push_back(add_weight(inputs, in, w, scales, biases, bits, group, interleaved));
   ProductExtras extras;
   extras.prompt = prompt;
   if (norm_weight) {
@@ -534,7 +526,7 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
   }
   if (residual) {
     mx::Shape shape = x.shape();
-    shape.back() = nb::cast<mx::array>(weights[0][0]).shape(0);
+    shape.back() = std::get<0>(weights[0]).shape(0);
     if (weights.size() != 1 || x.dtype() != mx::float32 || residual->dtype() != mx::float32 ||
         residual->shape() != shape)
       throw std::invalid_argument("products: a residual needs one weight, float32 x and a "
@@ -675,7 +667,8 @@ NB_MODULE(_products, m) {
       "joined_eps"_a = 0.0f,
       "prompt"_a = false,
       "[x @ w.T for each weight] in one op: each weight a tuple (w, scales, biases, bits, "
-      "group_size) as `product` takes them (None, None, 0, 0 for a float weight); the outputs "
+      "group_size, interleaved) as `product` takes them (None, None, 0, 0, False for a float "
+      "weight); the outputs "
       "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "
       "norm_weight, eps) does; with up, the input is swiglu(x, up); with joined (and its norm), "
       "the input is [rms_norm(x) | rms_norm(joined)] along the last axis; with residual (one "
