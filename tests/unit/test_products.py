@@ -150,6 +150,43 @@ def test_interleaved_codes_against_float64(isa: str, bits: int, group: int) -> N
             _close(got, x.astype(np.float64) @ dequantized.T, 2e-2)
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16", "8", "4", "8-interleaved", "4-interleaved"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_a_half_output_is_the_fp32_output_rounded_as_mlx_rounds(
+    isa: str, kind: str, dtype: mx.Dtype
+) -> None:
+    """x in bf16 or fp16 gives y in its type: the fp32 product of the same x, rounded to nearest
+    even as mlx's astype rounds, bit for bit, whichever way a path stores it (a vector at a time
+    or element by element); a row whose activation holds an inf stays inf or NaN (a NaN's
+    payload the kernel's own). Rows 1, 3 and 5 and
+    columns that leave part of a tile over take each store."""
+    inner, out = 192, 77 if "interleaved" not in kind else 96
+    w = mx.array(_random((out, inner), 41))
+    if kind in ("f32", "bf16"):
+        weight: tuple = (w.astype(mx.bfloat16) if kind == "bf16" else w,)
+        options: dict = {}
+    else:
+        bits = int(kind[0])
+        weight = tuple(mx.quantize(w, group_size=64, bits=bits))
+        options = {"bits": bits, "group_size": 64}
+        if kind.endswith("interleaved"):
+            weight = products.interleave(*weight)
+            options["interleaved"] = True
+    for rows in (1, 3, 5):
+        x = mx.array(_random((rows, inner), rows + 40) * 3).astype(dtype)
+        if rows == 5:
+            x[3, 7] = mx.inf
+        typed = native.product(x, *weight, **options)
+        wide = native.product(x.astype(mx.float32), *weight, **options)
+        assert typed.dtype == dtype
+        got, want = np.array(typed.view(mx.uint16)), np.array(wide.astype(dtype).view(mx.uint16))
+        finite = np.isfinite(np.array(wide))
+        assert finite[:3].all() and finite[4:].all() and (rows < 5 or not finite[3].any())
+        nan = np.isnan(np.array(wide))  # NaN's payload is the kernel's own
+        assert np.isnan(np.array(typed.astype(mx.float32)))[nan].all()
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 @pytest.mark.parametrize("bits", [4, 8, "4-interleaved", "8-interleaved"])
 @pytest.mark.parametrize("rows", [3, 6, 20])
 def test_the_integer_path_keeps_a_row_s_non_finite_activation_to_that_row(
