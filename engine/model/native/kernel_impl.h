@@ -576,7 +576,9 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // conversion, the two scales' product and the multiply-add: code_tile), these one and 3/8: on
 // one core of an AMD EPYC (Zen 4) 2.5x the multiply-adds a second at 2-5 rows, weights in
 // cache (scripts/experiments/interleaved_codes.cpp). The same operations per output whatever
-// RN or the thread: row t's outputs are its one-row product's, bit for bit.
+// RN or the thread: row t's outputs are its one-row product's, bit for bit. A tile's codes are
+// one sequential stream, left to the hardware prefetcher: software prefetches into L1 and L2
+// made a 0.8B step 7-9% (8-bit) and 6-13% (4-bit) slower at 1-5 rows (docs/CPU_CHOICES.md).
 template <class V, int Bits, int RN>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const float* gs, int64_t gss,
@@ -600,10 +602,6 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
       const int64_t word = run * words_a_run + w;
       ireg v[N];
       const uint32_t* p = codes + word * kInterleave;
-      if (w == 0) {  // four runs on into L1 and 4 KiB on into L2 (8-bit T=1-2: ~2% faster)
-        __builtin_prefetch(p + 4 * kInterleave * words_a_run, 0, 3);
-        __builtin_prefetch(p + 1024, 0, 2);
-      }
       for (int n = 0; n < N; ++n) v[n] = V::bytes(p + n * V::W);
       if constexpr (Bits == 8) {
         for (int r = 0; r < RN; ++r) {
