@@ -37,6 +37,9 @@ void widen_rows(const mx::array& x, int64_t rows, int64_t in, int64_t stride, fl
     const int64_t step = strides[nd - 1];
     if (type == Real::f32 && step == 1) {
       std::memcpy(row, base + offset * item, in * sizeof(float));
+    } else if (type == Real::bf16 && step == 1) {  // the type chosen once a row, not an element
+      const auto* p = reinterpret_cast<const uint16_t*>(base + offset * item);
+      for (int64_t k = 0; k < in; ++k) row[k] = bf16_to_float(p[k]);
     } else {
       const char* p = base + offset * item;
       for (int64_t k = 0; k < in; ++k) row[k] = real_at(p, type, k * step);

@@ -64,12 +64,13 @@ struct Avx512 {
   // vcvtneps2bf16 would flush denormals
   static void store_bf16(uint16_t* p, reg v) {
     const __m512i u = _mm512_castps_si512(v);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
   }
   static reg load_bf16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

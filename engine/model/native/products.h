@@ -155,9 +155,30 @@ constexpr int kActivationRun = 32;
 // the file's instruction set allows): element by element, a 4-bit 0.8B token of one row took
 // ~5% longer. Adding and subtracting 1.5 * 2^23
 // rounds a float below 2^22 to the nearest integer, ties to even (nearbyint's bits).
+typedef int32_t quantize_ints __attribute__((vector_size(64)));
+// lane by lane the larger of a and b (masks and selects, not ?:, which not every compiler takes)
+// lane i of v moved to lane i ^ K (K = 8, 4, 2)
+template <int K>
+static inline quantize_ints lanes_xor(quantize_ints v) {
+#if defined(__clang__) || __GNUC__ >= 12
+  if constexpr (K == 8)
+    return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  else if constexpr (K == 4)
+    return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  else
+    return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#else  // GCC before 12
+  const quantize_ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return __builtin_shuffle(v, lane ^ K);
+#endif
+}
+static inline quantize_ints larger_of(quantize_ints a, quantize_ints b) {
+  const quantize_ints first = a > b;
+  return (a & first) | (b & ~first);
+}
 static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
   typedef float floats __attribute__((vector_size(64)));
-  typedef int32_t ints __attribute__((vector_size(64)));
+  typedef quantize_ints ints;
   typedef int8_t bytes __attribute__((vector_size(16)));
   static_assert(kActivationRun == 32, "a run is two 16-lane vectors");
   floats v[2];
@@ -166,14 +187,18 @@ static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
   // magnitudes order as their bits do
   const ints m0 = (ints)v[0] & 0x7fffffff, m1 = (ints)v[1] & 0x7fffffff;
   const ints finite_lanes = (m0 < 0x7f800000) & (m1 < 0x7f800000);
-  const ints first = m0 > m1;  // masks and selects, not ?: (which not every compiler takes)
-  const ints larger = (m0 & first) | (m1 & ~first);
-  bool finite = true;
-  int32_t amax_bits = 0;
-  for (int i = 0; i < 16; ++i) {
-    finite = finite && finite_lanes[i];
-    amax_bits = std::max(amax_bits, larger[i]);
-  }
+  // the largest magnitude and whether every lane is finite, halving the lanes each step (the
+  // maximum is exact in any order; lane by lane it took ~200 cycles a run with the sum below)
+  ints larger = larger_of(m0, m1);
+  ints all_finite = finite_lanes;
+  larger = larger_of(larger, lanes_xor<8>(larger));
+  all_finite &= lanes_xor<8>(all_finite);
+  larger = larger_of(larger, lanes_xor<4>(larger));
+  all_finite &= lanes_xor<4>(all_finite);
+  larger = larger_of(larger, lanes_xor<2>(larger));
+  all_finite &= lanes_xor<2>(all_finite);
+  const int32_t amax_bits = std::max(larger[0], larger[1]);
+  const bool finite = all_finite[0] && all_finite[1];
   if (!finite) {
     __builtin_memset(q, 0, kActivationRun);
     return std::nanf("");
@@ -192,7 +217,11 @@ static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
     __builtin_memcpy(q + 16 * h, &narrow, 16);
     total += codes;
   }
-  for (int i = 0; i < 16; ++i) sum += total[i];
+  // integer sums: exact in any order
+  total += lanes_xor<8>(total);
+  total += lanes_xor<4>(total);
+  total += lanes_xor<2>(total);
+  sum += total[0] + total[1];
   return amax / 127.0f;
 }
 
