@@ -160,17 +160,12 @@ typedef int32_t quantize_ints __attribute__((vector_size(64)));
 // lane i of v moved to lane i ^ K (K = 8, 4, 2)
 template <int K>
 static inline quantize_ints lanes_xor(quantize_ints v) {
-#if defined(__clang__) || __GNUC__ >= 12
   if constexpr (K == 8)
     return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   else if constexpr (K == 4)
     return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   else
     return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-#else  // GCC before 12
-  const quantize_ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return __builtin_shuffle(v, lane ^ K);
-#endif
 }
 static inline quantize_ints larger_of(quantize_ints a, quantize_ints b) {
   const quantize_ints first = a > b;
