@@ -154,16 +154,22 @@ def test_rows_left_in_a_stack_go_on_bit_for_bit() -> None:
         assert mx.array_equal(caches[b].keys[..., :width, :], alone[b].keys[..., :width, :]).item()
 
 
-def test_a_query_attends_bit_for_bit_alone_and_among_a_verify_s_positions() -> None:
+@pytest.mark.parametrize(("q_heads", "t"), [(4, 2), (4, 5), (8, 1), (8, 2), (8, 5)])
+def test_a_query_attends_bit_for_bit_alone_and_among_a_verify_s_positions(
+    q_heads: int, t: int
+) -> None:
     """On the native kernel a verify's position attends exactly as the plain step of that
-    position (its own keys alone, in key order), whatever padding follows the cache."""
+    position (its own keys alone, in key order), whatever padding follows the cache: each
+    way the kernel groups a KV head's queries (one at a time, four over a value row at a time,
+    fours over blocks of keys, scores of four keys at once) sums the same products in the same
+    order."""
     from engine.model import products
 
     native = products.native_for(mx.zeros(1))
     if native is None:
         pytest.skip("the native kernel is not built")
-    t, length = 5, 300
-    queries, _, _ = _step(2, t, 11)
+    length = 300
+    queries = mx.random.normal((2, q_heads, t, DIM), key=mx.random.key(11)) * DIM**-0.5
     keys = mx.random.normal((2, KV_HEADS, 2 * KV_BLOCK, DIM), key=mx.random.key(12))
     values = mx.random.normal((2, KV_HEADS, 2 * KV_BLOCK, DIM), key=mx.random.key(13))
     ends = mx.array([length, length - 40], dtype=mx.int32)

@@ -7,9 +7,10 @@
 // Query t of row b sees keys [0, ends[b] - T + t] of its cache; everything a query computes
 // runs over those keys alone, in key order: its scores (norms.h's lane dot products over the
 // head dimension), their maximum, the exponentials and their sum (16 lanes by key index, then
-// a fixed tree), the weighted sum of the values (each dimension its own sum in key order). So a query's output does not depend on the keys past its own (a cache's padding), on
-// the other queries of the op (a verify's positions against T plain steps) or on the other
-// rows (a batch against each row alone): bit for bit.
+// a fixed tree), the weighted sum of the values (each dimension its own sum in key order). So
+// a query's output does not depend on the keys past its own (a cache's padding), on the other
+// queries of the op (a verify's positions against T plain steps) or on the other rows (a batch
+// against each row alone): bit for bit.
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
@@ -78,6 +79,32 @@ __attribute__((always_inline)) inline void weigh4(const float* p, int64_t width,
     for (int c = 0; c < 2; ++c) std::memcpy(out + r * dim + d0 + c * kLanes, &acc[r][c], 64);
 }
 
+// out_i += p_ij v_j for j in [first, last) of four queries over every dimension, key by key:
+// each value row read once, whole, in the order memory lies, the sums in `out` (L1) rather
+// than in registers. Each sum in key order, as the other loops. The first four queries of a
+// KV head take their values this way: the values come from memory, and weigh4's strips of a
+// few lines from every row of a block kept a 0.8B head's values (6,000 positions, out of every
+// cache) at ~8 GB/s a thread.
+__attribute__((always_inline)) inline void weigh4_rows(const float* p, int64_t width,
+                                                       const Strided& values, int64_t row,
+                                                       int64_t kv_head, int64_t first,
+                                                       int64_t last, float* out, int64_t dim) {
+  for (int64_t j = first; j < last; ++j) {
+    const float* v = values.at(row, kv_head, j);
+    for (int r = 0; r < 4; ++r) {
+      const float pr = p[r * width + j];
+      float* o = out + r * dim;
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        ExpLanes acc, vd;
+        std::memcpy(&acc, o + d, 64);
+        std::memcpy(&vd, v + d, 64);
+        acc = acc + pr * vd;
+        std::memcpy(o + d, &acc, 64);
+      }
+    }
+  }
+}
+
 // o += p_j v_j for j in [first, last) of one query, each dimension's sum in key order.
 __attribute__((always_inline)) inline void weigh1(const float* p, const Strided& values,
                                                   int64_t row, int64_t kv_head, int64_t first,
@@ -85,6 +112,29 @@ __attribute__((always_inline)) inline void weigh1(const float* p, const Strided&
   for (int64_t j = first; j < last; ++j) {
     const float* v = values.at(row, kv_head, j);
     for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
+  }
+}
+
+// s[c][r] = rows[r] . keys[c] for 4 queries and 4 keys, each bit for bit dots<4>(rows, keys[c])
+// (the same lanes summed in the same order, the same tree): a key's four scores one at a time
+// reloaded the four queries for every key and waited on the loads and on a shuffle tree a key
+__attribute__((always_inline)) inline void dots4x4(const float* const* rows,
+                                                   const float* const* keys, int64_t n,
+                                                   float (*s)[4]) {
+  Lanes acc[4][4] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Lanes qv[4];
+    for (int r = 0; r < 4; ++r) qv[r] = load(rows[r] + j);
+    for (int c = 0; c < 4; ++c) {
+      const Lanes kv = load(keys[c] + j);
+      for (int r = 0; r < 4; ++r) acc[c][r] += qv[r] * kv;
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    for (int r = 0; r < 4; ++r)
+      for (int l = 0; j + l < n; ++l) acc[c][r][l] += rows[r][j + l] * keys[c][j + l];
+    reduce_rows<4>(acc[c], s[c]);
   }
 }
 
@@ -103,16 +153,34 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
   scores.resize(count * width);
   std::fill(out, out + count * dim, 0.0f);
   const int64_t fours = count / 4 * 4;  // queries taken four at a time
+  // and keys four at a time where several fours of queries read them (a verify's positions, a
+  // prompt's): four keys' rows side by side slowed a decode step's four queries, whose scores
+  // wait on reading the cache, over 8,000 positions from 1.3-1.8 to 2.2-2.4 ms
+  const int64_t key_fours = fours >= 8 ? most / 4 * 4 : 0;
   for (int64_t j = 0; j < most; ++j) {
     const float* k = keys.at(row, kv_head, j);
     int64_t i = 0;
-    for (; i < fours; i += 4) {  // a score past a query's limit is never read
-      const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim, q + (i + 3) * dim};
-      float s[4];
-      dots<4>(rows, k, dim, s);
-      for (int r = 0; r < 4; ++r) scores[(i + r) * width + j] = s[r];
+    if (j < key_fours && j % 4 == 0) {  // a score past a query's limit is never read
+      const float* k4[4] = {k, keys.at(row, kv_head, j + 1), keys.at(row, kv_head, j + 2),
+                            keys.at(row, kv_head, j + 3)};
+      for (; i < fours; i += 4) {
+        const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim,
+                                q + (i + 3) * dim};
+        float s[4][4];
+        dots4x4(rows, k4, dim, s);
+        for (int c = 0; c < 4; ++c)
+          for (int r = 0; r < 4; ++r) scores[(i + r) * width + j + c] = s[c][r];
+      }
+    } else if (j >= key_fours) {
+      for (; i < fours; i += 4) {
+        const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim,
+                                q + (i + 3) * dim};
+        float s[4];
+        dots<4>(rows, k, dim, s);
+        for (int r = 0; r < 4; ++r) scores[(i + r) * width + j] = s[r];
+      }
     }
-    for (; i < count; ++i)
+    for (i = fours; i < count; ++i)
       if (j < limits[i]) scores[i * width + j] = lane_dot(q + i * dim, k, dim);
   }
   for (int64_t i = 0; i < count; ++i) {
@@ -134,22 +202,37 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
     const float inverse = 1.0f / reduce(sums);
     for (int64_t j = 0; j < limit; ++j) s[j] = s[j] * inverse;
   }
-  // the values: four queries' sums over the keys they all see, block by block, in registers;
-  // then each query's own last keys (a verify's later positions see a few more) and the
-  // queries left over, one at a time, continuing the same sums in key order
+  // the values: four queries' sums over the keys they all see. The first four take each value
+  // row whole, key by key, from memory (weigh4_rows); the others (a verify's positions, a
+  // prompt's) keep their sums in registers over the same block of keys, now in cache, before
+  // the next block (one pass of every four over all the keys streamed a verify's values five
+  // times). Then each query's own last keys (a verify's later positions see a few more) and
+  // the queries left over, one at a time, continuing the same sums in key order.
   int64_t i = 0;
   if (dim % kDimBlock == 0) {
-    for (; i < fours; i += 4) {
-      int64_t common = limits[i];
-      for (int r = 1; r < 4; ++r) common = std::min(common, limits[i + r]);
-      for (int64_t j0 = 0; j0 < common; j0 += kKeyBlock)
-        for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock)
-          weigh4(scores.data() + i * width, width, values, row, kv_head, j0,
-                 std::min(common, j0 + kKeyBlock), d0, out + i * dim, dim);
-      for (int r = 0; r < 4; ++r)
-        weigh1(scores.data() + (i + r) * width, values, row, kv_head, std::max<int64_t>(common, 0),
-               limits[i + r], out + (i + r) * dim, dim);
+    thread_local std::vector<int64_t> common;
+    common.resize(fours / 4);
+    int64_t widest = 0;
+    for (int64_t f = 0; f < fours; f += 4) {
+      common[f / 4] = std::min({limits[f], limits[f + 1], limits[f + 2], limits[f + 3]});
+      widest = std::max(widest, common[f / 4]);
     }
+    for (int64_t j0 = 0; j0 < widest; j0 += kKeyBlock)
+      for (int64_t f = 0; f < fours; f += 4) {
+        const int64_t last = std::min(common[f / 4], j0 + kKeyBlock);
+        if (j0 >= last) continue;
+        if (f == 0) {
+          weigh4_rows(scores.data(), width, values, row, kv_head, j0, last, out, dim);
+          continue;
+        }
+        for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock)
+          weigh4(scores.data() + f * width, width, values, row, kv_head, j0, last, d0,
+                 out + f * dim, dim);
+      }
+    for (; i < fours; i += 4)
+      for (int r = 0; r < 4; ++r)
+        weigh1(scores.data() + (i + r) * width, values, row, kv_head,
+               std::max<int64_t>(common[i / 4], 0), limits[i + r], out + (i + r) * dim, dim);
   }
   for (; i < count; ++i)
     weigh1(scores.data() + i * width, values, row, kv_head, 0, limits[i], out + i * dim, dim);
