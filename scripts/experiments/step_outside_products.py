@@ -11,6 +11,11 @@ over a plain step)::
     python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B --positions 5 --keep 1
     python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B \
         --positions 1,2,3,4,5 --products --iterations 20
+    python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B-mlx-8bit \
+        --positions 1,5 --products --iterations 10 --context 4000
+
+``--context`` first fills the cache with that many positions (a prompt's chunks of 128); every
+iteration then adds the positions it keeps.
 
 Run it under ``perf record -g`` to see where those milliseconds go.
 """
@@ -47,6 +52,9 @@ def main() -> int:
     parser.add_argument("--keep", type=int, help="positions each commit keeps (default: all)")
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--products", action="store_true", help="keep the real products")
+    parser.add_argument(
+        "--context", type=int, default=0, help="positions in the cache before the first step"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.positions.split(",")]
 
@@ -72,8 +80,13 @@ def main() -> int:
 
         products._on_kernel, products.multiply = zeros_of, zeros_times
         products._on_kernel_together = zeros_together
-    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max(counts))]
+    ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max(counts + [args.context]))]
     seq = engine.new_sequence(ids[:1], SamplingParams(temperature=0.0), draft=True)
+    for start in range(0, args.context, 128):  # the cache a long conversation has
+        chunk = ids[start : min(args.context, start + 128)]
+        hidden = trunk_hidden(engine.trunk, mx.array([chunk]), seq.trunk_cache, capture=True)
+        mx.eval(hidden, seq.trunk_cache.arrays())
+        seq.trunk_cache.commit(len(chunk), len(chunk))
 
     def forward(n: int) -> float:
         # a commit that keeps fewer positions replays the states lazily, inside the next forward
