@@ -5,73 +5,101 @@
 // arithmetic hides behind the memory stream, and whether prefetching helps it to.
 //
 //   g++ -O3 -march=native -pthread scripts/experiments/stream_overlap.cpp -o /tmp/so && /tmp/so
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <pthread.h>
 #include <immintrin.h>
-static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
-#define RUNW 8
-static size_t NW; // words per thread
-static __m512i* buf;
-static int xs[5][1<<16] __attribute__((aligned(64)));
-static float xsc[5][1<<13];
-static float sc[16];
-static int T=5, PF0=2048, PF1=4096, MODE=1;
+#include <pthread.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+constexpr int kRunWords = 8;        // 64-byte words of codes a run of 32 activation codes takes
+constexpr size_t kTileWords = 256;  // a tile over 1,024 codes: where the activation restarts
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Setting {
+  const char* name;
+  bool read_only;
+  int rows;      // 1 or 5
+  int ahead_l1;  // bytes ahead prefetched into L1 (0: none)
+  int ahead_l2;  // and into L2
+};
+
+static size_t words_a_thread;
+static __m512i* codes;
+static int activation[5][kTileWords] __attribute__((aligned(64)));
+static float activation_scale[5][kTileWords / kRunWords];
+static float weight_scale[16];
+static Setting setting;
 static volatile float sink[2];
-typedef struct { int id; } arg_t;
-static void* work(void* p){
-  int id=((arg_t*)p)->id;
-  const __m512i* w=buf+id*NW;
-  __m512 c[5]; for(int r=0;r<5;r++) c[r]=_mm512_setzero_ps();
-  __m512 s=_mm512_loadu_ps(sc);
-  if(MODE==0){ // pure read
-    __m512i acc=_mm512_setzero_si512();
-    for(size_t i=0;i<NW;i++) acc=_mm512_add_epi32(acc,_mm512_loadu_si512(w+i));
-    sink[id]=_mm512_reduce_add_epi32(acc); return 0;
+
+static void* stream(void* arg) {
+  const int id = *static_cast<int*>(arg);
+  const __m512i* w = codes + id * words_a_thread;
+  if (setting.read_only) {
+    __m512i sum = _mm512_setzero_si512();
+    for (size_t i = 0; i < words_a_thread; ++i)
+      sum = _mm512_add_epi32(sum, _mm512_loadu_si512(w + i));
+    sink[id] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+    return nullptr;
   }
-  size_t tilew=256; // words per tile (in=1024)
-  for(size_t run=0; run<NW/RUNW; run++){
-    const __m512i* p=w+run*RUNW;
-    if(PF0) __builtin_prefetch((const char*)p+PF0,0,3);
-    if(PF1) __builtin_prefetch((const char*)p+PF1,0,2);
-    size_t xw=(run*RUNW)%tilew;
-    if(T==5){
-      __m512i a0=_mm512_setzero_si512(),a1=a0,a2=a0,a3=a0,a4=a0;
-      for(int k=0;k<RUNW;k++){ __m512i v=_mm512_loadu_si512(p+k); size_t x=xw+k;
-        a0=_mm512_dpbusd_epi32(a0,v,_mm512_set1_epi32(xs[0][x]));
-        a1=_mm512_dpbusd_epi32(a1,v,_mm512_set1_epi32(xs[1][x]));
-        a2=_mm512_dpbusd_epi32(a2,v,_mm512_set1_epi32(xs[2][x]));
-        a3=_mm512_dpbusd_epi32(a3,v,_mm512_set1_epi32(xs[3][x]));
-        a4=_mm512_dpbusd_epi32(a4,v,_mm512_set1_epi32(xs[4][x]));
-      }
-      size_t g=xw/RUNW;
-      c[0]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),_mm512_mul_ps(s,_mm512_set1_ps(xsc[0][g])),c[0]);
-      c[1]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),_mm512_mul_ps(s,_mm512_set1_ps(xsc[1][g])),c[1]);
-      c[2]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a2),_mm512_mul_ps(s,_mm512_set1_ps(xsc[2][g])),c[2]);
-      c[3]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a3),_mm512_mul_ps(s,_mm512_set1_ps(xsc[3][g])),c[3]);
-      c[4]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a4),_mm512_mul_ps(s,_mm512_set1_ps(xsc[4][g])),c[4]);
-    } else {
-      __m512i a0=_mm512_setzero_si512();
-      for(int k=0;k<RUNW;k++){ __m512i v=_mm512_loadu_si512(p+k); a0=_mm512_dpbusd_epi32(a0,v,_mm512_set1_epi32(xs[0][xw+k])); }
-      size_t g=xw/RUNW;
-      c[0]=_mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),_mm512_mul_ps(s,_mm512_set1_ps(xsc[0][g])),c[0]);
+  const __m512 scale = _mm512_loadu_ps(weight_scale);
+  __m512 c[5];
+  for (auto& v : c) v = _mm512_setzero_ps();
+  for (size_t run = 0; run < words_a_thread / kRunWords; ++run) {
+    const __m512i* p = w + run * kRunWords;
+    const char* at = reinterpret_cast<const char*>(p);
+    if (setting.ahead_l1) __builtin_prefetch(at + setting.ahead_l1, 0, 3);
+    if (setting.ahead_l2) __builtin_prefetch(at + setting.ahead_l2, 0, 2);
+    const size_t first = run * kRunWords % kTileWords;
+    __m512i d[5];
+    for (auto& v : d) v = _mm512_setzero_si512();
+    for (int k = 0; k < kRunWords; ++k) {
+      const __m512i v = _mm512_loadu_si512(p + k);
+      for (int r = 0; r < setting.rows; ++r)
+        d[r] = _mm512_dpbusd_epi32(d[r], v, _mm512_set1_epi32(activation[r][first + k]));
+    }
+    for (int r = 0; r < setting.rows; ++r) {
+      const __m512 run_scale = _mm512_set1_ps(activation_scale[r][first / kRunWords]);
+      c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), _mm512_mul_ps(scale, run_scale), c[r]);
     }
   }
-  float t=0; for(int r=0;r<5;r++) t+=_mm512_reduce_add_ps(c[r]); sink[id]=t; return 0;
+  float total = 0;
+  for (const auto& v : c) total += _mm512_reduce_add_ps(v);
+  sink[id] = total;
+  return nullptr;
 }
-int main(int argc,char**argv){
-  size_t bytes=(size_t)800<<20; NW=bytes/64/2;
-  buf=static_cast<__m512i*>(aligned_alloc(64,bytes)); memset(buf,1,bytes);
-  for(int i=0;i<16;i++) sc[i]=0.01f*i;
-  for(int r=0;r<5;r++){ for(int i=0;i<(1<<16);i++) xs[r][i]=i*r; for(int i=0;i<(1<<13);i++) xsc[r][i]=1.0f/(i+1);}
-  const char* cfgs[]={"read","T1 pf2k/4k","T5 pf2k/4k","T5 nopf","T5 pf0 4k only","T5 pf 4k/8k","T5 pf 8k/16k","T1 nopf", "T5 pf0 1k, pf1 4k"};
-  int cf[][4]={{0,1,0,0},{1,1,2048,4096},{1,5,2048,4096},{1,5,0,0},{1,5,4096,0},{1,5,4096,8192},{1,5,8192,16384},{1,1,0,0},{1,5,1024,4096}};
-  for(int rep=0;rep<3;rep++) for(int c=0;c<9;c++){
-    MODE=cf[c][0];T=cf[c][1];PF0=cf[c][2];PF1=cf[c][3];
-    pthread_t th[2]; arg_t a[2]={{0},{1}};
-    double t0=now(); for(int i=0;i<2;i++) pthread_create(&th[i],0,work,&a[i]); for(int i=0;i<2;i++) pthread_join(th[i],0); double t1=now();
-    printf("%-20s %.2f ms  %.1f GB/s\n", cfgs[c], (t1-t0)*1e3, bytes/(t1-t0)/1e9);
+
+int main() {
+  const size_t bytes = size_t{800} << 20;
+  words_a_thread = bytes / 64 / 2;
+  codes = static_cast<__m512i*>(aligned_alloc(64, bytes));
+  std::memset(codes, 1, bytes);
+  for (int i = 0; i < 16; ++i) weight_scale[i] = 0.01f * i;
+  for (int r = 0; r < 5; ++r) {
+    for (size_t i = 0; i < kTileWords; ++i) activation[r][i] = static_cast<int>(i) * r;
+    for (size_t i = 0; i < kTileWords / kRunWords; ++i) activation_scale[r][i] = 1.0f / (i + 1);
   }
+  const Setting settings[] = {
+      {"read", true, 1, 0, 0},         {"1 row, L1 2K L2 4K", false, 1, 2048, 4096},
+      {"1 row, none", false, 1, 0, 0}, {"5 rows, L1 2K L2 4K", false, 5, 2048, 4096},
+      {"5 rows, none", false, 5, 0, 0}, {"5 rows, L1 4K", false, 5, 4096, 0},
+      {"5 rows, L1 4K L2 8K", false, 5, 4096, 8192},
+      {"5 rows, L1 8K L2 16K", false, 5, 8192, 16384},
+      {"5 rows, L1 1K L2 4K", false, 5, 1024, 4096},
+  };
+  for (int round = 0; round < 3; ++round)
+    for (const Setting& s : settings) {
+      setting = s;
+      pthread_t threads[2];
+      int ids[2] = {0, 1};
+      const double start = now();
+      for (int i = 0; i < 2; ++i) pthread_create(&threads[i], nullptr, stream, &ids[i]);
+      for (auto& t : threads) pthread_join(t, nullptr);
+      const double seconds = now() - start;
+      std::printf("%-22s %6.2f ms  %5.1f GB/s\n", s.name, seconds * 1e3, bytes / seconds / 1e9);
+    }
 }
