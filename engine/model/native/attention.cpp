@@ -79,62 +79,50 @@ __attribute__((always_inline)) inline void weigh4(const float* p, int64_t width,
     for (int c = 0; c < 2; ++c) std::memcpy(out + r * dim + d0 + c * kLanes, &acc[r][c], 64);
 }
 
-// out_i += p_ij v_j for j in [first, last) of four queries over every dimension, key by key:
-// each value row read once, whole, in the order memory lies, the sums in `out` (L1) rather
-// than in registers. Each sum in key order, as the other loops. The first four queries of a
-// KV head take their values this way: the values come from memory, and weigh4's strips of a
-// few lines from every row of a block kept a 0.8B head's values (6,000 positions, out of every
-// cache) at ~8 GB/s a thread.
-__attribute__((always_inline)) inline void weigh4_rows(const float* p, int64_t width,
-                                                       const Strided& values, int64_t row,
-                                                       int64_t kv_head, int64_t first,
-                                                       int64_t last, float* out, int64_t dim) {
-  for (int64_t j = first; j < last; ++j) {
-    const float* v = values.at(row, kv_head, j);
-    for (int r = 0; r < 4; ++r) {
-      const float pr = p[r * width + j];
-      float* o = out + r * dim;
-      for (int64_t d = 0; d < dim; d += kLanes) {
-        ExpLanes acc, vd;
-        std::memcpy(&acc, o + d, 64);
-        std::memcpy(&vd, v + d, 64);
-        acc = acc + pr * vd;
-        std::memcpy(o + d, &acc, 64);
-      }
-    }
-  }
+// o += p v over dim elements, element by element (each a sum in key order across calls).
+__attribute__((always_inline)) inline void add_weighted(float* o, float p, const float* v,
+                                                        int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p * v[d];
 }
 
 // o += p_j v_j for j in [first, last) of one query, each dimension's sum in key order.
 __attribute__((always_inline)) inline void weigh1(const float* p, const Strided& values,
                                                   int64_t row, int64_t kv_head, int64_t first,
                                                   int64_t last, float* o, int64_t dim) {
+  for (int64_t j = first; j < last; ++j) add_weighted(o, p[j], values.at(row, kv_head, j), dim);
+}
+
+// weigh1 of four queries (rows of `p`, `width` apart) key by key: each value row read once,
+// whole, in the order memory lies, the sums in `out` (L1) rather than in registers. The first
+// four queries of a KV head take their values this way: the values come from memory, and
+// weigh4's strips of a few lines from every row of a block kept a 0.8B head's values (6,000
+// positions, out of every cache) at ~8 GB/s a thread.
+__attribute__((always_inline)) inline void weigh4_rows(const float* p, int64_t width,
+                                                       const Strided& values, int64_t row,
+                                                       int64_t kv_head, int64_t first,
+                                                       int64_t last, float* out, int64_t dim) {
   for (int64_t j = first; j < last; ++j) {
     const float* v = values.at(row, kv_head, j);
-    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] + p[j] * v[d];
+    for (int r = 0; r < 4; ++r) add_weighted(out + r * dim, p[r * width + j], v, dim);
   }
 }
 
-// s[c][r] = rows[r] . keys[c] for 4 queries and 4 keys, each bit for bit dots<4>(rows, keys[c])
-// (the same lanes summed in the same order, the same tree): a key's four scores one at a time
-// reloaded the four queries for every key and waited on the loads and on a shuffle tree a key
-__attribute__((always_inline)) inline void dots4x4(const float* const* rows,
-                                                   const float* const* keys, int64_t n,
-                                                   float (*s)[4]) {
-  Lanes acc[4][4] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    Lanes qv[4];
-    for (int r = 0; r < 4; ++r) qv[r] = load(rows[r] + j);
-    for (int c = 0; c < 4; ++c) {
-      const Lanes kv = load(keys[c] + j);
-      for (int r = 0; r < 4; ++r) acc[c][r] += qv[r] * kv;
-    }
-  }
-  for (int c = 0; c < 4; ++c) {
-    for (int r = 0; r < 4; ++r)
-      for (int l = 0; j + l < n; ++l) acc[c][r][l] += rows[r][j + l] * keys[c][j + l];
-    reduce_rows<4>(acc[c], s[c]);
+// Scores of keys [j, j + C) against the first `fours` queries, four queries at a time
+// (dots_by: the queries read once for C keys, one shuffle tree a key as for one); a score past a
+// query's limit is written and never read.
+template <int C>
+__attribute__((always_inline)) inline void score_fours(const float* q, int64_t fours,
+                                                       const Strided& keys, int64_t row,
+                                                       int64_t kv_head, int64_t j, int64_t dim,
+                                                       float* scores, int64_t width) {
+  const float* k[C];
+  for (int c = 0; c < C; ++c) k[c] = keys.at(row, kv_head, j + c);
+  for (int64_t i = 0; i < fours; i += 4) {
+    const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim, q + (i + 3) * dim};
+    float s[C][4];
+    dots_by<4, C>(rows, k, dim, s);
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < 4; ++r) scores[(i + r) * width + j + c] = s[c][r];
   }
 }
 
@@ -158,29 +146,12 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
   // wait on reading the cache, over 8,000 positions from 1.3-1.8 to 2.2-2.4 ms
   const int64_t key_fours = fours >= 8 ? most / 4 * 4 : 0;
   for (int64_t j = 0; j < most; ++j) {
+    if (j >= key_fours)
+      score_fours<1>(q, fours, keys, row, kv_head, j, dim, scores.data(), width);
+    else if (j % 4 == 0)
+      score_fours<4>(q, fours, keys, row, kv_head, j, dim, scores.data(), width);
     const float* k = keys.at(row, kv_head, j);
-    int64_t i = 0;
-    if (j < key_fours && j % 4 == 0) {  // a score past a query's limit is never read
-      const float* k4[4] = {k, keys.at(row, kv_head, j + 1), keys.at(row, kv_head, j + 2),
-                            keys.at(row, kv_head, j + 3)};
-      for (; i < fours; i += 4) {
-        const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim,
-                                q + (i + 3) * dim};
-        float s[4][4];
-        dots4x4(rows, k4, dim, s);
-        for (int c = 0; c < 4; ++c)
-          for (int r = 0; r < 4; ++r) scores[(i + r) * width + j + c] = s[c][r];
-      }
-    } else if (j >= key_fours) {
-      for (; i < fours; i += 4) {
-        const float* rows[4] = {q + i * dim, q + (i + 1) * dim, q + (i + 2) * dim,
-                                q + (i + 3) * dim};
-        float s[4];
-        dots<4>(rows, k, dim, s);
-        for (int r = 0; r < 4; ++r) scores[(i + r) * width + j] = s[r];
-      }
-    }
-    for (i = fours; i < count; ++i)
+    for (int64_t i = fours; i < count; ++i)
       if (j < limits[i]) scores[i * width + j] = lane_dot(q + i * dim, k, dim);
   }
   for (int64_t i = 0; i < count; ++i) {

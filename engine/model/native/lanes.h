@@ -62,19 +62,32 @@ __attribute__((always_inline)) inline void reduce_rows(const Lanes* v, float* ou
   }
 }
 
-// out[r] = rows[r] . x over n elements for R rows: x read once for all of them, and R
-// independent chains of adds (one dot alone waits on each of its adds); row r's sum is the
-// same bits whatever R is.
+// out[c][r] = rows[r] . xs[c] over n elements for R rows and C vectors: each row and vector
+// read once for all of them, R * C independent chains of adds (one dot alone waits on each of
+// its adds); row r's sum with xs[c] is the same bits whatever R and C are.
+template <int R, int C>
+__attribute__((always_inline)) inline void dots_by(const float* const* rows,
+                                                   const float* const* xs, int64_t n,
+                                                   float (*out)[R]) {
+  Lanes acc[C][R] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Lanes rv[R];
+    for (int r = 0; r < R; ++r) rv[r] = load(rows[r] + j);
+    for (int c = 0; c < C; ++c) {
+      const Lanes xv = load(xs[c] + j);
+      for (int r = 0; r < R; ++r) acc[c][r] += rv[r] * xv;
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; j + l < n; ++l) acc[c][r][l] += rows[r][j + l] * xs[c][j + l];
+    reduce_rows<R>(acc[c], out[c]);
+  }
+}
+// out[r] = rows[r] . x over n elements for R rows (dots_by of one vector).
 template <int R>
 __attribute__((always_inline)) inline void dots(const float* const* rows, const float* x,
                                                 int64_t n, float* out) {
-  Lanes acc[R] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const Lanes xv = load(x + j);
-    for (int r = 0; r < R; ++r) acc[r] += load(rows[r] + j) * xv;
-  }
-  for (int r = 0; r < R; ++r)
-    for (int l = 0; j + l < n; ++l) acc[r][l] += rows[r][j + l] * x[j + l];
-  reduce_rows<R>(acc, out);
+  dots_by<R, 1>(rows, &x, n, reinterpret_cast<float(*)[R]>(out));
 }
