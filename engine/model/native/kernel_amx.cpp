@@ -618,10 +618,7 @@ void configure_bf16(int m, int n) {
 // rest zero; inf and NaN stay what they are (a row's non-finite input stays in its outputs),
 // and a finite |x| within half a bf16 step of fp32's largest rounds to inf.
 inline __m512i bf16_high(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
 
 // B tiles of every block of 16 rows (zero rows past the last), step and part:

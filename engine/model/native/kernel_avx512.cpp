@@ -66,9 +66,8 @@ struct Avx512 {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    const __m512i quiet = _mm512_set1_epi32(0x400000);
+    const __m512i r = _mm512_mask_or_epi32(bf16_rounded_bits(v), nan, u, quiet);
     const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
   }

@@ -120,6 +120,16 @@ static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as ml
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 floats' bits with each rounded to bf16 in its high half (nearest, ties to even, as
+// float_to_bf16 rounds a number); the low halves are what that rounding leaves.
+static inline __m512i bf16_rounded_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+#endif
 static inline float real_at(const void* p, Real type, int64_t i) {
   switch (type) {
     case Real::f32:
