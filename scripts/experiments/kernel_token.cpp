@@ -15,7 +15,8 @@
 // checkouts, run in turns, compare two versions of the kernel. The codes are random bytes, the
 // scales and biases constants: the time does not depend on them. The weights lie in transparent
 // huge pages, as the server's do under jemalloc (engine/allocator.py); SMALL_PAGES=1 in the
-// environment keeps them in 4 KiB pages.
+// environment keeps them in 4 KiB pages. `vnni` lays the codes out 16 outputs to a vector as the
+// engine does (products.interleave); ROW_MAJOR=1 keeps them a row after another.
 #include <immintrin.h>
 
 #include <atomic>
@@ -146,6 +147,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const ColumnsKernel kernel = amx ? columns_amx : columns_avx512_vnni;
+  // the engine's layout of 4/8-bit weights for the VNNI kernel (products.interleave); random
+  // codes and constant scales, so the same arrays serve either layout
+  const bool interleaved = !amx && std::getenv("ROW_MAJOR") == nullptr;
   std::mt19937 rng(1);
   std::vector<Weight> weights;
   double bytes = 0;
@@ -191,8 +195,9 @@ int main(int argc, char** argv) {
       const auto start = std::chrono::steady_clock::now();
       const Weight& w = weights[i];
       const auto [out, in] = w.shape;
-      const WeightView view{WeightKind::affine, w.codes.data(), w.scales.data(), w.biases.data(),
-                            Real::bf16, bits, 64, out, in};
+      WeightView view{WeightKind::affine, w.codes.data(), w.scales.data(), w.biases.data(),
+                      Real::bf16, bits, 64, out, in};
+      view.interleaved = interleaved;
       const ProductArgs args{x.data(), in, rows, view, y.data(), Real::bf16, &quantized[i], &shared};
       const int64_t middle = (out / 2 + 15) / 16 * 16;
       const int64_t first = half ? middle : 0, last = half ? out : middle;

@@ -15,7 +15,14 @@ over a plain step)::
         --positions 1,5 --products --iterations 10 --context 4000
 
 ``--context`` first fills the cache with that many positions (a prompt's chunks of 128); every
-iteration then adds the positions it keeps.
+iteration then adds the positions it keeps. ``--isas`` takes turns between instruction sets of
+the native kernel, each forward under each (``native.set_isa``), and gives each over the first:
+two builds of the kernel's loops in one process, the second compiled into the ``avx512`` slot
+(CMakeLists.txt: kernel_avx512.cpp with kernel_avx512_vnni.cpp's flags and the variant's
+defines), meet the machine's drift alike::
+
+    python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B-mlx-8bit \
+        --positions 1,3,5 --products --iterations 20 --isas avx512-vnni,avx512
 
 Run it under ``perf record -g`` to see where those milliseconds go.
 """
@@ -55,8 +62,10 @@ def main() -> int:
     parser.add_argument(
         "--context", type=int, default=0, help="positions in the cache before the first step"
     )
+    parser.add_argument("--isas", default="", help="instruction sets of the kernel to take turns")
     args = parser.parse_args()
     counts = [int(n) for n in args.positions.split(",")]
+    isas = [name for name in args.isas.split(",") if name] or [""]
 
     engine = Engine.load(args.model, draft_tokens=0, dtype="auto")
     if not args.products:
@@ -96,27 +105,41 @@ def main() -> int:
         seq.trunk_cache.commit(min(args.keep or n, n), n)
         return time.perf_counter() - start
 
-    times: dict[int, list[float]] = {n: [] for n in counts}
+    native = products.native()
+    times: dict[tuple[int, str], list[float]] = {(n, isa): [] for n in counts for isa in isas}
     for iteration in range(args.iterations + 3):
         for n in counts:
-            seconds = forward(n)
-            if iteration >= 3:
-                times[n].append(seconds)
+            # the instruction sets in a turning order, so that none is always first
+            for isa in isas[iteration % len(isas) :] + isas[: iteration % len(isas)]:
+                if isa:
+                    native.set_isa(isa)
+                seconds = forward(n)
+                if iteration >= 3:
+                    times[n, isa].append(seconds)
     what = "with products" if args.products else "products as zeros"
-    first = times[counts[0]]
-    for n in counts:
-        low, mean, mid = min(times[n]), statistics.mean(times[n]), statistics.median(times[n])
-        over = (
-            f"; over {counts[0]}: lowest {low / min(first):.2f}, median "
-            f"{mid / statistics.median(first):.2f}"
-            if len(counts) > 1
-            else ""
-        )
-        keep = min(args.keep or n, n)
-        print(
-            f"{n} positions, keeping {keep}, {what}: lowest {1e3 * low:.2f} ms, mean "
-            f"{1e3 * mean:.2f}, median {1e3 * mid:.2f}{over}"
-        )
+    for isa in isas:
+        first = times[counts[0], isa]
+        for n in counts:
+            own = times[n, isa]
+            low, mean, mid = min(own), statistics.mean(own), statistics.median(own)
+            over = (
+                f"; over {counts[0]}: lowest {low / min(first):.2f}, median "
+                f"{mid / statistics.median(first):.2f}"
+                if len(counts) > 1
+                else ""
+            )
+            if isa != isas[0]:
+                base = times[n, isas[0]]
+                ratios = [a / b for a, b in zip(own, base, strict=True)]
+                over += (
+                    f"; over {isas[0]}: lowest {low / min(base):.3f}, median of the turns' "
+                    f"ratios {statistics.median(ratios):.3f}"
+                )
+            keep = min(args.keep or n, n)
+            print(
+                f"{isa + ': ' if isa else ''}{n} positions, keeping {keep}, {what}: lowest "
+                f"{1e3 * low:.2f} ms, mean {1e3 * mean:.2f}, median {1e3 * mid:.2f}{over}"
+            )
     return 0
 
 

@@ -1,0 +1,63 @@
+// The VNNI kernel's own loop over interleaved 4- or 8-bit codes (as the engine lays them out for
+// AVX-512) with the weight in cache, on one thread: nanoseconds and cycles a `vpdpbusd`, what a
+// token's arithmetic would take were its bytes free. Against the same token's time from memory
+// (scripts/experiments/kernel_token.cpp) it shows whether the two overlap:
+//
+//   g++ -std=c++20 -O3 -fno-fast-math -ffp-contract=off -mavx512f -mavx512bw -mavx512vl \
+//     -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c -Iengine/model/native \
+//     scripts/experiments/loop_cost.cpp engine/model/native/kernel_avx512_vnni.cpp -o /tmp/loop_cost
+//   /tmp/loop_cost BITS ROWS OUT IN REPEATS GHZ     e.g. /tmp/loop_cost 4 5 2048 1024 20 3.64
+//
+// GHZ is the clock the cycles are counted at. Random codes, constant bf16 scales and biases.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "products.h"
+
+namespace mtpserve {
+// products.cpp's conversions; bf16 scales and outputs never call them
+float half_to_float(uint16_t) { std::abort(); }
+uint16_t float_to_half(float) { std::abort(); }
+}  // namespace mtpserve
+
+using namespace mtpserve;
+
+int main(int argc, char** argv) {
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s BITS ROWS OUT IN REPEATS GHZ\n", argv[0]);
+    return 2;
+  }
+  const int bits = std::atoi(argv[1]), rows = std::atoi(argv[2]);
+  const int64_t out = std::atoll(argv[3]), in = std::atoll(argv[4]);
+  const int repeats = std::atoi(argv[5]);
+  const double ghz = std::atof(argv[6]);
+  std::mt19937 rng(1);
+  std::vector<uint8_t> codes(out * in * bits / 8);
+  for (auto& c : codes) c = static_cast<uint8_t>(rng());
+  std::vector<uint16_t> scales(out * in / 64, float_to_bf16(0.01f));
+  std::vector<uint16_t> biases(out * in / 64, float_to_bf16(-0.02f));
+  std::vector<float> x(rows * in);
+  for (auto& v : x) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
+  std::vector<uint16_t> y(rows * out);
+  SharedRows shared;
+  WeightView view{WeightKind::affine, codes.data(), scales.data(), biases.data(),
+                  Real::bf16, bits, 64, out, in};
+  view.interleaved = true;
+  double best = 1e9;
+  for (int round = 0; round < 7; ++round) {
+    QuantizedRows quantized;  // the activation quantized once, by the first call
+    const ProductArgs args{x.data(), in, rows, view, y.data(), Real::bf16, &quantized, &shared};
+    columns_avx512_vnni(args, 0, out);
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < repeats; ++r) columns_avx512_vnni(args, 0, out);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  const double dots = static_cast<double>(out) * in / 64 * rows * repeats;
+  std::printf("q%d, %d rows, %ld x %ld: %.3f ns a vpdpbusd, %.2f cycles at %.2f GHz\n", bits, rows,
+              out, in, best / dots * 1e9, best / dots * ghz * 1e9, ghz);
+  return 0;
+}
