@@ -16,8 +16,11 @@ namespace KERNEL_NAMESPACE {
 #include "lanes.h"
 
 // Rows of the state computed side by side: their dot products are independent chains, so the
-// latency of one chain's adds hides behind the others' (one row alone waits on its own).
-constexpr int kRowGroup = 4;
+// latency of one chain's adds hides behind the others' (one row alone waits on its own). Each
+// position waits on its dots' sums before its update, so eight rows, not four: 18 layers of the
+// 0.8B shape 0.92x the time at T=1 and 0.93-0.95x at T=5, a 0.8B step outside its products
+// 0.91x / 0.95x; sixteen rows were level with four (docs/CPU_CHOICES.md).
+constexpr int kRowGroup = 8;
 
 // s[r] = g s[r] + u[r] k (one position's update of R rows), then (Read) out[r] = s[r] . q
 template <int R, bool Read>

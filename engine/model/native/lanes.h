@@ -57,6 +57,8 @@ __attribute__((always_inline)) inline void reduce_rows(const Lanes* v, float* ou
     const Lanes s = __builtin_shufflevector(h, h, 0, 2, 4, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) +
                     __builtin_shufflevector(h, h, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int r = 0; r < 4; ++r) out[r] = s[r];
+  } else if constexpr (R % 4 == 0) {
+    for (int r = 0; r < R; r += 4) reduce_rows<4>(v + r, out + r);
   } else {
     for (int r = 0; r < R; ++r) out[r] = reduce(v[r]);
   }
