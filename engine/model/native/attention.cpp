@@ -163,12 +163,10 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
     ExpLanes sums{};
     for (int64_t j = 0; j < limit; j += kLanes) {
       const int64_t lanes = std::min<int64_t>(kLanes, limit - j);
-      ExpLanes x{};
-      std::memcpy(&x, s + j, lanes * sizeof(float));
-      ExpLanes e = exp_poly(x - top);
+      ExpLanes e = exp_poly(lanes_from(s + j, lanes) - top);
       for (int64_t l = lanes; l < kLanes; ++l) e[l] = 0.0f;
       sums += e;
-      std::memcpy(s + j, &e, lanes * sizeof(float));
+      lanes_to(s + j, e, lanes);
     }
     const float inverse = 1.0f / reduce(sums);
     for (int64_t j = 0; j < limit; ++j) s[j] = s[j] * inverse;

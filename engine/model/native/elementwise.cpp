@@ -33,7 +33,8 @@ using namespace nb::literals;
 namespace mtpserve {
 namespace {
 
-// y[b, t] = silu(sum_j window[b, t + j] * taps[j] (+ bias)) over a packed window [B, L, C].
+// y[b, t] = silu(sum_j window[b, t + j] * taps[j] (+ bias)) over a packed window [B, L, C]:
+// 16 channels at a time through every tap, the bias and silu, in registers.
 MTPSERVE_VECTOR_CLONES void convolve_window(const float* window, int64_t B, int64_t L, int64_t C,
                                             const float* taps, int64_t K, const float* bias,
                                             float* y) {
@@ -42,15 +43,14 @@ MTPSERVE_VECTOR_CLONES void convolve_window(const float* window, int64_t B, int6
     for (int64_t t = 0; t < T; ++t) {
       float* dst = y + (b * T + t) * C;
       const float* x = window + (b * L + t) * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] = x[c] * taps[c];
-      for (int64_t j = 1; j < K; ++j) {
-        const float* xj = x + j * C;
-        const float* wj = taps + j * C;
-        for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] + xj[c] * wj[c];
+      for (int64_t c = 0; c < C; c += 16) {
+        const int64_t lanes = C - c < 16 ? C - c : 16;
+        ExpLanes sum = lanes_from(x + c, lanes) * lanes_from(taps + c, lanes);
+        for (int64_t j = 1; j < K; ++j)
+          sum = sum + lanes_from(x + j * C + c, lanes) * lanes_from(taps + j * C + c, lanes);
+        if (bias != nullptr) sum = sum + lanes_from(bias + c, lanes);
+        lanes_to(dst + c, silu_lanes(sum), lanes);
       }
-      if (bias != nullptr)
-        for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] + bias[c];
-      silu_in_place(dst, C);
     }
 }
 

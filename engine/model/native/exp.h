@@ -46,14 +46,36 @@ __attribute__((always_inline)) inline ExpLanes exp_poly(ExpLanes x) {
   return y * scale;
 }
 
-// silu (x / (1 + exp(-x))) of v[0..n) in place.
+// The first n (at most 16) floats at p as lanes, zeros after them; p is 4-byte aligned only. A
+// whole vector is one load: a copy of a length known only at run time became `rep movsq` and
+// took a fifth of a 0.8B verify's conv.
+__attribute__((always_inline)) inline ExpLanes lanes_from(const float* p, int64_t n) {
+  ExpLanes x{};
+  if (n == 16)
+    std::memcpy(&x, p, sizeof x);
+  else
+    std::memcpy(&x, p, n * sizeof(float));
+  return x;
+}
+
+// The first n (at most 16) lanes of x to p.
+__attribute__((always_inline)) inline void lanes_to(float* p, ExpLanes x, int64_t n) {
+  if (n == 16)
+    std::memcpy(p, &x, sizeof x);
+  else
+    std::memcpy(p, &x, n * sizeof(float));
+}
+
+// silu of 16 lanes: x / (1 + exp(-x)).
+__attribute__((always_inline)) inline ExpLanes silu_lanes(ExpLanes x) {
+  return x / (1.0f + exp_poly(-x));
+}
+
+// silu of v[0..n) in place.
 __attribute__((always_inline)) inline void silu_in_place(float* v, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const int64_t lanes = n - i < 16 ? n - i : 16;
-    ExpLanes x{};
-    std::memcpy(&x, v + i, lanes * sizeof(float));  // v is 4-byte aligned only
-    x = x / (1.0f + exp_poly(-x));
-    std::memcpy(v + i, &x, lanes * sizeof(float));
+    lanes_to(v + i, silu_lanes(lanes_from(v + i, lanes)), lanes);
   }
 }
 
