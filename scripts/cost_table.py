@@ -12,10 +12,12 @@ times (wall clock) the plain step with BLIS on every core instead of one (decodi
 jobs wall time is mostly waiting for a core.
 
 From the table: the cost model's speed-up of each K over plain decoding at the per-position
-acceptance vLLM publishes for Qwen3.5's MTP heads (0.92, 0.84, 0.65, 0.54), and the head step's
-share of a plain step at which each K stops paying: a K-cycle costs verify(K+1) + K head steps
-and emits E(K) = 1 + a + ... + a^K tokens, so K pays while head/plain < (E(K) - verify(K+1) /
-plain) / K. Prints a markdown table and, with ``--json``, the figures.
+acceptance vLLM publishes for Qwen3.5's MTP heads (0.92, 0.84, 0.65, 0.54) — each as a constant
+acceptance, and as each position's given the one before, with the tokens/s that predicts — and
+the head step's share of a plain step at which each K stops paying: a K-cycle costs
+verify(K+1) + K head steps and emits E(K) = 1 + a + ... + a^K tokens, so K pays while
+head/plain < (E(K) - verify(K+1) / plain) / K. Prints a markdown table and, with ``--json``, the
+figures.
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def main() -> int:
             e = expected_tokens(acceptance, k)
             row["break_even_share"][k] = (e - full.trunk[k] / plain) / k
         rows.append(row)
+    # the same numbers as each position's acceptance given the one before it (a_1..a_4), the
+    # way vLLM publishes them: what a head with that profile would give, and its tokens/s
+    chained = list(ACCEPTANCE)
+    per_position = {
+        k: {
+            "speedup": full.predicted_speedup(chained, k),
+            "speedup_draft_vocab": draft.predicted_speedup(chained, k),
+            "tokens_per_second_draft_vocab": draft.predicted_speedup(chained, k) / plain,
+        }
+        for k in range(1, MAX_AUTO_K + 1)
+    }
     result = {
         "model": args.model,
         "dtype": dtype,
@@ -126,6 +139,8 @@ def main() -> int:
         "prefill_tokens_per_second": prefill,
         "plain_step_ms_by_threads": {n: 1e3 * t for n, t in threads.items()},
         "predictions": rows,
+        "per_position_acceptance": chained,
+        "per_position_predictions": per_position,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -163,6 +178,16 @@ def format_table(r: dict) -> str:
         cells = [f"{row['speedup'][k]:.2f}x ({row['speedup_draft_vocab'][k]:.2f}x)" for k in ks]
         cells += [f"{100 * row['break_even_share'][k]:.0f}%" for k in ks]
         lines.append(f"| {row['acceptance']} | " + " | ".join(cells) + " |")
+    chained = " / ".join(str(a) for a in r["per_position_acceptance"])
+    lines += [
+        "",
+        f"each position's acceptance given the one before ({chained}): "
+        + ", ".join(
+            f"K={k} {p['speedup']:.2f}x ({p['speedup_draft_vocab']:.2f}x, "
+            f"{p['tokens_per_second_draft_vocab']:.1f} tok/s)"
+            for k, p in r["per_position_predictions"].items()
+        ),
+    ]
     return "\n".join(lines)
 
 
