@@ -581,11 +581,11 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // RN or the thread: row t's outputs are its one-row product's, bit for bit. A tile's codes are
 // one sequential stream, left to the hardware prefetcher while the tile reads them faster than
 // it multiplies (software prefetches into L1 and L2 made a 0.8B step 7-9% (8-bit) and 6-13%
-// (4-bit) slower at 1-5 rows). From five dot products a line of codes (8-bit codes for 5 rows,
-// 4-bit for 3-5) the loop consumes the stream too slowly for the prefetcher to run far ahead,
-// and each line came late: there each line is prefetched into L2 a page ahead, the 0.8B trunk
-// and vocabulary projection 0.91x the time at 5 rows (4- and 8-bit) and 0.96x at 3 (4-bit),
-// where 8-bit codes for 4 rows and 4-bit for 2 were level (docs/CPU_CHOICES.md).
+// (4-bit) slower at 1-5 rows). From four dot products a line of codes (8-bit codes for 4-5
+// rows, 4-bit for 2-5) the loop consumes the stream too slowly for the prefetcher to run far
+// ahead, and each line came late: there each line is prefetched into L2 a page ahead, the 0.8B
+// trunk and vocabulary projection 0.87-0.94x the time at 4-5 rows (8-bit) and 2-5 (4-bit),
+// where 8-bit codes for 3 rows were level (docs/CPU_CHOICES.md).
 template <class V, int Bits, int RN>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const float* gs, int64_t gss,
@@ -600,7 +600,7 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
   const int64_t groups = wv.in / wv.group;
   const auto* codes = static_cast<const uint32_t*>(wv.data) + tile * words * kInterleave;
   // a word's vectors are one line of codes, RN * 8 / Bits dot products
-  constexpr bool kPageAhead = RN * 8 / Bits >= 5;
+  constexpr bool kPageAhead = RN * 8 / Bits >= 4;
   for (int r = 0; r < RN; ++r)
     for (int n = 0; n < N; ++n) c[r][n] = V::zero();
   for (int64_t run = 0; run < wv.in / kRun; ++run) {
