@@ -116,14 +116,14 @@ def main() -> int:
     # the same numbers as each position's acceptance given the one before it (a_1..a_4), the
     # way vLLM publishes them: what a head with that profile would give, and its tokens/s
     chained = list(ACCEPTANCE)
-    per_position = {
-        k: {
+    per_position = {}
+    for k in range(1, MAX_AUTO_K + 1):
+        with_draft_vocab = draft.predicted_speedup(chained, k)
+        per_position[k] = {
             "speedup": full.predicted_speedup(chained, k),
-            "speedup_draft_vocab": draft.predicted_speedup(chained, k),
-            "tokens_per_second_draft_vocab": draft.predicted_speedup(chained, k) / plain,
+            "speedup_draft_vocab": with_draft_vocab,
+            "tokens_per_second_draft_vocab": with_draft_vocab / plain,
         }
-        for k in range(1, MAX_AUTO_K + 1)
-    }
     result = {
         "model": args.model,
         "dtype": dtype,

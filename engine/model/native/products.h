@@ -158,15 +158,8 @@ static inline void store_real(void* p, Real type, int64_t i, float v) {
 // coarsens only its own 32 neighbours.
 constexpr int kActivationRun = 32;
 
-// One run of activations as the integer paths multiply it: q[i] the nearest integer (ties to
-// even) of x[i] * 127 / max|x|, within [-127, 127], added to `sum`; returns the run's scale
-// max|x| / 127, NaN where an element is not finite (its outputs become NaN, as a float
-// product's would; its q are zeros). In 16-lane vectors (GCC's vector extensions, as wide as
-// the file's instruction set allows): element by element, a 4-bit 0.8B token of one row took
-// ~5% longer. Adding and subtracting 1.5 * 2^23
-// rounds a float below 2^22 to the nearest integer, ties to even (nearbyint's bits).
+// 16 int32 lanes (quantize_run's reductions).
 typedef int32_t quantize_ints __attribute__((vector_size(64)));
-// lane by lane the larger of a and b (masks and selects, not ?:, which not every compiler takes)
 // lane i of v moved to lane i ^ K (K = 8, 4, 2)
 template <int K>
 static inline quantize_ints lanes_xor(quantize_ints v) {
@@ -177,10 +170,19 @@ static inline quantize_ints lanes_xor(quantize_ints v) {
   else
     return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
 }
+// lane by lane the larger of a and b (masks and selects, not ?:, which not every compiler takes)
 static inline quantize_ints larger_of(quantize_ints a, quantize_ints b) {
   const quantize_ints first = a > b;
   return (a & first) | (b & ~first);
 }
+
+// One run of activations as the integer paths multiply it: q[i] the nearest integer (ties to
+// even) of x[i] * 127 / max|x|, within [-127, 127], added to `sum`; returns the run's scale
+// max|x| / 127, NaN where an element is not finite (its outputs become NaN, as a float
+// product's would; its q are zeros). In 16-lane vectors (GCC's vector extensions, as wide as
+// the file's instruction set allows): element by element, a 4-bit 0.8B token of one row took
+// ~5% longer. Adding and subtracting 1.5 * 2^23
+// rounds a float below 2^22 to the nearest integer, ties to even (nearbyint's bits).
 static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
   typedef float floats __attribute__((vector_size(64)));
   typedef quantize_ints ints;
