@@ -18,11 +18,12 @@ over a plain step)::
 iteration then adds the positions it keeps. ``--isas`` takes turns between instruction sets of
 the native kernel, each forward under each (``native.set_isa``), and gives each over the first:
 two builds of the kernel's loops in one process, the second compiled into the ``avx512`` slot
-(CMakeLists.txt: kernel_avx512.cpp with kernel_avx512_vnni.cpp's flags and the variant's
-defines), meet the machine's drift alike::
+(the VNNI kernel with the variant's macros defined), meet the machine's drift alike::
 
+    MTPSERVE_AVX512_VARIANT=MY_VARIANT bash scripts/build_native.sh .venv/bin/python
     python scripts/experiments/step_outside_products.py runs/shapes/qwen3.5-0.8B-mlx-8bit \
         --positions 1,3,5 --products --iterations 20 --isas avx512-vnni,avx512
+    bash scripts/build_native.sh .venv/bin/python   # the usual build again
 
 Run it under ``perf record -g`` to see where those milliseconds go.
 """
