@@ -61,12 +61,12 @@ __attribute__((always_inline)) inline void weigh4(const float* p, int64_t width,
                                                   const Strided& values, int64_t row,
                                                   int64_t kv_head, int64_t first, int64_t last,
                                                   int64_t d0, float* out, int64_t dim) {
-  ExpLanes acc[4][2];
+  Lanes acc[4][2];
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 2; ++c) std::memcpy(&acc[r][c], out + r * dim + d0 + c * kLanes, 64);
   for (int64_t j = first; j < last; ++j) {
     const float* v = values.at(row, kv_head, j) + d0;
-    ExpLanes v0, v1;
+    Lanes v0, v1;
     std::memcpy(&v0, v, 64);
     std::memcpy(&v1, v + kLanes, 64);
     for (int r = 0; r < 4; ++r) {
@@ -160,10 +160,10 @@ MTPSERVE_VECTOR_CLONES void attend_group(const float* q, const int64_t* limits, 
     float* s = scores.data() + i * width;
     float top = -INFINITY;
     for (int64_t j = 0; j < limit; ++j) top = std::max(top, s[j]);
-    ExpLanes sums{};
+    Lanes sums{};
     for (int64_t j = 0; j < limit; j += kLanes) {
       const int64_t lanes = std::min<int64_t>(kLanes, limit - j);
-      ExpLanes e = exp_poly(lanes_from(s + j, lanes) - top);
+      Lanes e = exp_poly(lanes_from(s + j, lanes) - top);
       for (int64_t l = lanes; l < kLanes; ++l) e[l] = 0.0f;
       sums += e;
       lanes_to(s + j, e, lanes);

@@ -45,7 +45,7 @@ MTPSERVE_VECTOR_CLONES void convolve_window(const float* window, int64_t B, int6
       const float* x = window + (b * L + t) * C;
       for (int64_t c = 0; c < C; c += 16) {
         const int64_t lanes = C - c < 16 ? C - c : 16;
-        ExpLanes sum = lanes_from(x + c, lanes) * lanes_from(taps + c, lanes);
+        Lanes sum = lanes_from(x + c, lanes) * lanes_from(taps + c, lanes);
         for (int64_t j = 1; j < K; ++j)
           sum = sum + lanes_from(x + j * C + c, lanes) * lanes_from(taps + j * C + c, lanes);
         if (bias != nullptr) sum = sum + lanes_from(bias + c, lanes);

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "shared_lanes.h"
+
 // A function built once per x86 vector width, the widest the CPU runs picked when the module
 // loads (function multiversioning): the loops over 16-lane values become one AVX-512 register,
 // two AVX2 ones or four SSE ones. The same IEEE operations in the same order, so the same bits.
@@ -19,29 +21,28 @@
 
 namespace mtpserve {
 
-// 16 lanes at once (GCC vector extensions: the compiler splits them into the registers of the
-// instruction set it targets). A tail shorter than 16 runs the same lanes, padded, so every
-// element gets the same floats wherever it falls.
-typedef float ExpLanes __attribute__((vector_size(64)));
-typedef int32_t ExpInts __attribute__((vector_size(64)));
+// Everything here works on lanes.h's `Lanes`, 16 floats at once (GCC vector extensions, which
+// the compiler splits into the registers of the instruction set it targets). A tail shorter
+// than 16 runs the same lanes, padded, so every element gets the same floats wherever it falls.
+typedef int32_t LaneInts __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-__attribute__((always_inline)) inline ExpLanes exp_poly(ExpLanes x) {
+__attribute__((always_inline)) inline Lanes exp_poly(Lanes x) {
   // |x| beyond these gives 0 or inf through 2^n; inside, n stays a normal exponent
-  const ExpLanes lo = ExpLanes{} - 87.33654f, hi = ExpLanes{} + 88.37626f;
+  const Lanes lo = Lanes{} - 87.33654f, hi = Lanes{} + 88.37626f;
   x = x < lo ? lo : (x > hi ? hi : x);
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const ExpLanes n = (x * 1.44269504088896341f + magic) - magic;
-  const ExpLanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  const ExpLanes z = r * r;
-  ExpLanes p = ExpLanes{} + 1.9875691500e-4f;
+  const Lanes n = (x * 1.44269504088896341f + magic) - magic;
+  const Lanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  const Lanes z = r * r;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const ExpLanes y = p * z + r + 1.0f;
-  const ExpInts bits = (__builtin_convertvector(n, ExpInts) + 127) << 23;
-  ExpLanes scale;
+  const Lanes y = p * z + r + 1.0f;
+  const LaneInts bits = (__builtin_convertvector(n, LaneInts) + 127) << 23;
+  Lanes scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
@@ -49,8 +50,8 @@ __attribute__((always_inline)) inline ExpLanes exp_poly(ExpLanes x) {
 // The first n (at most 16) floats at p as lanes, zeros after them; p is 4-byte aligned only. A
 // whole vector is one load: a copy of a length known only at run time became `rep movsq` and
 // took a fifth of a 0.8B verify's conv.
-__attribute__((always_inline)) inline ExpLanes lanes_from(const float* p, int64_t n) {
-  ExpLanes x{};
+__attribute__((always_inline)) inline Lanes lanes_from(const float* p, int64_t n) {
+  Lanes x{};
   if (n == 16)
     std::memcpy(&x, p, sizeof x);
   else
@@ -59,7 +60,7 @@ __attribute__((always_inline)) inline ExpLanes lanes_from(const float* p, int64_
 }
 
 // The first n (at most 16) lanes of x to p.
-__attribute__((always_inline)) inline void lanes_to(float* p, ExpLanes x, int64_t n) {
+__attribute__((always_inline)) inline void lanes_to(float* p, Lanes x, int64_t n) {
   if (n == 16)
     std::memcpy(p, &x, sizeof x);
   else
@@ -67,7 +68,7 @@ __attribute__((always_inline)) inline void lanes_to(float* p, ExpLanes x, int64_
 }
 
 // silu of 16 lanes: x / (1 + exp(-x)).
-__attribute__((always_inline)) inline ExpLanes silu_lanes(ExpLanes x) {
+__attribute__((always_inline)) inline Lanes silu_lanes(Lanes x) {
   return x / (1.0f + exp_poly(-x));
 }
 

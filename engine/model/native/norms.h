@@ -6,9 +6,9 @@
 #include <cmath>
 #include <cstdint>
 
-namespace mtpserve {
+#include "shared_lanes.h"
 
-#include "lanes.h"
+namespace mtpserve {
 
 // A dot product by lanes.h's order: the same bits as a row of `dots` (attention's scores).
 __attribute__((always_inline)) inline float lane_dot(const float* a, const float* b, int64_t n) {
