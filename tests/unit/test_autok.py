@@ -399,11 +399,11 @@ def test_a_seeded_chooser_follows_its_plan_and_its_own_draws_only() -> None:
     assert plan.chooser().choose(None) == 0  # at the probe's acceptance plain decoding wins
 
     def follow(hit: bool, plain_timing: float) -> list[int]:
-        """300 cycles whose drafts all land (or none), plain cycles timed at ``plain_timing``
-        times the plan's."""
+        """1,000 cycles whose drafts all land (or none), plain cycles timed at ``plain_timing``
+        times the plan's (a plain plan's requests probe every MAX_PROBE_INTERVAL cycles)."""
         chooser = plan.chooser()
         choices = []
-        for _ in range(300):
+        for _ in range(1000):
             choices.append(k := chooser.choose(None))
             chooser.observe(k, k if hit else 0)
             slow = plain_timing if k == 0 else 1.0
@@ -416,6 +416,42 @@ def test_a_seeded_chooser_follows_its_plan_and_its_own_draws_only() -> None:
     missing = follow(False, 1.0)
     assert missing.count(0) > 0.9 * len(missing)  # its drafts miss: it stays plain
     assert plan.chooser().shared is not plan.chooser().shared  # no state shared across requests
+
+
+def test_a_seeded_request_under_a_plain_plan_probes_after_the_longest_interval() -> None:
+    """A seeded request's probe backoff is its own, so each request would start it again: under
+    a plan that starts requests plain the first probe waits MAX_PROBE_INTERVAL plain cycles; a
+    request that stopped drafting under a drafting plan probes after PROBE_EVERY."""
+    from engine.scheduling.autok import MAX_PROBE_INTERVAL, SeededPlan
+
+    def first_probe(plan: SeededPlan) -> int:
+        chooser = plan.chooser()
+        for cycle in range(1000):
+            k = chooser.choose(None)
+            if k and chooser.plain_cycles == 0 and cycle and chooser.current == 0:
+                return cycle
+            chooser.observe(k, 0)
+        raise AssertionError("no probe")
+
+    plain = SeededPlan([0.4] * MAX_AUTO_K, [1.0, 1.5, 1.9, 2.3, 2.7])
+    assert plain.k == 0
+    assert first_probe(plain) == MAX_PROBE_INTERVAL - 1
+    drafting = SeededPlan([0.9] * MAX_AUTO_K, [1.0, 1.2, 1.4, 1.6, 1.8])
+    assert drafting.k > 0
+    # its drafts all miss: it stops drafting, then probes after PROBE_EVERY plain cycles
+    assert first_probe(drafting) < MAX_PROBE_INTERVAL
+    assert first_probe(drafting) - stopped_at(drafting) == PROBE_EVERY - 1
+
+
+def stopped_at(plan: object) -> int:
+    """The cycle at which a chooser of ``plan`` whose drafts all miss first runs plain."""
+    chooser = plan.chooser()
+    for cycle in range(1000):
+        k = chooser.choose(None)
+        if k == 0:
+            return cycle
+        chooser.observe(k, 0)
+    raise AssertionError("never stopped")
 
 
 def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> None:
