@@ -5,8 +5,8 @@
 //
 // No namespace of its own and no include guard: each includer puts it inside its own namespace
 // (an instruction set's kernel file inside that set's, so each copy is compiled with that
-// set's flags; shared_lanes.h inside mtpserve for the rest), and the functions are always inlined,
-// target clones included. GCC and clang lower each operation on a `Lanes` to the instruction
+// set's flags; shared_lanes.h inside mtpserve for the rest), and the functions are always
+// inlined, target clones included. GCC and clang lower each operation on a `Lanes` to the instruction
 // set's own vectors (one AVX-512 register, two AVX2 ones, four SSE ones), lane by lane; the
 // build turns floating-point contraction off, so every set computes the same bits.
 // Needs <cstdint>.
