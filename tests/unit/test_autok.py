@@ -424,34 +424,29 @@ def test_a_seeded_request_under_a_plain_plan_probes_after_the_longest_interval()
     request that stopped drafting under a drafting plan probes after PROBE_EVERY."""
     from engine.scheduling.autok import MAX_PROBE_INTERVAL, SeededPlan
 
-    def first_probe(plan: SeededPlan) -> int:
+    def missing(plan: SeededPlan) -> tuple[int, int]:
+        """The cycles at which a chooser of ``plan`` whose drafts all miss first runs plain
+        and first probes from plain decoding."""
         chooser = plan.chooser()
+        stopped = None
         for cycle in range(1000):
             k = chooser.choose(None)
+            if k == 0 and stopped is None:
+                stopped = cycle
             if k and chooser.plain_cycles == 0 and cycle and chooser.current == 0:
-                return cycle
+                return stopped, cycle
             chooser.observe(k, 0)
         raise AssertionError("no probe")
 
     plain = SeededPlan([0.4] * MAX_AUTO_K, [1.0, 1.5, 1.9, 2.3, 2.7])
     assert plain.k == 0
-    assert first_probe(plain) == MAX_PROBE_INTERVAL - 1
+    assert missing(plain)[1] == MAX_PROBE_INTERVAL - 1
     drafting = SeededPlan([0.9] * MAX_AUTO_K, [1.0, 1.2, 1.4, 1.6, 1.8])
     assert drafting.k > 0
     # its drafts all miss: it stops drafting, then probes after PROBE_EVERY plain cycles
-    assert first_probe(drafting) < MAX_PROBE_INTERVAL
-    assert first_probe(drafting) - stopped_at(drafting) == PROBE_EVERY - 1
-
-
-def stopped_at(plan: object) -> int:
-    """The cycle at which a chooser of ``plan`` whose drafts all miss first runs plain."""
-    chooser = plan.chooser()
-    for cycle in range(1000):
-        k = chooser.choose(None)
-        if k == 0:
-            return cycle
-        chooser.observe(k, 0)
-    raise AssertionError("never stopped")
+    stopped, probed = missing(drafting)
+    assert probed < MAX_PROBE_INTERVAL
+    assert probed - stopped == PROBE_EVERY - 1
 
 
 def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> None:
