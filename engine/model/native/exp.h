@@ -21,10 +21,10 @@
 
 namespace mtpserve {
 
-// Everything here works on lanes.h's `Lanes`, 16 floats at once (GCC vector extensions, which
-// the compiler splits into the registers of the instruction set it targets). A tail shorter
-// than 16 runs the same lanes, padded, so every element gets the same floats wherever it falls.
-typedef int32_t LaneInts __attribute__((vector_size(kLanes * sizeof(int32_t))));
+// Everything here works on lanes.h's `Lanes` and `LaneInts`, 16 lanes at once (GCC vector
+// extensions, which the compiler splits into the registers of the instruction set it targets).
+// A tail shorter than 16 runs the same lanes, padded, so every element gets the same floats
+// wherever it falls.
 
 __attribute__((always_inline)) inline Lanes exp_poly(Lanes x) {
   // |x| beyond these gives 0 or inf through 2^n; inside, n stays a normal exponent

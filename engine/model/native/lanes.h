@@ -15,6 +15,8 @@ constexpr int kLanes = 16;
 
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float LanesUnaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+// 16 int32 lanes: exponent bits (exp.h), the activations' magnitudes (products.h).
+typedef int32_t LaneInts __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 __attribute__((always_inline)) inline Lanes load(const float* p) {
   return *reinterpret_cast<const LanesUnaligned*>(p);

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "shared_lanes.h"
+
 namespace mtpserve {
 
 // How a weight is stored: dense [out, in] elements, or mlx's affine quantization (packed
@@ -158,11 +160,9 @@ static inline void store_real(void* p, Real type, int64_t i, float v) {
 // coarsens only its own 32 neighbours.
 constexpr int kActivationRun = 32;
 
-// 16 int32 lanes (quantize_run's reductions).
-typedef int32_t quantize_ints __attribute__((vector_size(64)));
 // lane i of v moved to lane i ^ K (K = 8, 4, 2)
 template <int K>
-static inline quantize_ints lanes_xor(quantize_ints v) {
+static inline LaneInts lanes_xor(LaneInts v) {
   if constexpr (K == 8)
     return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   else if constexpr (K == 4)
@@ -171,8 +171,8 @@ static inline quantize_ints lanes_xor(quantize_ints v) {
     return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
 }
 // lane by lane the larger of a and b (masks and selects, not ?:, which not every compiler takes)
-static inline quantize_ints larger_of(quantize_ints a, quantize_ints b) {
-  const quantize_ints first = a > b;
+static inline LaneInts larger_of(LaneInts a, LaneInts b) {
+  const LaneInts first = a > b;
   return (a & first) | (b & ~first);
 }
 
@@ -185,7 +185,7 @@ static inline quantize_ints larger_of(quantize_ints a, quantize_ints b) {
 // rounds a float below 2^22 to the nearest integer, ties to even (nearbyint's bits).
 static inline float quantize_run(const float* x, int8_t* q, int32_t& sum) {
   typedef float floats __attribute__((vector_size(64)));
-  typedef quantize_ints ints;
+  typedef LaneInts ints;
   typedef int8_t bytes __attribute__((vector_size(16)));
   static_assert(kActivationRun == 32, "a run is two 16-lane vectors");
   floats v[2];
