@@ -61,6 +61,13 @@ class GenerationRequest:
     draft_tokens: int | Literal["auto"] | None = AUTO_DRAFT
     #: Number of top alternatives to report per emitted token (``None``: no logprobs at all).
     top_logprobs: int | None = None
+    #: Score the prompt too: the log-probability of each prompt token after the first under
+    #: the model (raw logits, as ``top_logprobs``), with this many top alternatives each, on the
+    #: first event (``GenerationEvent.prompt_logprobs``; OpenAI's completions ``echo`` with
+    #: ``logprobs``, which evaluation harnesses read to score a text). The prompt is then
+    #: prefilled whole: a prefix restored from the conversation cache has no logits to score.
+    #: ``None``: the prompt is not scored.
+    prompt_logprobs: int | None = None
     #: Structured output: an llguidance grammar the generated tokens must follow
     #: (``sampling.constraint.json_schema_grammar``); None: unconstrained.
     grammar: str | None = None
@@ -171,6 +178,9 @@ class GenerationEvent:
     drafted: list[bool] | None = None
     #: The K of the cycle that produced these tokens (``None`` for the final empty event).
     cycle_draft_tokens: int | None = None
+    #: On the first event of a request that asked for them (``prompt_logprobs``): prompt token
+    #: i + 1's log-probability after tokens 0..i, for every i (one fewer than the prompt's).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestError(ValueError):

@@ -41,6 +41,8 @@ class Progress:
     #: reasoning tokens the thinking budget still allows (None: no budget, or the reasoning
     #: has ended)
     reasoning_left: int | None = None
+    #: the prompt's scores (``GenerationRequest.prompt_logprobs``), until the first event
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def start(
@@ -50,6 +52,7 @@ class Progress:
         seq: Sequence,
         trace: Callable[[dict[str, Any]], None] | None,
         prompt_seconds: float,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> Progress:
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids), cached_tokens=seq.restored)
         stats.prompt_seconds = prompt_seconds
@@ -66,6 +69,7 @@ class Progress:
             stop_ids,
             time.perf_counter(),
             reasoning_left=request.reasoning_budget,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
@@ -133,6 +137,7 @@ class Progress:
         if finish is not None and self.policy.fixed is None:
             used = [k for k, n in enumerate(self.stats.k_histogram) if n]
             self.stats.draft_tokens = max(used, default=0)
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
         return GenerationEvent(
             emitted,
             logprobs,
@@ -140,6 +145,7 @@ class Progress:
             self.stats,
             drafted=drafted,
             cycle_draft_tokens=len(result.draft_ids),
+            prompt_logprobs=scored,
         )
 
 
@@ -194,11 +200,16 @@ def _record(
 
 def _logprobs(result: CycleResult, emitted: list[int], top: int | None) -> list[TokenLogprob]:
     """Log-probabilities of the emitted tokens under the model (raw logits, no sampler)."""
-    n = len(emitted)
-    logp = result.verify_logits[:n].astype(mx.float32)
+    return token_logprobs(result.verify_logits[: len(emitted)], emitted, top)
+
+
+def token_logprobs(logits: mx.array, ids: list[int], top: int | None) -> list[TokenLogprob]:
+    """``ids[i]``'s log-probability under ``logits[i]`` (log-softmax of the raw logits, no
+    sampler), with the ``top`` most likely tokens of each row (none for 0 or None)."""
+    n = len(ids)
+    logp = logits.astype(mx.float32)
     logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    ids = mx.array(emitted)
-    chosen = logp[mx.arange(n), ids]
+    chosen = logp[mx.arange(n), mx.array(ids)]
     if top:
         top_ids = mx.argsort(-logp, axis=-1)[:, :top]
         top_vals = mx.take_along_axis(logp, top_ids, axis=-1)
@@ -210,6 +221,4 @@ def _logprobs(result: CycleResult, emitted: list[int], top: int | None) -> list[
     else:
         mx.eval(chosen)
         pairs = [[] for _ in range(n)]
-    return [
-        TokenLogprob(t, lp, p) for t, lp, p in zip(emitted, chosen.tolist(), pairs, strict=True)
-    ]
+    return [TokenLogprob(t, lp, p) for t, lp, p in zip(ids, chosen.tolist(), pairs, strict=True)]

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import mlx.core as mx
+
 from engine.api import (
     MAX_DRAFT_TOKENS,
     ContextLengthExceeded,
     GenerationEvent,
     GenerationRequest,
     RequestError,
+    TokenLogprob,
 )
 from engine.cache.prefix_cache import (
     DEFAULT_DISK_BUDGET_BYTES,
@@ -40,12 +43,13 @@ from engine.cycle.sequence import (
 from engine.cycle.speculative import CycleResult, finish_unread
 from engine.model import loader
 from engine.model.memory import limit_host_arenas
-from engine.model.mtp import MTPHead
+from engine.model.mtp import MTPHead, project_to_vocab
 from engine.request_progress import (
     Progress,
     apply_stops,
     cancelled_in_prefill,
     commit_for_request,
+    token_logprobs,
 )
 from engine.scheduling.autok import EngineAutoK
 from engine.scheduling.batching import BatchDecoder, BatchK, CycleNeed
@@ -285,6 +289,8 @@ class Engine:
             raise RequestError(f"draft_tokens must be in 0..{MAX_DRAFT_TOKENS}", "draft_tokens")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise RequestError("top_logprobs must be in 0..20", "top_logprobs")
+        if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= 20:
+            raise RequestError("prompt_logprobs must be in 0..20", "prompt_logprobs")
         if request.reasoning_budget is not None:
             if request.reasoning_budget < 0:
                 raise RequestError("the reasoning budget must be at least 0", "reasoning_budget")
@@ -387,17 +393,22 @@ class Engine:
         request: GenerationRequest,
         policy: DraftPolicy,
         cancelled: Callable[[], bool] = lambda: False,
+        scored: list[TokenLogprob] | None = None,
     ) -> Generator[None, None, Sequence | None]:
         """Restore the longest cached prefix of the prompt, prefill the rest one chunk per step
         (``prefill_steps``; a snapshot at each block end and at the prompt's end); None if
-        cancelled meanwhile."""
+        cancelled meanwhile. A request that scores its prompt (``prompt_logprobs``) restores
+        nothing and appends each prompt token's score after the first to ``scored``."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
         seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
         seq.draft_confidence = self.draft_confidence
         seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
-        if cache is not None:
+        score = None
+        if request.prompt_logprobs is not None:
+            score = self._prompt_scorer(request, scored if scored is not None else [])
+        elif cache is not None:
             restored = cache.guarded("a lookup", cache.lookup, request.prompt_ids, use_head)
             if restored is not None:
                 seq.trunk_cache.layers = restored.layers
@@ -422,12 +433,28 @@ class Engine:
                 body[seq.trunk_cache.length : stop],
                 chunk_tokens=self.prefill_chunk,
                 after_chunk=hook,
+                score=score,
             )
             if not fed:
                 return None
             if cache is not None:
                 cache.guarded("a snapshot", cache.store, seq, self.trunk, head)
         return seq
+
+    def _prompt_scorer(
+        self, request: GenerationRequest, scored: list[TokenLogprob]
+    ) -> Callable[[int, mx.array], None]:
+        """``prefill_steps``' ``score``: each chunk's logits, and from them the next prompt
+        tokens' logprobs (evaluated chunk by chunk: a long prompt's logits are never whole)."""
+        ids, top = request.prompt_ids, request.prompt_logprobs
+
+        def score(position: int, hidden: mx.array) -> None:
+            logits = project_to_vocab(self.trunk, hidden)[0]
+            scored.extend(
+                token_logprobs(logits, ids[position + 1 : position + 1 + len(logits)], top)
+            )
+
+        return score
 
     def _keep(self, seq: Sequence) -> None:
         """Snapshot a finished generation (after its final commit) for the next turn."""
@@ -461,13 +488,15 @@ class Engine:
         policy = self.policy(request.draft_tokens, request.sampling)
         t0 = time.perf_counter()
         kept: Sequence | None = None  # what the conversation cache may snapshot at the end
+        scored: list[TokenLogprob] | None = None
         if seq is None:
-            seq = yield from self.start_steps(request, policy, cancelled)
+            scored = [] if request.prompt_logprobs is not None else None
+            seq = yield from self.start_steps(request, policy, cancelled, scored)
             if seq is None:
                 yield cancelled_in_prefill(request, t0)
                 return
             kept = seq
-        progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0)
+        progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0, scored)
         chooser = policy.chooser
         timed = chooser if not self.profile else None
         last_end: float | None = None

@@ -156,16 +156,22 @@ def prefill_steps(
     body: list[int],
     chunk_tokens: int = PREFILL_CHUNK,
     after_chunk: Callable[[Sequence], bool] | None = None,
+    score: Callable[[int, mx.array], None] | None = None,
 ) -> Generator[None, None, bool]:
     """``prefill`` one chunk per step: yields after each chunk, so that a batch can run its
-    other rows' cycles between a newcomer's chunks; returns what ``prefill`` returns."""
+    other rows' cycles between a newcomer's chunks; returns what ``prefill`` returns.
+    ``score(position, hidden)`` sees each chunk's hidden states ``[1, n, H]`` (positions
+    ``position..position+n-1``) before they are evaluated (a prompt's logprobs)."""
     done = seq.trunk_cache.length
     start = 0
     while start < len(body):
         end = min(len(body), start + chunk_tokens - (done + start) % chunk_tokens)
         with all_cores(prefill_on_all_cores(trunk, end - start)), products.prompt_products():
             chunk = mx.array(body[start:end])[None]
+            position = seq.trunk_cache.length
             hidden = trunk_hidden(trunk, chunk, seq.trunk_cache, capture=False)
+            if score is not None:
+                score(position, hidden)
             if seq.head_cache is not None:
                 seq.head_pending.append(hidden)
                 absorb_pending(trunk, head, seq, keep_last=True)

@@ -72,6 +72,16 @@ class DistributedEngine(Engine):
         """Callbacks run once when the group is lost (the server fails its queue there)."""
         return self.leader.on_lost
 
+    def check(self, request: GenerationRequest) -> None:
+        """``Engine.check``, and no prompt scoring: its vocabulary projections of the prompt
+        are the leader's alone, where the followers would wait for their part of them."""
+        super().check(request)
+        if request.prompt_logprobs is not None:
+            raise RequestError(
+                "prompt logprobs (echo with logprobs) are not served across processes",
+                "prompt_logprobs",
+            )
+
     def batch(self, capacity: int) -> BatchDecoder:
         """One row at a time: the followers mirror one sequence's cache operations at a time."""
         return BatchDecoder(self, 1)

@@ -115,6 +115,9 @@ class OutputDelta:
     token_texts: list[str] = field(default_factory=list)
     cycle_draft_tokens: int | None = None
     finish_reason: FinishReason | None = None
+    #: The prompt's scores, on a choice's first delta where the request asked for them
+    #: (``GenerationEvent.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def trace(self) -> dict[str, Any]:
         """The opt-in ``mtp_trace`` extension of a streamed chat chunk (docs/SERVER.md)."""
@@ -188,7 +191,9 @@ class ChoiceOutput:
         out.parsed.extend(self.parser.feed(text))
 
     def step(self, event: GenerationEvent) -> OutputDelta:
-        out = OutputDelta(cycle_draft_tokens=event.cycle_draft_tokens)
+        out = OutputDelta(
+            cycle_draft_tokens=event.cycle_draft_tokens, prompt_logprobs=event.prompt_logprobs
+        )
         if self.finish_reason is not None:
             return out
         if event.stats is not None:

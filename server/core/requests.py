@@ -49,6 +49,9 @@ class GenerationParams:
     #: alternatives per emitted token; None = no logprobs
     top_logprobs: int | None = None
     top_logprobs_param: str = "top_logprobs"
+    #: score the prompt too (completions' ``echo`` with ``logprobs``): alternatives per prompt
+    #: token; None = the prompt is not scored
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     draft_tokens: int | Literal["auto"] | None = None
     #: structured output: the llguidance grammar of ``output_grammar`` (None: free text)
@@ -382,6 +385,7 @@ def build_requests(
                     ignore_eos=params.ignore_eos,
                     draft_tokens=draft,
                     top_logprobs=params.top_logprobs,
+                    prompt_logprobs=params.prompt_logprobs,
                     grammar=params.grammar,
                     snapshot_at=prompt.last_turn_start,
                     reasoning_budget=budget,

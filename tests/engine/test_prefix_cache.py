@@ -273,6 +273,45 @@ def test_seeded_and_plain_turns_equal_cold(tiny: Any) -> None:
         assert warm == run(tiny, follow, cached=False, sampling=seeded, k=k)[0]
 
 
+def test_a_scored_prompt_restores_nothing_and_equals_a_cold_run(tiny: Any) -> None:
+    """A request that scores its prompt (``prompt_logprobs``: completions' echo with logprobs)
+    has logits for every prompt position, so it prefills the prompt whole even where the cache
+    holds it: the scores, the tokens and the snapshots it leaves equal a cold run's, and the
+    scores of a prompt that ends with generated tokens are those tokens' own logprobs."""
+    tiny.prefix_cache.clear()
+    prompt = _prompt(5, 70)
+    first, _ = run(tiny, prompt, max_tokens=8)
+    follow = prompt + first
+
+    def scored(cached: bool) -> tuple[list[int], list[Any], Any]:
+        saved = tiny.prefix_cache
+        if not cached:
+            tiny.prefix_cache = None
+        request = GenerationRequest(follow, GREEDY, 6, draft_tokens=3, prompt_logprobs=2)
+        try:
+            events = list(tiny.generate(request))
+        finally:
+            tiny.prefix_cache = saved
+        tokens = [t for e in events for t in e.token_ids]
+        return tokens, events[0].prompt_logprobs, events[-1].stats
+
+    assert run(tiny, follow, max_tokens=6)[1].cached_tokens > 0  # the cache holds the prompt
+    tokens, scores, stats = scored(cached=True)
+    cold_tokens, cold_scores, _ = scored(cached=False)
+    assert stats.cached_tokens == 0 and tokens == cold_tokens
+    assert [s.token_id for s in scores] == follow[1:] and scores == cold_scores
+    assert all(len(s.top) == 2 and s.top[0][1] >= s.logprob for s in scores)
+    own = GenerationRequest(prompt, GREEDY, 8, draft_tokens=3, top_logprobs=0)
+    generated = [lp for e in tiny.generate(own) for lp in e.logprobs or []]
+    assert [lp.token_id for lp in generated] == first
+    assert [s.logprob for s in scores[-len(first) :]] == pytest.approx(
+        [lp.logprob for lp in generated], abs=2e-3
+    )
+    # what it left in the cache serves a later turn exactly
+    later = follow + _prompt(6, 20)
+    assert run(tiny, later)[0] == run(tiny, later, cached=False)[0]
+
+
 def test_re_rendered_history_reuses_up_to_the_last_snapshot(tiny: Any) -> None:
     """A template that drops the previous reply's <think> block: the next prompt differs from
     the cached turn right after the reply's turn header; reuse stops at the last snapshot

@@ -281,6 +281,40 @@ def test_completions_echo_and_batch_prompts(tiny_server: LiveServer, tiny_tokeni
     assert batch.usage.prompt_tokens == n_prompt
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(
+    tiny_server: LiveServer, tiny_checkpoint: Path
+) -> None:
+    """lm-evaluation-harness's ``local-completions`` scores a continuation by sending context +
+    continuation as the prompt with ``echo``, ``logprobs`` 1 and ``max_tokens`` 1, and summing
+    ``token_logprobs[len(context):-1]``: every prompt token after the first carries its logprob
+    after the tokens before it (the first none), as an independent forward gives them, streamed
+    or not (with the conversation cache: tests/engine/test_prefix_cache.py)."""
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+    context = [11, 200, 31, 7, 45, 99, 12, 5, 301, 42, 77, 150]  # (a 320-token vocabulary)
+    continuation = [64, 3, 250, 18, 90]
+    prompt = context + continuation
+    rows = independent_logprobs(tiny_checkpoint, prompt[:1], prompt[1:])
+    want = [rows[i, token] for i, token in enumerate(prompt[1:])]
+    # the harness's payload
+    payload = dict(model="m", prompt=[prompt], temperature=0, max_tokens=1, seed=1234)
+    scored = sdk.completions.create(logprobs=1, echo=True, **payload)
+    lp = scored.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1 == len(lp.tokens) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(want, abs=2e-3)
+    for i, top in enumerate(lp.top_logprobs[1 : len(prompt)]):
+        assert list(top.values()) == pytest.approx([rows[i].max()], abs=2e-3)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # what the harness computes from it
+    total = sum(lp.token_logprobs[len(context) : -1])
+    assert total == pytest.approx(sum(want[len(context) - 1 :]), abs=1e-2)
+    # no logprobs asked: none given; streamed: the echo chunk carries the prompt's
+    assert sdk.completions.create(echo=True, **payload).choices[0].logprobs is None
+    chunks = list(sdk.completions.create(logprobs=1, echo=True, stream=True, **payload))
+    assert chunks[0].choices[0].text == scored.choices[0].text[: len(chunks[0].choices[0].text)]
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]
+
+
 SAMPLERS = {
     "greedy-penalties-bias": {
         "temperature": 0,

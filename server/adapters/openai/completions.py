@@ -2,7 +2,10 @@
 
 The prompt is a string, token ids, or a batch of either; choices are ``n`` per prompt, in
 order. The text is not parsed (no reasoning or tool-call split): it is what the model wrote,
-cut at EOS or a stop string.
+cut at EOS or a stop string. With ``echo`` and ``logprobs`` the prompt's tokens lead the
+logprobs as OpenAI's completions give them (the first with no logprob, each other scored after
+the tokens before it): what evaluation harnesses read to score a text (lm-evaluation-harness's
+``local-completions`` sums ``token_logprobs`` over a continuation it sent as part of the prompt).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ class TextLogprobs:
     """The legacy completions logprobs object."""
 
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, state: ServerState, items: list[TokenLogprob], offset: int) -> None:
+    def add(self, state: ServerState, items: list[TokenLogprob], offset: int) -> int:
+        """Append ``items``, the first starting at character ``offset``; the offset after."""
         tt = state.token_text
         for lp in items:
             text = tt.text(lp.token_id)
@@ -45,6 +49,16 @@ class TextLogprobs:
             self.top_logprobs.append({tt.text(t): v for t, v in lp.top})
             self.text_offset.append(offset)
             offset += len(text)
+        return offset
+
+    def add_prompt(self, state: ServerState, first: int, scored: list[TokenLogprob]) -> int:
+        """The prompt's tokens: ``first`` (nothing before it to score it by), then ``scored``."""
+        text = state.token_text.text(first)
+        self.tokens.append(text)
+        self.token_logprobs.append(None)
+        self.top_logprobs.append(None)
+        self.text_offset.append(0)
+        return self.add(state, scored, len(text))
 
     def body(self) -> dict[str, Any]:
         return {
@@ -59,7 +73,12 @@ class TextLogprobs:
 async def completions(request: Request) -> Response:
     state, req = await read_body(request, CompletionRequest)
     model = state.check_model(req.model)
-    params = openai_params(req, top_logprobs=req.logprobs, top_logprobs_param="logprobs")
+    params = openai_params(
+        req,
+        top_logprobs=req.logprobs,
+        top_logprobs_param="logprobs",
+        prompt_logprobs=req.logprobs if req.echo else None,
+    )
     # the prompt count is limited before anything is tokenized, which runs off the event loop
     prompts = await asyncio.to_thread(encode_prompts, state, req.prompt, n=params.n)
     requests = build_requests(state, prompts, params)
@@ -73,21 +92,33 @@ async def completions(request: Request) -> Response:
         for _ in range(req.n)
     ]
     logprobs = req.logprobs is not None
+    # each choice's prompt ids, where its logprobs lead with the prompt's
+    firsts = [p.ids[0] if req.echo and logprobs else None for p in prompts for _ in range(req.n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    encoder = TextStream(job, echoes, logprobs, include_usage) if req.stream else None
+    encoder = TextStream(job, echoes, firsts, logprobs, include_usage) if req.stream else None
     return await respond(
-        request, job, stream_with=encoder, body=lambda d: text_body(job, d, echoes, logprobs)
+        request,
+        job,
+        stream_with=encoder,
+        body=lambda d: text_body(job, d, echoes, firsts, logprobs),
     )
 
 
 def text_body(
-    job: Job, deltas: list[list[OutputDelta]], echoes: list[str], logprobs: bool
+    job: Job,
+    deltas: list[list[OutputDelta]],
+    echoes: list[str],
+    firsts: list[int | None],
+    logprobs: bool,
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for index, steps in enumerate(deltas):
         text = echoes[index]
         lps = TextLogprobs()
         for step in steps:
+            first = firsts[index]
+            if first is not None and step.prompt_logprobs is not None:
+                lps.add_prompt(job.state, first, step.prompt_logprobs)
             lps.add(job.state, step.logprobs, len(text))
             text += step.text
         choices.append(
@@ -106,10 +137,18 @@ class TextStream(OpenAIStream):
 
     object_type = "text_completion"
 
-    def __init__(self, job: Job, echoes: list[str], logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        job: Job,
+        echoes: list[str],
+        firsts: list[int | None],
+        logprobs: bool,
+        include_usage: bool,
+    ) -> None:
         super().__init__(job, include_usage)
-        self.echoes, self.logprobs = echoes, logprobs
+        self.echoes, self.firsts, self.logprobs = echoes, firsts, logprobs
         self.offset = 0
+        self.echo_pending = False
 
     def _choice(self, index: int, text: str, lps: dict | None, finish: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
@@ -117,10 +156,21 @@ class TextStream(OpenAIStream):
     def choice_start(self, index: int) -> Iterable[dict[str, Any]]:
         echo = self.echoes[index]
         self.offset = len(echo)
-        if echo:
+        # a scored prompt's echo waits for its scores, which come with the first delta
+        self.echo_pending = bool(echo) and self.firsts[index] is not None
+        if echo and not self.echo_pending:
             yield self.chunk([self._choice(index, echo, None, None)])
 
     def delta(self, index: int, step: OutputDelta) -> Iterable[dict[str, Any]]:
+        first = self.firsts[index]
+        if self.echo_pending:
+            self.echo_pending = False
+            body = None
+            if first is not None and step.prompt_logprobs is not None:
+                echoed = TextLogprobs()
+                echoed.add_prompt(self.job.state, first, step.prompt_logprobs)
+                body = echoed.body()
+            yield self.chunk([self._choice(index, self.echoes[index], body, None)])
         lps = TextLogprobs()
         lps.add(self.job.state, step.logprobs, self.offset)
         self.offset += len(step.text)
