@@ -52,6 +52,8 @@ def parse_draft_tokens(value: str | int | None) -> int | None:
 class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
+    #: at most this many tokens; 0: none, the prompt only prefilled (and scored, with
+    #: ``prompt_logprobs``)
     max_tokens: int
     #: Token ids that end generation (every id of generation_config's ``eos_token_id``).
     stop_token_ids: frozenset[int] = frozenset()

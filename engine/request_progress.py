@@ -104,6 +104,12 @@ class Progress:
         self.reasoning_left = None
         return replace(result, emitted=[*emitted[:-1], end])
 
+    def finished_empty(self) -> GenerationEvent:
+        """The one event of a request for no tokens (``max_tokens`` 0): its prompt's scores."""
+        self.stats.generation_seconds = time.perf_counter() - self.started
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return GenerationEvent([], finish_reason="length", stats=self.stats, prompt_logprobs=scored)
+
     def cancelled(self) -> GenerationEvent:
         self.stats.generation_seconds = time.perf_counter() - self.started
         return GenerationEvent([], finish_reason="cancelled", stats=self.stats)

@@ -275,8 +275,8 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
-        if request.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1", "max_tokens")
+        if request.max_tokens < 0:
+            raise RequestError("max_tokens must be at least 0", "max_tokens")
         total = len(request.prompt_ids) + request.max_tokens
         if total > self.context_length:
             raise ContextLengthExceeded(
@@ -497,6 +497,9 @@ class Engine:
                 return
             kept = seq
         progress = Progress.start(request, policy, seq, trace, time.perf_counter() - t0, scored)
+        if progress.remaining == 0:  # the prompt alone: prefilled (and scored), nothing drawn
+            yield progress.finished_empty()
+            return
         chooser = policy.chooser
         timed = chooser if not self.profile else None
         last_end: float | None = None

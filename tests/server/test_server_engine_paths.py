@@ -288,7 +288,8 @@ def test_completions_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesse
     continuation as the prompt with ``echo``, ``logprobs`` 1 and ``max_tokens`` 1, and summing
     ``token_logprobs[len(context):-1]``: every prompt token after the first carries its logprob
     after the tokens before it (the first none), as an independent forward gives them, streamed
-    or not (with the conversation cache: tests/engine/test_prefix_cache.py)."""
+    or not, and with ``max_tokens`` 0 (older harnesses) the prompt alone (with the conversation
+    cache: tests/engine/test_prefix_cache.py)."""
     sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
     context = [11, 200, 31, 7, 45, 99, 12, 5, 301, 42, 77, 150]  # (a 320-token vocabulary)
     continuation = [64, 3, 250, 18, 90]
@@ -308,6 +309,13 @@ def test_completions_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesse
     # what the harness computes from it
     total = sum(lp.token_logprobs[len(context) : -1])
     assert total == pytest.approx(sum(want[len(context) - 1 :]), abs=1e-2)
+    # max_tokens 0 (the form older harnesses send): the prompt alone, scored alike
+    alone = sdk.completions.create(logprobs=1, echo=True, **payload | {"max_tokens": 0})
+    assert alone.choices[0].text == scored.choices[0].text[: len(alone.choices[0].text)]
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]
+    assert alone.usage.completion_tokens == 0 and alone.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        sdk.completions.create(**payload | {"max_tokens": 0})
     # no logprobs asked: none given; streamed: the echo chunk carries the prompt's
     assert sdk.completions.create(echo=True, **payload).choices[0].logprobs is None
     chunks = list(sdk.completions.create(logprobs=1, echo=True, stream=True, **payload))

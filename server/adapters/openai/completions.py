@@ -25,6 +25,7 @@ from server.core.http import json_body, read_body, respond, v1_router
 from server.core.jobs import Job, new_id, start_job
 from server.core.output import OutputDelta
 from server.core.requests import build_requests, encode_prompts
+from server.errors import bad_request
 from server.state import ServerState
 
 router = v1_router()
@@ -73,6 +74,8 @@ class TextLogprobs:
 async def completions(request: Request) -> Response:
     state, req = await read_body(request, CompletionRequest)
     model = state.check_model(req.model)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 is for echo (the prompt alone)", param="max_tokens")
     params = openai_params(
         req,
         top_logprobs=req.logprobs,

@@ -159,4 +159,5 @@ class CompletionRequest(SamplingFields):
     prompt: PromptField
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    max_tokens: int | None = Field(16, ge=1)
+    #: 0 with ``echo``: the prompt alone, echoed (and scored, with ``logprobs``)
+    max_tokens: int | None = Field(16, ge=0)
