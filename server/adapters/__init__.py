@@ -15,13 +15,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.adapters import anthropic, openai
+from server.adapters import anthropic, openai, vllm
 from server.adapters.adapter import Adapter
 from server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)
 
-ADAPTERS: tuple[Adapter, ...] = (openai.ADAPTER, anthropic.ADAPTER)
+ADAPTERS: tuple[Adapter, ...] = (openai.ADAPTER, anthropic.ADAPTER, vllm.ADAPTER)
 
 
 def error_response(error: APIError, path: str) -> JSONResponse:

@@ -870,7 +870,7 @@ def test_non_streaming_disconnect_cancels_generation(
 # ------------------------------------------------------------------------------------------
 # servers with other settings: API key, a tiny queue
 # ------------------------------------------------------------------------------------------
-def test_api_key_required_on_v1_routes() -> None:
+def test_api_key_required_on_v1_and_tokenizer_routes() -> None:
     app = create_app(FakeEngine(), ServerSettings(api_key="sekrit"))
     with LiveServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sekrit"}):
@@ -878,8 +878,11 @@ def test_api_key_required_on_v1_routes() -> None:
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert c.get("/v1/models", headers=headers).status_code == 401
+            assert c.get("/tokenizer_info", headers=headers).status_code == 401
+            assert c.post("/tokenize", json={"prompt": "x"}, headers=headers).status_code == 401
         assert c.get("/health").status_code == 200
         ok = {"Authorization": "Bearer sekrit"}
+        assert c.post("/tokenize", json={"prompt": "x"}, headers=ok).status_code == 200
         assert c.post("/v1/chat/completions", json=GOOD, headers=ok).status_code == 200
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
         assert sdk.models.list().data[0].id == "fake-model"

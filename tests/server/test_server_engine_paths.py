@@ -323,6 +323,37 @@ def test_completions_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesse
     assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]
 
 
+def test_vllm_tokenizer_endpoints_tokenize_as_the_served_model(
+    tiny_server: LiveServer, tiny_tokenizer
+) -> None:
+    """``/tokenizer_info``, ``/tokenize`` and ``/detokenize`` as vLLM answers them, which
+    lm-evaluation-harness checks for (an ``eos_token`` in the info, a token list from
+    ``/tokenize``) before it tokenizes on the server instead of fetching the tokenizer: the
+    served model's own ids, which ``/v1/completions`` takes as the text itself."""
+    http = httpx.Client(base_url=tiny_server.url, timeout=60)
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == tiny_tokenizer.eos_token
+    assert info["chat_template"] == tiny_tokenizer.chat_template
+    text = "def add(a, b):\n    return a + b"
+    got = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] > len(ids)
+    strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert "".join(strs["token_strs"]) == text
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+    as_text = sdk.completions.create(model="m", prompt=text, max_tokens=6, temperature=0)
+    as_ids = sdk.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0)
+    assert as_text.choices[0].text == as_ids.choices[0].text
+    for path, body, param in (
+        ("/tokenize", {"messages": ask("x")}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+    ):
+        r = http.post(path, json=body)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, (path, body)
+
+
 SAMPLERS = {
     "greedy-penalties-bias": {
         "temperature": 0,

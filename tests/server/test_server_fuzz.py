@@ -56,10 +56,13 @@ POSTS = [
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
 ]
 #: (method, path, generation mode): request bodies valid and invalid; GETs have nothing invalid
 CASES = [("POST", p, m) for p in POSTS for m in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
-CASES += [("GET", p, GenerationMode.POSITIVE) for p in ("/v1/models", "/v1/models/{model_id}")]
+GETS = ("/v1/models", "/v1/models/{model_id}", "/tokenizer_info")
+CASES += [("GET", p, GenerationMode.POSITIVE) for p in GETS]
 
 
 def test_openapi_document_types_every_request_body(fuzzed_server: LiveServer) -> None:
