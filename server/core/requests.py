@@ -267,8 +267,15 @@ def encode_prompts(
         batch = list(prompt)
     if not batch:
         raise bad_request("prompt must not be empty", param=param)
-    if len(batch) * n > state.settings.max_n:
-        raise bad_request(f"n must be at most {state.settings.max_n}", param="n")
+    limit = state.settings.max_n
+    if len(batch) * n > limit:
+        if len(batch) == 1:
+            raise bad_request(f"n must be at most {limit}", param="n")
+        raise bad_request(
+            f"{len(batch)} prompts of {n} choice{'s' if n > 1 else ''} each: at most {limit} "
+            "choices a request (send fewer prompts at once)",
+            param=param,
+        )
     for item in batch:
         if isinstance(item, str):
             check_text_fits(state, item, param)

@@ -491,6 +491,13 @@ def test_completions_batch_and_length(client: openai.OpenAI) -> None:
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.choices[0].text == r.choices[1].text  # greedy, same prompt
+    # more choices than the server takes at once: the prompt batch is named, or n
+    with pytest.raises(openai.BadRequestError, match="9 prompts of 1 choice each") as batch:
+        client.completions.create(model="fake-model", prompt=["x"] * 9, max_tokens=1)
+    assert batch.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="n must be at most") as many:
+        client.completions.create(model="fake-model", prompt="x", max_tokens=1, n=9)
+    assert many.value.body["param"] == "n"
 
 
 def test_completions_streaming_with_logprobs(client: openai.OpenAI) -> None:
