@@ -498,6 +498,11 @@ def test_completions_batch_and_length(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="n must be at most") as many:
         client.completions.create(model="fake-model", prompt="x", max_tokens=1, n=9)
     assert many.value.body["param"] == "n"
+    # a suffix (fill-in-the-middle) is refused, not ignored; an empty one is no suffix
+    with pytest.raises(openai.BadRequestError, match="suffix") as fim:
+        client.completions.create(model="fake-model", prompt="def f(", suffix="):", max_tokens=1)
+    assert fim.value.body["param"] == "suffix"
+    assert client.completions.create(model="fake-model", prompt="x", suffix="", max_tokens=1)
 
 
 def test_completions_streaming_with_logprobs(client: openai.OpenAI) -> None:

@@ -76,6 +76,11 @@ async def completions(request: Request) -> Response:
     model = state.check_model(req.model)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 is for echo (the prompt alone)", param="max_tokens")
+    if req.suffix:  # a completion that ignored it would not fit before the client's suffix
+        raise bad_request(
+            "suffix (fill-in-the-middle) is not served: send the model's own FIM prompt instead",
+            param="suffix",
+        )
     params = openai_params(
         req,
         top_logprobs=req.logprobs,

@@ -161,3 +161,5 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     #: 0 with ``echo``: the prompt alone, echoed (and scored, with ``logprobs``)
     max_tokens: int | None = Field(16, ge=0)
+    #: text after the completion (fill-in-the-middle): refused when sent, never ignored
+    suffix: str | None = None
