@@ -345,7 +345,7 @@ def test_cheap_limits_come_before_tokenizing(
 ) -> None:
     many = {"model": "demo", "prompt": ["one more prompt"] * 20_000, "max_tokens": 1}
     r = post(http, many, "/v1/completions")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert encode_threads == []
     from server.core.chat_format import longest_token_chars
 
