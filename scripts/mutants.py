@@ -89,10 +89,31 @@ MUTATIONS = [
     Mutation(
         "logprobs-reversed",
         "engine/request_progress.py",
-        "logp = result.verify_logits[:n].astype(mx.float32)",
-        "logp = result.verify_logits[:n][::-1].astype(mx.float32)",
+        "return token_logprobs(result.verify_logits[: len(emitted)], emitted, top)",
+        "return token_logprobs(result.verify_logits[: len(emitted)][::-1], emitted, top)",
         ("tests/engine/test_logprobs.py::test_engine_logprobs_equal_an_independent_forward",),
         "an emitted token's logprob is read from another position's row",
+    ),
+    Mutation(
+        "prompt-scores-shifted",
+        "engine/runtime.py",
+        "token_logprobs(logits, ids[position + 1 : position + 1 + len(logits)], top)",
+        "token_logprobs(logits, ids[position : position + len(logits)], top)",
+        (
+            "tests/engine/test_prefix_cache.py::test_a_scored_prompt_restores_nothing_and_equals_a_cold_run",
+            "tests/server/test_server_engine_paths.py::test_completions_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it",
+        ),
+        "a prompt token scored by its own position's logits instead of the one before",
+    ),
+    Mutation(
+        "scored-prompt-restores",
+        "engine/runtime.py",
+        "        elif cache is not None:\n            restored = cache.guarded(",
+        "        if cache is not None:\n            restored = cache.guarded(",
+        (
+            "tests/engine/test_prefix_cache.py::test_a_scored_prompt_restores_nothing_and_equals_a_cold_run",
+        ),
+        "a scored prompt restores a cached prefix, whose positions have no logits",
     ),
     Mutation(
         "logprobs-unnormalised",
