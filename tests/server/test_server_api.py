@@ -503,6 +503,11 @@ def test_completions_batch_and_length(client: openai.OpenAI) -> None:
         client.completions.create(model="fake-model", prompt="def f(", suffix="):", max_tokens=1)
     assert fim.value.body["param"] == "suffix"
     assert client.completions.create(model="fake-model", prompt="x", suffix="", max_tokens=1)
+    # best_of: served only as n itself, never ranked silently
+    with pytest.raises(openai.BadRequestError, match="best_of") as best:
+        client.completions.create(model="fake-model", prompt="x", best_of=3, max_tokens=1)
+    assert best.value.body["param"] == "best_of"
+    assert client.completions.create(model="fake-model", prompt="x", best_of=2, n=2, max_tokens=1)
 
 
 def test_completions_streaming_with_logprobs(client: openai.OpenAI) -> None:

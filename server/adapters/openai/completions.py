@@ -76,6 +76,11 @@ async def completions(request: Request) -> Response:
     model = state.check_model(req.model)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 is for echo (the prompt alone)", param="max_tokens")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(
+            "best_of is served only equal to n (each choice as drawn, none ranked)",
+            param="best_of",
+        )
     if req.suffix:  # a completion that ignored it would not fit before the client's suffix
         raise bad_request(
             "suffix (fill-in-the-middle) is not served: send the model's own FIM prompt instead",

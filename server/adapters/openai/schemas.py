@@ -163,3 +163,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0)
     #: text after the completion (fill-in-the-middle): refused when sent, never ignored
     suffix: str | None = None
+    #: candidates drawn to return the n most likely: only n itself is served (each choice as
+    #: drawn), never a silent n where more were asked for
+    best_of: int | None = Field(None, ge=1)
