@@ -332,6 +332,25 @@ def test_tool_call_non_streaming(client: openai.OpenAI) -> None:
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
 
 
+def test_deprecated_function_calling_is_refused_not_ignored(client: openai.OpenAI) -> None:
+    """``functions`` / ``function_call`` (OpenAI's deprecated function calling) are a 400 that
+    names them and what to send instead; ignored, the reply would come without the functions."""
+    ask = [{"role": "user", "content": "TRIGGER_TOOL"}]
+    functions = [tool["function"] for tool in TOOLS]
+    for fields, param in (
+        ({"functions": functions}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+    ):
+        with pytest.raises(openai.BadRequestError, match="deprecated") as refused:
+            client.chat.completions.create(model="fake-model", messages=ask, **fields)
+        assert refused.value.body["param"] == param
+    hi = [{"role": "user", "content": "hi"}]
+    served = client.chat.completions.create(
+        model="fake-model", messages=hi, extra_body={"functions": []}
+    )
+    assert served.choices[0].finish_reason in ("stop", "length")  # an empty list is no functions
+
+
 def test_tool_calls_streamed_as_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="fake-model",

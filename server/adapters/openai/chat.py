@@ -71,6 +71,12 @@ async def chat_completions(request: Request) -> Response:
     model = state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, legacy):
+            raise bad_request(
+                f"{legacy} (OpenAI's deprecated function calling) is not served: send {current}",
+                param=legacy,
+            )
     choice = req.tool_choice
     tools = select_tools(
         [t.model_dump(exclude_none=True) for t in req.tools or []],

@@ -126,6 +126,10 @@ class SamplingFields(OpenAISampler):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    #: OpenAI's deprecated function calling: refused when sent (``tools`` is served), never
+    #: ignored, which would answer without the functions
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
