@@ -379,6 +379,9 @@ def test_responses_stateless_and_errors(client: openai.OpenAI, http: httpx.Clien
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_123")
     assert info.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", extra_body={"conversation": "conv_1"})
+    assert info.value.body["param"] == "conversation"
     r = client.responses.create(model=MODEL, input="TRIGGER_PLAIN", store=True, max_output_tokens=2)
     assert r.store is False and r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens"

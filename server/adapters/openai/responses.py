@@ -8,7 +8,8 @@ reasoning); the output's blocks become output items — ``reasoning``, ``message
 ``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` ran out).
 
 Stateless by design: nothing is stored (``store`` is accepted and answered ``false``), and
-``previous_response_id`` is a 400 — clients resend the conversation, as Codex CLI does.
+``previous_response_id`` and ``conversation`` are a 400 — clients resend the conversation, as
+Codex CLI does.
 """
 
 from __future__ import annotations
@@ -97,13 +98,14 @@ def _render(state: ServerState, req: ResponsesRequest) -> tuple[Prompt, str | No
 async def responses(request: Request) -> Response:
     state, req = await read_body(request, ResponsesRequest)
     model = state.check_model(req.model)
-    if req.previous_response_id is not None:
-        raise bad_request(
-            "previous_response_id is not supported: this server stores no responses; "
-            "send the whole conversation in 'input'",
-            param="previous_response_id",
-            code="unsupported_parameter",
-        )
+    for stored in ("previous_response_id", "conversation"):
+        if getattr(req, stored) is not None:
+            raise bad_request(
+                f"{stored} is not supported: this server stores no responses or "
+                "conversations; send the whole conversation in 'input'",
+                param=stored,
+                code="unsupported_parameter",
+            )
     prompt, grammar = await asyncio.to_thread(_render, state, req)  # templating, tokenizing
     params = GenerationParams(
         max_tokens=req.max_output_tokens,

@@ -139,6 +139,8 @@ class ResponsesRequest(ResponsesSampler):
     store: bool | None = None
     #: Rejected with a 400: this server keeps no responses (send the whole conversation).
     previous_response_id: str | None = None
+    #: Rejected with a 400 too: a stored conversation (an id, or ``{"id": ...}``) is not kept.
+    conversation: str | dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     #: Extensions (not in OpenAI's schema).
     draft_tokens: DraftTokens = None
