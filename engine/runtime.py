@@ -397,8 +397,9 @@ class Engine:
     ) -> Generator[None, None, Sequence | None]:
         """Restore the longest cached prefix of the prompt, prefill the rest one chunk per step
         (``prefill_steps``; a snapshot at each block end and at the prompt's end); None if
-        cancelled meanwhile. A request that scores its prompt (``prompt_logprobs``) restores
-        nothing and appends each prompt token's score after the first to ``scored``."""
+        cancelled meanwhile. With ``scored`` (a request that scores its prompt,
+        ``prompt_logprobs``) it restores nothing and appends each prompt token's score after the
+        first to that list."""
         use_head = policy.fixed != 0 and self.has_head
         head = self.loaded.head
         seq = new_sequence(self.trunk, head, request.prompt_ids, request.sampling, use_head)
@@ -406,8 +407,8 @@ class Engine:
         seq.constraint = self._sequence_constraint(request)
         cache = self.prefix_cache
         score = None
-        if request.prompt_logprobs is not None:
-            score = self._prompt_scorer(request, scored if scored is not None else [])
+        if scored is not None:
+            score = self._prompt_scorer(request, scored)
         elif cache is not None:
             restored = cache.guarded("a lookup", cache.lookup, request.prompt_ids, use_head)
             if restored is not None:

@@ -40,8 +40,8 @@ class TextLogprobs:
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, state: ServerState, items: list[TokenLogprob], offset: int) -> int:
-        """Append ``items``, the first starting at character ``offset``; the offset after."""
+    def add(self, state: ServerState, items: list[TokenLogprob], offset: int) -> None:
+        """Append ``items``, the first starting at character ``offset``."""
         tt = state.token_text
         for lp in items:
             text = tt.text(lp.token_id)
@@ -50,16 +50,15 @@ class TextLogprobs:
             self.top_logprobs.append({tt.text(t): v for t, v in lp.top})
             self.text_offset.append(offset)
             offset += len(text)
-        return offset
 
-    def add_prompt(self, state: ServerState, first: int, scored: list[TokenLogprob]) -> int:
+    def add_prompt(self, state: ServerState, first: int, scored: list[TokenLogprob]) -> None:
         """The prompt's tokens: ``first`` (nothing before it to score it by), then ``scored``."""
         text = state.token_text.text(first)
         self.tokens.append(text)
         self.token_logprobs.append(None)
         self.top_logprobs.append(None)
         self.text_offset.append(0)
-        return self.add(state, scored, len(text))
+        self.add(state, scored, len(text))
 
     def body(self) -> dict[str, Any]:
         return {
@@ -126,10 +125,9 @@ def text_body(
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for index, steps in enumerate(deltas):
-        text = echoes[index]
+        text, first = echoes[index], firsts[index]
         lps = TextLogprobs()
         for step in steps:
-            first = firsts[index]
             if first is not None and step.prompt_logprobs is not None:
                 lps.add_prompt(job.state, first, step.prompt_logprobs)
             lps.add(job.state, step.logprobs, len(text))
@@ -175,13 +173,12 @@ class TextStream(OpenAIStream):
             yield self.chunk([self._choice(index, echo, None, None)])
 
     def delta(self, index: int, step: OutputDelta) -> Iterable[dict[str, Any]]:
-        first = self.firsts[index]
-        if self.echo_pending:
+        if self.echo_pending:  # this choice's first prompt id is known (``firsts``)
             self.echo_pending = False
             body = None
-            if first is not None and step.prompt_logprobs is not None:
+            if step.prompt_logprobs is not None:
                 echoed = TextLogprobs()
-                echoed.add_prompt(self.job.state, first, step.prompt_logprobs)
+                echoed.add_prompt(self.job.state, self.firsts[index], step.prompt_logprobs)
                 body = echoed.body()
             yield self.chunk([self._choice(index, self.echoes[index], body, None)])
         lps = TextLogprobs()
