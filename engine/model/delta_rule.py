@@ -66,8 +66,8 @@ def delta_rule_layer(
     )
     if T == 1:
         return y, StepCapture(final)
-    k = conv_out[..., m.key_dim : 2 * m.key_dim].reshape(B, T, m.num_k_heads, m.head_k_dim)
-    return y, ReplayCapture(state, k, u, log_g, final)
+    # the keys as the conv's slice: their heads split (a copy) only when a replay reads them
+    return y, ReplayCapture(state, conv_out[..., m.key_dim : 2 * m.key_dim], u, log_g, final)
 
 
 def delta_rule_chunk(
@@ -267,7 +267,8 @@ class ReplayCapture:
     key is re-run, and the floats are bit for bit the ones the pass computed there."""
 
     start: mx.array  # S_0 [B, H, Dv, Dk]
-    k: mx.array  # [B, T, Hk, Dk], as the pass took it (the replay normalizes it the same way)
+    k: mx.array  # [B, T, Hk, Dk] or [B, T, Hk * Dk], as the pass took it (the replay normalizes
+    # it the same way)
     u: mx.array  # [B, T, H, Dv]
     log_g: mx.array  # [B, T, H]
     final: mx.array  # the state after position T
@@ -293,8 +294,9 @@ class ReplayCapture:
         return self._replay((last + 1).astype(mx.int32))
 
     def _replay(self, keep: mx.array) -> mx.array:
+        k = self.k.reshape(*self.k.shape[:2], -1, self.start.shape[-1])  # [B, T, Hk, Dk]
         return products.native().delta_rule_replay(
-            self.start, self.k, self.u, self.log_g, keep, eps=L2_EPS
+            self.start, k, self.u, self.log_g, keep, eps=L2_EPS
         )
 
 

@@ -335,6 +335,19 @@ def swiglu_linear(
     return None if outs is None else outs[0]
 
 
+def gated_linear(
+    module: nn.Module, x: mx.array, gate: mx.array, residual: mx.array | None = None
+) -> mx.array | None:
+    """``linear(module, x * sigmoid(gate), residual)`` (a gated attention's output projection)
+    in one op of the kernel, ``gate`` of x's size in any shape (read in row-major order: the
+    heads of a query projection's split, as they lie); None where the kernel does not take it
+    (the caller gates and runs ``linear``)."""
+    if gate.dtype != mx.float32 or gate.size != x.size:
+        return None
+    outs = _on_kernel_together([module], x, residual=residual, gate=gate)
+    return None if outs is None else outs[0]
+
+
 def joined_linear(
     module: nn.Module, x: mx.array, norm: nn.Module, x2: mx.array, norm2: nn.Module
 ) -> mx.array | None:
@@ -354,11 +367,15 @@ def _on_kernel_together(
     residual: mx.array | None = None,
     up: mx.array | None = None,
     joined: tuple[mx.array, nn.Module] | None = None,
+    gate: mx.array | None = None,
 ) -> list[mx.array] | None:
-    """``linears`` (or ``linear`` with a residual, ``swiglu_linear``, ``joined_linear``) by one
-    op of the kernel; None unless the kernel takes every product, the norm (an RMS norm), the
-    residual, the activation's ``up`` and the joined input (float32 throughout)."""
-    if len(modules) < 2 and norm is None and residual is None and up is None:
+    """``linears`` (or ``linear`` with a residual, ``swiglu_linear``, ``gated_linear``,
+    ``joined_linear``) by one op of the kernel; None unless the kernel takes every product, the
+    norm (an RMS norm), the residual, the activation's ``up``, the gate and the joined input
+    (float32 throughout)."""
+    if len(modules) < 2 and norm is None and residual is None and up is None and gate is None:
+        return None
+    if gate is not None and x.dtype != mx.float32:
         return None
     if up is not None and (x.dtype != mx.float32 or up.dtype != mx.float32 or up.shape != x.shape):
         return None
@@ -390,6 +407,7 @@ def _on_kernel_together(
         eps=eps,
         residual=residual,
         up=up,
+        gate=gate,
         joined=second,
         joined_norm_weight=second_weight,
         joined_eps=second_eps,

@@ -267,7 +267,8 @@ def _attention_in(layer: nn.Module) -> Callable[..., Any]:
         values = values.reshape(B, L, a.num_key_value_heads, -1)
         queries = rotated(a.rope, queries, offset, a.scale, a.q_norm)
         keys = rotated(a.rope, keys, offset, norm=a.k_norm)
-        return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
+        # the gate as the split leaves it, [B, L, heads, D]: joining its heads would copy it
+        return queries, keys, values.transpose(0, 2, 1, 3), gate
 
     return block
 
@@ -306,8 +307,11 @@ def _attention_out(layer: nn.Module) -> Callable[..., Any]:
     a = layer.self_attn
 
     def block(x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
-        # attended [B, L, Hq * D]: each position's heads joined (attention.attend)
-        h = linear(a.o_proj, attended * sigmoid(gate), residual=x)
+        # attended [B, L, Hq * D]: each position's heads joined (attention.attend); the gate
+        # [B, L, Hq, D] as _attention_in split it off, inside the projection's op on the kernel
+        h = products.gated_linear(a.o_proj, attended, gate, residual=x)
+        if h is None:
+            h = linear(a.o_proj, attended * sigmoid(gate.reshape(attended.shape)), residual=x)
         return mlp(layer, h)
 
     return block

@@ -536,3 +536,32 @@ def test_a_norm_before_and_a_residual_after_are_the_separate_ops_bit_for_bit() -
     down = products.swiglu_linear(layers[0], x, up, residual)
     want = residual + products.linear(layers[0], native.swiglu(x, up))
     assert np.array_equal(np.array(down), np.array(want))
+
+
+def test_a_gate_inside_the_output_projection_is_its_sigmoid_then_the_product() -> None:
+    """A gated attention's output projection, ``linear(o_proj, x * sigmoid(gate), residual)``
+    in one op: against float64 (the exp is the elementwise ops' polynomial), the residual added
+    bit for bit as a separate add; the gate read as it lies, a query projection's split heads
+    ``[B, L, H, D]`` the same bits as the same gate contiguous ``[B, L, H * D]``; where the
+    kernel does not take it, None."""
+    import mlx.nn as nn
+
+    x = mx.array(_random((2, 3, 128), 41)) * 2
+    joined = mx.array(_random((2, 3, 4, 64), 42)) * 3  # [query | gate] of 4 heads of 32
+    gate = mx.split(joined, 2, axis=-1)[1]  # [2, 3, 4, 32], strided
+    contiguous = mx.contiguous(gate.reshape(2, 3, 128))
+    residual = mx.array(_random((2, 3, 48), 43))
+    layer = nn.Linear(128, 48, bias=False)
+    mx.eval(layer.parameters())
+    got = products.gated_linear(layer, x, gate, residual)
+    same = products.gated_linear(layer, x, contiguous, residual)
+    assert np.array_equal(np.array(got), np.array(same))
+    g = np.array(contiguous).astype(np.float64)
+    gated = np.array(x).astype(np.float64) / (1 + np.exp(-g))
+    want = gated @ np.array(layer.weight).astype(np.float64).T + np.array(residual)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+    alone = products.gated_linear(layer, x, gate)
+    assert np.array_equal(np.array(got), np.array(alone + residual))
+    assert products.gated_linear(layer, x, gate[..., :16]) is None  # not x's size
+    with pytest.raises(ValueError, match="gate"):
+        native.products(x, [(layer.weight, None, None, 0, 0, False)], gate=gate[..., :16])

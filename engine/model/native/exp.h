@@ -80,4 +80,13 @@ __attribute__((always_inline)) inline void silu_in_place(float* v, int64_t n) {
   }
 }
 
+// v[i] * sigmoid(g[i]) for i in [0, n), in place: sigmoid(g) = 1 / (1 + exp(-g)).
+__attribute__((always_inline)) inline void sigmoid_gate(float* v, const float* g, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t lanes = n - i < 16 ? n - i : 16;
+    const Lanes sigmoid = 1.0f / (1.0f + exp_poly(-lanes_from(g + i, lanes)));
+    lanes_to(v + i, lanes_from(v + i, lanes) * sigmoid, lanes);
+  }
+}
+
 }  // namespace mtpserve

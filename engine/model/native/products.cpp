@@ -247,6 +247,9 @@ struct ProductExtras {
   float eps = 0.0f;
   bool residual = false;
   bool swiglu = false;  // the input is silu(x) * up (`up` an input): an MLP's down projection
+  // the input is x * sigmoid(gate) (`gate` an input of x's size, any shape and strides, read in
+  // row-major order): a gated attention's output projection
+  bool gated = false;
   // the input is [norm(x) | norm2(x2)] along the last axis (x2 and its norm's weight inputs):
   // the MTP head's embedding and hidden state, each with its own norm, joined for its fc
   bool joined = false;
@@ -264,7 +267,8 @@ struct ProductExtras {
 void compute(const mx::array& x, const std::vector<mx::array>& weights,
              const std::vector<WeightSpec>& specs, const ProductExtras& extras,
              const mx::array* norm_weight, const mx::array* residual, const mx::array* up,
-             const mx::array* x2, const mx::array* norm2_weight, std::vector<mx::array>& ys) {
+             const mx::array* gate, const mx::array* x2, const mx::array* norm2_weight,
+             std::vector<mx::array>& ys) {
   const int64_t in1 = x.shape(-1);
   const int64_t rows = in1 == 0 ? 0 : x.size() / in1;
   if (rows == 0) return;
@@ -301,6 +305,11 @@ void compute(const mx::array& x, const std::vector<mx::array>& weights,
       silu_in_place(row, in);
       for (int64_t j = 0; j < in; ++j) row[j] = row[j] * u[j];
     }
+  }
+  if (extras.gated) {  // sigmoid's exp as silu's (exp.h), row by row
+    thread_local std::vector<float> gates;
+    const float* g = packed(*gate, gates);
+    for (int64_t r = 0; r < rows; ++r) sigmoid_gate(widened.data() + r * stride, g + r * in, in);
   }
   if (extras.norm && !extras.joined) {
     const float* w = packed(*norm_weight, norm_scratch);
@@ -391,9 +400,10 @@ class RowsProduct : public mx::Primitive {
                const mx::array* norm = extras.norm ? &in[next++] : nullptr;
                const mx::array* residual = extras.residual ? &in[next++] : nullptr;
                const mx::array* up = extras.swiglu ? &in[next++] : nullptr;
+               const mx::array* gate = extras.gated ? &in[next++] : nullptr;
                const mx::array* x2 = extras.joined ? &in[next++] : nullptr;
                const mx::array* norm2 = extras.joined ? &in[next] : nullptr;
-               compute(in[0], weights, specs, extras, norm, residual, up, x2, norm2, out);
+               compute(in[0], weights, specs, extras, norm, residual, up, gate, x2, norm2, out);
              });
   }
 
@@ -503,6 +513,7 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
                                 const std::optional<mx::array>& norm_weight, float eps,
                                 const std::optional<mx::array>& residual,
                                 const std::optional<mx::array>& up,
+                                const std::optional<mx::array>& gate,
                                 const std::optional<mx::array>& joined,
                                 const std::optional<mx::array>& joined_norm_weight,
                                 float joined_eps, bool prompt) {
@@ -540,6 +551,14 @@ std::vector<mx::array> products(const mx::array& x, const std::vector<WeightArgs
       throw std::invalid_argument("products: up needs float32 x and up of one shape, no norm");
     extras.swiglu = true;
     inputs.push_back(*up);
+  }
+  if (gate) {
+    if (norm_weight || up || x.dtype() != mx::float32 || gate->dtype() != mx::float32 ||
+        gate->size() != x.size())
+      throw std::invalid_argument(
+          "products: gate needs float32 x and a float32 gate of x's size, no norm, no up");
+    extras.gated = true;
+    inputs.push_back(*gate);
   }
   if (joined) {
     mx::Shape lead = x.shape(), lead2 = joined->shape();
@@ -662,6 +681,7 @@ NB_MODULE(_products, m) {
       "eps"_a = 0.0f,
       "residual"_a = nb::none(),
       "up"_a = nb::none(),
+      "gate"_a = nb::none(),
       "joined"_a = nb::none(),
       "joined_norm_weight"_a = nb::none(),
       "joined_eps"_a = 0.0f,
@@ -670,7 +690,8 @@ NB_MODULE(_products, m) {
       "group_size, interleaved) as `product` takes them (None, None, 0, 0, False for a float "
       "weight); the outputs "
       "are bit for bit `product`'s. With norm_weight, x is first RMS-normed as rms_norm(x, "
-      "norm_weight, eps) does; with up, the input is swiglu(x, up); with joined (and its norm), "
+      "norm_weight, eps) does; with up, the input is swiglu(x, up); with gate, x * sigmoid(gate) "
+      "(gate of x's size, read in row-major order); with joined (and its norm), "
       "the input is [rms_norm(x) | rms_norm(joined)] along the last axis; with residual (one "
       "weight), it is added to the output: bit for bit the separate ops.");
   m.def("isa", [] {
