@@ -91,7 +91,7 @@ def _load() -> None:
     except ImportError as error:
         _reason = f"not built ({error}; `make install` builds it)"
         return
-    if not hasattr(_products, "top_k_truncate"):
+    if not hasattr(_products, "run_tape"):
         _reason = "a stale build (`make install` rebuilds it)"
         return
     _native = _products

@@ -31,6 +31,7 @@ from engine.model.attention import RowKVCache, attend_rows
 from engine.model.delta_rule import capture_of
 from engine.model.gated_deltanet import BatchCommit, GDNLayerState, gated_deltanet
 from engine.model.products import linear, linears
+from engine.model.tape import Taped
 
 
 class TrunkCache:
@@ -189,7 +190,7 @@ def compiled(
     blocks = module.__dict__.setdefault("_mtpserve_compiled", {})
     key = (kind, products.in_prompt())
     if key not in blocks:
-        blocks[key] = mx.compile(build(module))
+        blocks[key] = Taped(mx.compile(build(module)))
     return blocks[key]
 
 

@@ -336,7 +336,7 @@ class WritePositions : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(output);
-    encoder.dispatch([out = mx::array::unsafe_weak_copy(output),
+    hand_out(stream(), [out = mx::array::unsafe_weak_copy(output),
                       from = mx::array::unsafe_weak_copy(buffer),
                       update = mx::array::unsafe_weak_copy(inputs[1]),
                       positions = mx::array::unsafe_weak_copy(inputs[2]), in_place]() mutable {

@@ -44,4 +44,7 @@ void bind_attention(nanobind::module_& m);
 // Adds top_k_truncate, argmax and accept_candidates to the module (sampler.cpp).
 void bind_sampler(nanobind::module_& m);
 
+// The Python functions of tape.cpp: a traced block of ops run as one primitive.
+void bind_tape(nanobind::module_& m);
+
 }  // namespace mtpserve

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -28,8 +29,32 @@ const int32_t* packed_ints(const mlx::core::array& a, std::vector<int32_t>& scra
 // The default stream when it is the CPU's (invalid_argument naming `what` otherwise).
 mlx::core::Stream cpu_stream(const char* what);
 
+// One primitive's work as a tape (tape.cpp) records it: `body(in, out)` over weak copies of the
+// primitive's inputs and outputs, in their order (a tape may run it again over other arrays of
+// the same shapes).
+struct RecordedWork {
+  std::function<void(std::vector<mlx::core::array>&, std::vector<mlx::core::array>&)> body;
+  std::vector<mlx::core::array> in, out;
+  void operator()() { body(in, out); }
+};
+
+// Where the work of this module's primitives goes while a tape lays out its nodes on this
+// thread: recorded, to run as one task of the stream, instead of a task each; null otherwise.
+std::vector<RecordedWork>*& recorded_work();
+
+// `task` handed to the stream's thread: recorded while a tape lays out its nodes (as work over
+// no arrays: a tape cannot run it again), else dispatched by the stream's encoder.
+template <class Task>
+void hand_out(mlx::core::Stream stream, Task task) {
+  if (auto* sink = recorded_work())
+    sink->push_back({[task](auto&, auto&) mutable { task(); }, {}, {}});
+  else
+    mlx::core::cpu::get_command_encoder(stream).dispatch(std::move(task));
+}
+
 // Registers every input and output with the stream's encoder and runs `body(in, out)` on its
-// thread with weak copies (mlx keeps the arrays alive until the task has run).
+// thread with weak copies (mlx keeps the arrays alive until the task has run; a tape until its
+// task has).
 template <class Body>
 void dispatch(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
               std::vector<mlx::core::array>& outputs, Body body) {
@@ -45,7 +70,10 @@ void dispatch(mlx::core::Stream stream, const std::vector<mlx::core::array>& inp
     encoder.set_output_array(a);
     out.push_back(mx::array::unsafe_weak_copy(a));
   }
-  encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
+  if (auto* sink = recorded_work())
+    sink->push_back({body, std::move(in), std::move(out)});
+  else
+    encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
 }
 
 }  // namespace mtpserve

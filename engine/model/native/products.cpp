@@ -656,6 +656,7 @@ NB_MODULE(_products, m) {
   bind_elementwise(m);
   bind_attention(m);
   bind_sampler(m);
+  bind_tape(m);
   m.def(
       "product",
       &product,
