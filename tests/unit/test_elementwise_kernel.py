@@ -3,7 +3,8 @@ SwiGLU and the rotary embedding against numpy in float64 (silu's exp is a polyno
 ~2 ulp, mlx's path powf); the bit-identities decoding relies on — a position's conv or rotary
 output does not depend on how many positions are computed with it, and the 16-lane and
 one-at-a-time silu agree — for every length decoding and prefill use, taps of every float
-type, with and without a bias, strided inputs; one lazy primitive each; their errors."""
+type, with and without a bias, strided inputs; the head's draft logits scattered into the
+vocabulary as mlx places them; one lazy primitive each; their errors."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.model import norms, products
 from engine.model.activations import swiglu
 from engine.model.gated_deltanet import causal_conv_silu, conv_window_silu
 from engine.model.trunk import rotated
+from tests.graphs import primitive_names
 
 native = products.native()
 pytestmark = pytest.mark.skipif(native is None, reason="the native kernel is not built")
@@ -173,3 +175,20 @@ def test_rope_matches_numpy_and_mlx_and_each_position_is_its_own() -> None:
         native.rope(x, mx.array([1, 2]), 64, 1e7, 1.0, False)
     with pytest.raises(ValueError, match="dims"):
         native.rope(x, mx.array(1), 63, 1e7, 1.0, False)
+
+
+def test_scattered_columns_are_mlx_s_put_along_axis_into_minus_infinity() -> None:
+    """The MTP head's draft logits placed in the full vocabulary: one op, bit for bit mlx's
+    ``full(-inf)`` and ``put_along_axis``; an id outside the row places nothing."""
+    values = mx.random.normal((2, 3, 5), key=mx.random.key(7))
+    ids = mx.array([0, 4, 9, 17, 31], dtype=mx.int32)
+    got = native.scatter_columns(values, ids, 32)
+    empty = mx.full((2, 3, 32), -mx.inf, dtype=mx.float32)
+    want = mx.put_along_axis(empty, mx.broadcast_to(ids, values.shape), values, axis=-1)
+    assert got.shape == (2, 3, 32) and np.array_equal(np.array(got), np.array(want))
+    assert primitive_names(native.scatter_columns(values, ids, 32)) == {"ScatterColumns"}
+    outside = native.scatter_columns(values[..., :2], mx.array([3, 40], dtype=mx.int32), 32)
+    row = np.array(outside)[0, 0]
+    assert row[3] == np.array(values)[0, 0, 0] and np.isneginf(np.delete(row, 3)).all()
+    with pytest.raises(ValueError, match="scatter_columns"):
+        native.scatter_columns(values, ids[:4], 32)

@@ -14,8 +14,10 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -205,6 +207,57 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(stream), {gate, up});
 }
 
+// Rows of `width` that hold -inf but at columns ids[j], which hold values[..., j]: the MTP head's
+// draft logits over its draft vocabulary, placed in the full vocabulary (mlx's full and
+// put_along_axis: three ops of its own).
+class ScatterColumns : public mx::UnaryPrimitive {
+ public:
+  ScatterColumns(mx::Stream stream, int width) : mx::UnaryPrimitive(stream), width_(width) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    std::vector<mx::array> outputs{output};
+    dispatch(stream(), inputs, outputs, [width = width_](auto& in, auto& out) {
+      thread_local std::vector<float> value_scratch;
+      thread_local std::vector<int32_t> id_scratch;
+      const float* values = packed(in[0], value_scratch);
+      const int32_t* ids = packed_ints(in[1], id_scratch);
+      const int64_t n = in[0].shape(-1), rows = n == 0 ? 0 : in[0].size() / n;
+      float* y = out[0].template data<float>();
+      std::fill(y, y + rows * width, -std::numeric_limits<float>::infinity());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; ++j)
+          if (ids[j] >= 0 && ids[j] < width) y[r * width + ids[j]] = values[r * n + j];
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("ScatterColumns runs on the CPU only");
+  }
+  const char* name() const override { return "ScatterColumns"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return width_ == static_cast<const ScatterColumns&>(other).width_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = width_;
+    return {shape};
+  }
+
+ private:
+  int width_;
+};
+
+mx::array scatter_columns(const mx::array& values, const mx::array& ids, int width) {
+  auto stream = cpu_stream("scatter_columns");
+  if (values.dtype() != mx::float32 || values.ndim() < 1 || ids.ndim() != 1 ||
+      ids.dtype() != mx::int32 || ids.shape(0) != values.shape(-1))
+    throw std::invalid_argument(
+        "scatter_columns: float32 values [..., n] and int32 ids [n] (each below width)");
+  mx::Shape shape = values.shape();
+  shape.back() = width;
+  return mx::array(shape, mx::float32, std::make_shared<ScatterColumns>(stream, width),
+                   {values, ids});
+}
+
 // The rotary embedding of x [B, L, H, D] at positions offset_b + l, written as [B, H, L, D]
 // (the layout attention takes) and times `factor`: what mlx's mx.fast.rope computes on a CPU,
 // where it has no kernel and runs as ~13 ops of its own (positions, frequencies, cos, sin, the
@@ -343,6 +396,10 @@ void bind_elementwise(nb::module_& m) {
         "bias"_a = nb::none(),
         "(window, causal_conv_silu(window, taps, bias)) with window = [state | new] along the "
         "positions, in one op: state [B, K - 1, C] and new [B, T, C] float32.");
+  m.def("scatter_columns", &scatter_columns, "values"_a, "ids"_a, "width"_a,
+        "Rows of `width` columns, -inf but at ids[j], which holds values[..., j]: float32 "
+        "values [..., n], int32 ids [n] (distinct; one outside [0, width) places nothing); lazy, "
+        "like any op.");
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,
         "silu(gate) * up for float32 arrays of one shape; lazy, like any op.");
 }
