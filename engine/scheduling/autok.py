@@ -364,7 +364,8 @@ class EngineAutoK:
         distance d between q and p at least (1-d)/(1+d) against rejection sampling's 1-d.) So
         the plan is measured once per build and machine: the acceptance the model shows on
         fixed texts (``probe_acceptance``) and the cycle times of every K on the same texts
-        (``time_probe_cycles``), kept in the cost cache (``seeded_plan_path``) and read back on
+        (``time_probe_cycles``; drafting cycles priced at the upper quartile of the rounds,
+        ``drafting_spread``), kept in the cost cache (``seeded_plan_path``) and read back on
         every later start. A request then follows its own acceptance (``SeededAutoK``).
 
         Why the cycles are timed here and not read from the cost table: at start-up the table
@@ -384,10 +385,16 @@ class EngineAutoK:
             acceptance = probe_acceptance(
                 self.engine, sampler, timings=timings, sequences=sequences, counts=counts
             )
+        rounds: list[list[tuple[int, int, float]]] = []
         for _ in rounds_within(TIMED_PROBE_ROUNDS, TIMED_PROBE_SECONDS):
+            timed: list[tuple[int, int, float]] = []
             for k in TIMED_PROBE_ORDER:
-                time_probe_cycles(self.engine, sampler, k, timings, sequences=sequences)
+                time_probe_cycles(self.engine, sampler, k, timed, sequences=sequences)
+            rounds.append(timed)
+            timings += timed
         seconds = probe_cycle_seconds(timings)
+        spread = drafting_spread(rounds)
+        seconds = [seconds[0], *(s * spread for s in seconds[1:])]
         self.seeded = SeededPlan(acceptance, seconds)
         log.info(
             "auto K: seeded sampled requests start at K=%d (acceptance %s, cycles timed on the "
@@ -577,6 +584,31 @@ def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
     slope, intercept = statistics.linear_regression(*zip(*drafting, strict=True))
     line = [intercept + slope * k if by_k[k] else math.inf for k in range(1, MAX_AUTO_K + 1)]
     return [medians[0], *line]
+
+
+def drafting_spread(rounds: list[list[tuple[int, int, float]]]) -> float:
+    """What ``seeded_plan`` multiplies its drafting cycles by: the upper quartile, over the timed
+    rounds and drafting K, of a round's drafting-to-plain ratio over that K's median ratio
+    (at least 1). Why price drafting pessimistically: the plan is kept for the build and machine,
+    so a drafting K chosen on one noisy second slows every seeded request after it, and on two
+    shared cores a K=3 cycle's ratio to a plain one wandered over 2.2-4.2 between rounds a tenth
+    of a second apart (demo model): five fresh plans at one commit chose K=0 four times and K=2
+    once, where the bench ran K=2 at 0.87x plain. Drafting then has to pay in three rounds of
+    four. Within a round each ratio is over that round's own plain cycles (timed first and last),
+    so the machine's drift between rounds cancels."""
+    ratios: dict[int, list[float]] = {}
+    for timed in rounds:
+        plain = [seconds for k, _, seconds in timed if k == 0]
+        if not plain:
+            continue
+        base = statistics.median(plain)
+        for k in {k for k, _, _ in timed if k > 0}:
+            cycle = statistics.median(seconds for kk, _, seconds in timed if kk == k)
+            ratios.setdefault(k, []).append(cycle / base)
+    relative = sorted(r / statistics.median(rs) for rs in ratios.values() for r in rs)
+    if len(relative) < 4:
+        return 1.0
+    return max(1.0, relative[(3 * len(relative)) // 4])
 
 
 def representative_sampler(engine: CostProbe, params: Any) -> Any:

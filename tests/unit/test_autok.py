@@ -489,3 +489,19 @@ def test_a_sampled_request_stops_drafting_only_when_plain_decoding_is_clearly_fa
     assert choose_at(-0.02) == 1
     assert choose_at(0.02) == (0 if kind == "greedy" else 1)
     assert choose_at(0.05) == 0
+
+
+def test_a_plans_drafting_cycles_are_priced_at_the_upper_quartile_of_their_rounds() -> None:
+    """Each round's drafting cycles over that round's own plain ones (a drift of the whole
+    machine between rounds cancels), over each K's median ratio: the upper quartile, at least
+    1; too few rounds to tell, 1."""
+    from engine.scheduling.autok import drafting_spread
+
+    def round_(plain: float, drafting: float) -> list[tuple[int, int, float]]:
+        return [(0, 1, plain), *((k, 1, (1 + k) * drafting) for k in (1, 2, 3)), (0, 1, plain)]
+
+    steady = [round_(s, s) for s in (1.0, 1.5, 0.7, 2.0)]  # the whole machine drifting
+    assert drafting_spread(steady) == pytest.approx(1.0)
+    noisy = [round_(1.0, f) for f in (1.0, 1.0, 1.0, 1.2, 0.8, 1.0, 1.0, 1.1)]
+    assert drafting_spread(noisy) == pytest.approx(1.1)
+    assert drafting_spread(noisy[:1]) == 1.0
