@@ -233,6 +233,27 @@ MUTATIONS = [
         ),
         "a row padded in a pass of a higher K commits as if the pass had verified its own K",
     ),
+    Mutation(
+        "tape-keyed-by-types-alone",
+        "engine/model/tape.py",
+        "key = tuple((tuple(a.shape), a.dtype) for a in args)",
+        "key = tuple(a.dtype for a in args)",
+        ("tests/unit/test_tape.py::test_a_block_of_another_shape_is_traced_anew",),
+        "a block traced at one shape runs its tape at another: the outputs keep the traced "
+        "shapes and the work reads past its arguments",
+    ),
+    Mutation(
+        "seeded-plan-prices-drafting-at-the-median",
+        "engine/scheduling/autok.py",
+        "    return max(1.0, relative[(3 * len(relative)) // 4])",
+        "    return 1.0",
+        (
+            "tests/unit/test_autok.py::"
+            "test_a_plans_drafting_cycles_are_priced_at_the_upper_quartile_of_their_rounds",
+        ),
+        "a seeded plan drafts on a noisy second's timings: every seeded request on the build "
+        "and machine then drafts where plain decoding was faster",
+    ),
 ]
 
 

@@ -123,6 +123,24 @@ def test_a_block_of_another_shape_is_traced_anew() -> None:
     assert len(taped.graphs) == 2
 
 
+def test_an_argument_or_a_constant_among_the_outputs_is_itself() -> None:
+    (w,) = _weights((16, 40))
+
+    def block(x: mx.array) -> tuple[mx.array, ...]:
+        return native.products(x, [_float(w)])[0], x, w
+
+    taped = Taped(mx.compile(block))
+    for call in range(4):
+        x = mx.random.normal((1, 2, 40), key=mx.random.key(80 + call))
+        out, same, weight = taped(x)
+        assert np.array_equal(np.array(out), np.array(block(x)[0]))
+        assert np.array_equal(np.array(same), np.array(x))
+        assert weight.dtype == w.dtype
+        assert np.array_equal(np.array(weight.astype(mx.float32)), np.array(w.astype(mx.float32)))
+    graph, _ = next(iter(taped.graphs.values()))
+    assert graph.runs_again
+
+
 def test_a_block_without_ops_of_its_own_runs_as_itself() -> None:
     taped = Taped(lambda x: x)
     x = mx.arange(4)

@@ -128,7 +128,8 @@ struct TapeGraph {
 std::vector<bool> fresh_values(const TapeGraph& g, int values) {
   std::vector<bool> fresh(values, false);
   for (int a = 0; a < g.arguments; ++a) fresh[a] = true;
-  for (int v : g.outputs) fresh[v] = true;
+  for (int v : g.outputs)
+    if (v >= g.first_node_value()) fresh[v] = true;  // a constant shown as an output stays one
   for (bool added = true; added;) {
     added = false;
     for (const TapeNode& node : g.nodes) {
