@@ -304,9 +304,8 @@ class Tape : public mx::Primitive {
         now.push_back(std::move(fresh));
         continue;
       }
-      // a view: its input is fresh and comes first in value order
+      // a view: its one input is fresh and comes first in value order
       std::vector<mx::array> in{now[index.at(node->inputs[0])]};
-      for (size_t i = 1; i < node->inputs.size(); ++i) in.push_back(inputs[node->inputs[i]]);
       auto out = mx::array::make_arrays(node->shapes, node->dtypes, node->primitive, in);
       node->primitive->eval_cpu(in, out);
       now.push_back(out[j]);
@@ -397,7 +396,7 @@ std::shared_ptr<TraceHandle> trace(const std::vector<mx::array>& arguments,
   for (const auto& a : order) {
     TapeNode node{a.primitive_ptr(), {}, {}, {}, next, ours(a.primitive()), false};
     for (const auto& in : a.inputs()) node.inputs.push_back(number(in));
-    node.view = !node.ours && a_view(a.primitive()) && node.inputs.size() >= 1 &&
+    node.view = !node.ours && a_view(a.primitive()) && node.inputs.size() == 1 &&
         node.inputs[0] >= graph->arguments + static_cast<int>(graph->constants.size());
     for (const auto& o : a.outputs()) {
       node.shapes.push_back(o.shape());
