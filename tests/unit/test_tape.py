@@ -121,6 +121,9 @@ def test_a_block_of_another_shape_is_traced_anew() -> None:
         got, want = taped(x, x), block(x, x)
         assert np.array_equal(np.array(got[0]), np.array(want[0]))
     assert len(taped.graphs) == 2
+    graph, _ = next(iter(taped.graphs.values()))
+    with pytest.raises(ValueError, match="traced"):
+        native.run_tape(graph, [mx.zeros((2, 3, 40)), mx.zeros((2, 3, 40))])
 
 
 def test_an_argument_or_a_constant_among_the_outputs_is_itself() -> None:

@@ -110,6 +110,8 @@ struct Replay {
 // already evaluated: weights), then every node's outputs in trace order.
 struct TapeGraph {
   int arguments = 0;
+  std::vector<mx::Shape> argument_shapes;
+  std::vector<mx::Dtype> argument_dtypes;
   std::vector<mx::array> constants;
   std::vector<TapeNode> nodes;
   std::vector<int> outputs;
@@ -353,6 +355,10 @@ std::shared_ptr<TraceHandle> trace(const std::vector<mx::array>& arguments,
                                    const std::vector<mx::array>& outputs) {
   auto graph = std::make_shared<TapeGraph>();
   graph->arguments = static_cast<int>(arguments.size());
+  for (const auto& a : arguments) {
+    graph->argument_shapes.push_back(a.shape());
+    graph->argument_dtypes.push_back(a.dtype());
+  }
   std::unordered_map<std::uintptr_t, int> argument_of, constant_of;
   for (size_t i = 0; i < arguments.size(); ++i) argument_of.emplace(arguments[i].id(), i);
   // the nodes in an order the graph allows (each after its inputs' nodes), by depth-first walk
@@ -419,6 +425,10 @@ std::vector<mx::array> run(const TraceHandle& handle, const std::vector<mx::arra
   const TapeGraph& graph = *handle.graph;
   if (static_cast<int>(arguments.size()) != graph.arguments)
     throw std::invalid_argument("run_tape: the tape takes another number of arguments");
+  for (int i = 0; i < graph.arguments; ++i)
+    if (arguments[i].shape() != graph.argument_shapes[i] ||
+        arguments[i].dtype() != graph.argument_dtypes[i])
+      throw std::invalid_argument("run_tape: an argument's shape or type is not the traced one");
   std::vector<mx::array> inputs(arguments.begin(), arguments.end());
   inputs.insert(inputs.end(), graph.constants.begin(), graph.constants.end());
   return mx::array::make_arrays(graph.output_shapes, graph.output_dtypes,
