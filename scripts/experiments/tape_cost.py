@@ -4,9 +4,11 @@ each switch), and the calling thread's CPU milliseconds per token::
 
     python scripts/experiments/tape_cost.py --ks 0,2,3 --rounds 24
     python scripts/experiments/tape_cost.py --ks 0,2,3 --rounds 24 --sampled
+    python scripts/experiments/tape_cost.py --ks 0 --rows 8 --rounds 12
 
-One prompt, EOS ignored, greedy or Qwen's sampler seeded; each round runs both settings at
-every K (in alternating order), after a short warm-up run of each. Reports each setting's
+One prompt, EOS ignored, greedy or Qwen's sampler seeded; with ``--rows`` that many requests
+as rows of one batch (aggregate time per token). Each round runs both settings at every K (in
+alternating order), after a short warm-up run of each. Reports each setting's
 median and the median of the rounds' ratios (tape over compiled) with its quartiles.
 """
 
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--sampled", action="store_true", help="Qwen's sampler, seeded")
+    parser.add_argument("--rows", type=int, default=1, help="requests as rows of one batch")
     args = parser.parse_args()
     engine = Engine.load(args.model)
     ids = engine.tokenizer.encode(PROMPT)
@@ -68,8 +71,18 @@ def main() -> None:
     def run(k: int, tokens: int) -> tuple[float, float, list[int]]:
         request = GenerationRequest(ids, sampling, tokens, draft_tokens=k, ignore_eos=True)
         wall, cpu, out = time.perf_counter(), time.thread_time(), []
-        for event in engine.generate(request):
-            out += event.token_ids
+        if args.rows == 1:
+            for event in engine.generate(request):
+                out += event.token_ids
+        else:
+            batch = engine.batch(args.rows)
+            for row in range(args.rows):
+                batch.add(row, request)
+            while len(batch):
+                for _, item in batch.step():
+                    if isinstance(item, BaseException):
+                        raise item
+                    out += item.token_ids
         per = 1e3 / len(out)
         return (time.perf_counter() - wall) * per, (time.thread_time() - cpu) * per, out
 
