@@ -98,9 +98,18 @@ struct Replay {
     int index;         // in that vector
     int fresh;         // in Replay::fresh
   };
+  // A value each run makes anew: an argument, or output `output` of node `node` (a view's
+  // input is the fresh value `input`).
+  struct Fresh {
+    int argument;  // >= 0: that argument
+    int node;
+    int output;
+    int input;
+  };
   std::vector<RecordedWork> work;        // this module's nodes', in trace order
   std::vector<std::vector<Slot>> slots;  // per work
-  std::vector<int> fresh;                // the values each run makes anew, in value order
+  std::vector<Fresh> fresh;              // in value order
+  std::vector<int> output_fresh;         // per tape output: in `fresh`, -1 for a constant
   std::vector<mx::array> kept;           // the others between the nodes
   int64_t kept_bytes = 0;                // counted in replay_bytes while this lives
   ~Replay() { replay_bytes -= kept_bytes; }
@@ -238,11 +247,21 @@ class Tape : public mx::Primitive {
     const std::vector<bool> fresh = fresh_values(g, static_cast<int>(values.size()));
     auto replay = std::make_shared<Replay>();
     std::vector<int> fresh_index(values.size(), -1);
-    for (size_t v = 0; v < values.size(); ++v) {
-      if (!fresh[v]) continue;
-      fresh_index[v] = static_cast<int>(replay->fresh.size());
-      replay->fresh.push_back(static_cast<int>(v));
+    for (int a = 0; a < g.arguments; ++a) {
+      fresh_index[a] = static_cast<int>(replay->fresh.size());
+      replay->fresh.push_back({a, -1, 0, -1});
     }
+    for (size_t n = 0; n < g.nodes.size(); ++n) {
+      const TapeNode& node = g.nodes[n];
+      for (size_t j = 0; j < node.shapes.size(); ++j) {
+        const int v = node.first_output + static_cast<int>(j);
+        if (!fresh[v]) continue;
+        fresh_index[v] = static_cast<int>(replay->fresh.size());
+        const int input = node.view ? fresh_index[node.inputs[0]] : -1;
+        replay->fresh.push_back({-1, static_cast<int>(n), static_cast<int>(j), input});
+      }
+    }
+    for (int v : g.outputs) replay->output_fresh.push_back(fresh_index[v]);
     int64_t kept_bytes = 0;
     for (size_t v = g.first_node_value(); v < values.size(); ++v) {
       if (fresh[v]) continue;
@@ -289,32 +308,31 @@ class Tape : public mx::Primitive {
     const TapeGraph& g = *graph_;
     std::vector<mx::array> now;  // Replay::fresh's values of this run
     now.reserve(replay->fresh.size());
-    std::unordered_map<int, int> index;  // value -> in `now`
-    for (int v : replay->fresh) {
-      index.emplace(v, static_cast<int>(now.size()));
-      if (v < g.arguments) {
-        now.push_back(inputs[v]);
+    std::vector<mx::array> view_out;  // the outputs of the view last redone
+    int view_node = -1;
+    for (const Replay::Fresh& f : replay->fresh) {
+      if (f.argument >= 0) {
+        now.push_back(inputs[f.argument]);
         continue;
       }
-      const TapeNode* node = nullptr;
-      for (const TapeNode& n : g.nodes)
-        if (v >= n.first_output && v < n.first_output + static_cast<int>(n.shapes.size())) node = &n;
-      const int j = v - node->first_output;
-      if (node->ours) {
-        mx::array fresh(node->shapes[j], node->dtypes[j], nullptr, {});
+      const TapeNode& node = g.nodes[f.node];
+      if (node.ours) {
+        mx::array fresh(node.shapes[f.output], node.dtypes[f.output], nullptr, {});
         fresh.set_data(mx::allocator::malloc(fresh.nbytes()));
         now.push_back(std::move(fresh));
         continue;
       }
-      // a view: its one input is fresh and comes first in value order
-      std::vector<mx::array> in{now[index.at(node->inputs[0])]};
-      auto out = mx::array::make_arrays(node->shapes, node->dtypes, node->primitive, in);
-      node->primitive->eval_cpu(in, out);
-      now.push_back(out[j]);
+      if (view_node != f.node) {  // a view's fresh outputs follow each other: redone once
+        std::vector<mx::array> in{now[f.input]};
+        view_out = mx::array::make_arrays(node.shapes, node.dtypes, node.primitive, in);
+        node.primitive->eval_cpu(in, view_out);
+        view_node = f.node;
+      }
+      now.push_back(view_out[f.output]);
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
-      const int v = g.outputs[i];
-      outputs[i].copy_shared_buffer(v < g.first_node_value() ? inputs[v] : now[index.at(v)]);
+      const int f = replay->output_fresh[i];
+      outputs[i].copy_shared_buffer(f < 0 ? inputs[g.outputs[i]] : now[f]);
     }
     std::vector<mx::array> weak;
     weak.reserve(now.size());
