@@ -41,6 +41,23 @@ T = TypeVar("T")
 
 
 @dataclass
+class HeadAhead:
+    """A drafting cycle's next first head step, launched before the cycle was read back
+    (``engine.cycle.speculative.launch_head_ahead``): the head run over every position the
+    cycle verified, its cache written from position ``base`` on, and the output (``state``,
+    ``logits``) of the position after the cycle's last accepted draft. The cycle's commit
+    leaves the caches as if nothing had run ahead and sets ``pending`` when the step ran
+    exactly the pairs that are then pending (every emitted token kept); the next drafting
+    cycle of the row alone then takes it (``take_head_ahead``) instead of running them."""
+
+    base: int
+    depth: int
+    state: mx.array
+    logits: mx.array
+    pending: mx.array | None = None
+
+
+@dataclass
 class Sequence:
     tokens: list[int]
     params: SamplingParams
@@ -63,6 +80,8 @@ class Sequence:
     restored: int = 0
     #: structured output: the grammar the emitted tokens follow (``sampling.constraint``)
     constraint: TokenConstraint | None = None
+    #: the next first head step, run while the last cycle was read back (``HeadAhead``)
+    head_ahead: HeadAhead | None = None
 
     @property
     def next_position(self) -> int:
@@ -191,6 +210,26 @@ def drive(steps: Generator[Any, None, T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+def take_head_ahead(seq: Sequence) -> tuple[mx.array, mx.array] | None:
+    """The head's output over the pending pairs from ``seq.head_ahead`` — which already wrote
+    them to the head's cache: they leave ``head_pending`` — or None when it does not hold
+    exactly those pairs. Either way the sequence holds no step ahead afterwards."""
+    ahead, seq.head_ahead = seq.head_ahead, None
+    cache = seq.head_cache
+    if (
+        ahead is None
+        or ahead.pending is None
+        or cache is None
+        or len(seq.head_pending) != 1
+        or seq.head_pending[0] is not ahead.pending
+        or cache.offset != ahead.base
+    ):
+        return None
+    cache.offset += ahead.pending.shape[1]
+    seq.head_pending = []
+    return ahead.state, ahead.logits
 
 
 def absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:

@@ -42,7 +42,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.cycle.sequence import Sequence, absorb_pending, absorb_pending_rows
+from engine.cycle.sequence import (
+    HeadAhead,
+    Sequence,
+    absorb_pending,
+    absorb_pending_rows,
+    take_head_ahead,
+)
+from engine.model import products
 from engine.model.mtp import MTPHead, project_to_vocab
 from engine.model.trunk import leads_a_group, trunk_hidden, trunk_hidden_rows
 from sampling.acceptance import (
@@ -156,6 +163,9 @@ def launch_cycles(
         k, limits = 0, [0] * rows
     if k > 0 and any(seq.unread_token is not None for seq in seqs):
         raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
+    if k == 0 or rows > 1:  # a step run ahead serves the next drafting cycle of its row alone
+        for seq in seqs:
+            seq.head_ahead = None
     alike = all(n == k for n in limits)
     # Rows that draw argmaxes of the raw logits (greedy, no bias, penalties or grammar) draw
     # and accept as one op over all rows: the same comparisons, row by row, in fewer ops.
@@ -177,7 +187,8 @@ def launch_cycles(
     draft_rows: list[Truncated] = []  # sampled rows: the rows q draft i was drawn from, [B, W]
     if k > 0:
         if rows == 1:
-            state, logits = absorb_pending(trunk, head, seqs[0], keep_last=False)
+            ahead = take_head_ahead(seqs[0])
+            state, logits = ahead or absorb_pending(trunk, head, seqs[0], keep_last=False)
         else:
             state, logits = absorb_pending_rows(trunk, head, seqs)
         caches = [seq.head_cache for seq in seqs]
@@ -512,6 +523,44 @@ class _RowDrafts:
         return accept_drafts_with(drafts, self.q, p_all, accept, emit)
 
 
+def launch_head_ahead(
+    trunk: Any, head: MTPHead | None, seq: Sequence, launched: LaunchedCycle
+) -> None:
+    """Start the next drafting cycle's first head step behind ``launched`` (a drafting cycle of
+    ``seq`` alone), before it is read back (``HeadAhead``).
+
+    Why: a drafting cycle's device work waits on the host between its read-back and the next
+    cycle's first draft step (reading, committing, the request's event, building the step), and
+    that step needs only what the device already holds: the pairs the next cycle catches up on
+    are the verify's states h_j with the emitted tokens x_{j+1} — draft j+1 while j is below
+    the accepted count n, the next token at j = n. So the head runs every verified position
+    j = 0..depth with those tokens and returns position n's output (``MTPHead``'s ``pick``):
+    each position's numbers are its own (row-wise products, each query over its own keys), so
+    position n's output and the cache's first n+1 new entries are bit for bit what catching up
+    on the n+1 kept pairs writes and returns (tests/engine/test_head_ahead.py), and the entries
+    past them lie beyond the cache's length, overwritten by the next write. Native kernel only:
+    mlx's own products are not row-wise exact, and a seed must repeat whichever way its drafts
+    were computed (alone, or batched where nothing runs ahead)."""
+    cache = seq.head_cache
+    depth = launched.depth
+    if head is None or cache is None or depth < 1 or seq.head_pending or leads_a_group(trunk):
+        return
+    if not products.on_native():
+        return
+    offset = cache.offset
+    # the cycle's further draft steps wrote past ``base``: its commit drops them
+    base = offset - (depth - 1)
+    cache.offset = base
+    last = launched.next_token.reshape(1).astype(mx.int32)
+    emitted = mx.concatenate([launched.drafts.astype(mx.int32), last])
+    tokens = mx.where(mx.arange(depth + 1) < launched.n_accepted, emitted, last)[None]
+    pick = launched.n_accepted.reshape(1)
+    state, logits = head(trunk, tokens, launched.hidden, cache, seq.head_position, pick=pick)
+    mx.async_eval(state, logits)
+    cache.offset = offset
+    seq.head_ahead = HeadAhead(base, depth, state, logits)
+
+
 def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:
     """``read_cycle`` for every row of a batched cycle, with one device->host sync."""
     mx.eval(*(a for c in launched for a in (c.n_accepted, c.next_token, c.drafts)))
@@ -549,7 +598,7 @@ def commit_unread(seq: Sequence, launched: LaunchedCycle) -> None:
         raise ValueError("only a plain cycle keeps its token unconditionally")
     if seq.constraint is not None:
         raise ValueError("a constrained sequence's next mask needs the token on the host")
-    _keep_positions(seq, launched.hidden, 0, 1)
+    _keep_positions(seq, launched.hidden, 0, 1, complete=False)
     token = launched.next_token.reshape(1)
     if seq.history is not None:
         seq.history.extend(token)
@@ -566,7 +615,8 @@ def finish_unread(seq: Sequence, result: CycleResult) -> list[int]:
 def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     """Keep the first ``n_keep`` emitted tokens (1..len(emitted)); restore the invariant."""
     emitted = result.emitted[:n_keep]
-    _keep_positions(seq, result.verify_hidden, result.depth, n_keep)
+    complete = n_keep == len(result.emitted)
+    _keep_positions(seq, result.verify_hidden, result.depth, n_keep, complete)
     seq.tokens.extend(emitted)
     if seq.history is not None:
         seq.history.extend(emitted)
@@ -575,13 +625,21 @@ def commit(seq: Sequence, result: CycleResult, n_keep: int) -> list[int]:
     return emitted
 
 
-def _keep_positions(seq: Sequence, verify_hidden: mx.array, depth: int, n_keep: int) -> None:
-    """The caches' side of a commit: of the depth+1 verified positions keep the first n_keep."""
+def _keep_positions(
+    seq: Sequence, verify_hidden: mx.array, depth: int, n_keep: int, complete: bool
+) -> None:
+    """The caches' side of a commit: of the depth+1 verified positions keep the first n_keep
+    (``complete``: every token the cycle emitted, so a ``HeadAhead`` ran the pending pairs)."""
+    ahead, seq.head_ahead = seq.head_ahead, None
     seq.trunk_cache.commit(n_keep, depth + 1)
     if seq.head_cache is not None:
         # The verify states of the kept positions become pending head pairs; drop the head's
         # speculative positions (draft steps 2..depth) — they were fed drafts, not committed
         # pairs.
-        seq.head_pending.append(verify_hidden[:, :n_keep])
+        kept = verify_hidden[:, :n_keep]
+        seq.head_pending.append(kept)
         if depth > 1:
             seq.head_cache.trim(depth - 1)
+        if ahead is not None and complete and ahead.depth == depth and len(seq.head_pending) == 1:
+            ahead.pending = kept
+            seq.head_ahead = ahead

@@ -54,6 +54,7 @@ class MTPHead(nn.Module):
         cache: KVCache | list[KVCache],
         position: int | list[int] | None = None,
         lengths: list[int] | None = None,
+        pick: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Run pairs (hidden[:, j], token_ids[:, j]) at the cache's next positions.
 
@@ -68,6 +69,9 @@ class MTPHead(nn.Module):
             Several sequences at once (a batched draft step): ``token_ids [B, T]``, ``hidden
             [B, T, H]``, one cache and one position per row; ``lengths``: each row's real
             pairs, right-aligned (the columns before them are padding that no cache keeps).
+            pick: one row only: a device index ``[1]``; the output is that pair's instead of the
+                last's, bit for bit what it is as the last of ``pick + 1`` pairs (the pairs
+                after it enter the cache, for the caller to trim).
 
         Returns:
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
@@ -84,7 +88,7 @@ class MTPHead(nn.Module):
                 self.layers[0], z, cache, position, last_only=True, lengths=lengths
             )
         else:
-            z = attention_block(self.layers[0], z, cache, position, last_only=True)
+            z = attention_block(self.layers[0], z, cache, position, last_only=True, pick=pick)
         if leads_a_group(trunk):
             return self.output(trunk, z)  # the projection is a collective: not in a compiled block
         return block(self, "output", lambda head: partial(head.output, trunk), 1)(z)

@@ -332,6 +332,7 @@ def attention_block(
     cache: KVCache,
     position: int | None = None,
     last_only: bool = False,
+    pick: mx.array | None = None,
 ) -> mx.array:
     """A full-attention decoder layer (trunk or MTP head) over T new positions with its cache.
 
@@ -340,10 +341,13 @@ def attention_block(
     ``engine.cycle.speculative``). With ``last_only`` every position's keys and values enter the
     cache but only the last position's output is computed and returned (``[B, 1, H]``): the
     rest of the layer (attention output, o_proj, MLP) is per position, and a one-layer head's
-    earlier outputs are never used. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
+    earlier outputs are never used. ``pick`` (with ``last_only``; a device index ``[1]``): the
+    output of that position instead of the last, each position's query seeing only the keys
+    up to its own (``attention.attend``), so the picked row has the bits it has as the last of
+    ``pick + 1`` positions. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
     """
     position = cache.offset if position is None else position
-    return attention_block_rows(layer, x, [cache], [position], last_only)
+    return attention_block_rows(layer, x, [cache], [position], last_only, pick=pick)
 
 
 def attention_block_rows(
@@ -353,6 +357,7 @@ def attention_block_rows(
     positions: list[int],
     last_only: bool = False,
     lengths: list[int] | None = None,
+    pick: mx.array | None = None,
 ) -> mx.array:
     """``attention_block`` for B rows at once: ``x [B, T, H]``, row b continuing ``caches[b]``
     at sequence position ``positions[b]``. Projections, RoPE (one offset per row) and the MLP
@@ -362,7 +367,7 @@ def attention_block_rows(
     length = x.shape[1]
     offset = mx.array(positions[0]) if len(positions) == 1 else mx.array(positions)
     queries, keys, values, gate = block(layer, "attn_in", _attention_in, length)(x, offset)
-    if last_only and length > 1:
+    if last_only and length > 1 and pick is None:
         # the last query sees every cached key: no mask
         x, queries, gate = x[:, -1:], queries[:, :, -1:], gate[:, -1:]
     if length <= MAX_COMPILED_T or last_only or products.on_native():
@@ -381,4 +386,6 @@ def attention_block_rows(
             )
         out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], out.shape[2], -1)  # heads joined
+    if last_only and pick is not None:
+        x, out, gate = (mx.take(a, pick, axis=1) for a in (x, out, gate))
     return block(layer, "attn_out", _attention_out, x.shape[1])(x, out, gate)
