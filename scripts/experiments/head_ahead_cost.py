@@ -1,0 +1,92 @@
+"""Milliseconds per generated token with a drafting cycle's next first head step launched before
+its read-back (``engine.cycle.speculative.launch_head_ahead``) against without it, the two
+taking turns in one process::
+
+    python scripts/experiments/head_ahead_cost.py --ks 0,3 --rounds 30
+    python scripts/experiments/head_ahead_cost.py --ks 2,3 --rounds 30 --sampled
+
+Three prompts (code, prose, a question) of ``--tokens`` each a turn, EOS ignored, greedy or
+Qwen's sampler seeded. Each round runs both settings at every K (in alternating order), after a
+warm-up run of each. Reports the median time per token of each setting and the median of the
+rounds' ratios (with it over without) with its quartiles; K=0 runs nothing ahead (a control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from engine import blas  # noqa: E402  (preloads the fast BLAS before mlx)
+
+blas.use_fast_blas()
+
+from engine.api import GenerationRequest  # noqa: E402
+from engine.runtime import Engine  # noqa: E402
+from engine.scheduling import batching  # noqa: E402
+from sampling.params import SamplingParams  # noqa: E402
+
+PROMPTS = (
+    "def read_config(path):\n",
+    "The history of the city goes back",
+    "Question: what is a hash table?\nAnswer:",
+)
+LAUNCH_HEAD_AHEAD = batching.launch_head_ahead
+
+
+def seconds_per_token(engine: Engine, k: int, params: SamplingParams, tokens: int) -> float:
+    generated, start = 0, time.perf_counter()
+    for prompt in PROMPTS:
+        ids = list(engine.tokenizer.encode(prompt))
+        request = GenerationRequest(ids, params, tokens, draft_tokens=k, ignore_eos=True)
+        for event in engine.generate(request):
+            generated += len(event.token_ids)
+    return (time.perf_counter() - start) / generated
+
+
+def timed(engine: Engine, ahead: bool, k: int, params: SamplingParams, tokens: int) -> float:
+    batching.launch_head_ahead = LAUNCH_HEAD_AHEAD if ahead else (lambda *_: None)
+    return seconds_per_token(engine, k, params, tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/qwen3.5-demo")
+    parser.add_argument("--ks", default="0,3")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--sampled", action="store_true", help="Qwen's sampler, seeded")
+    args = parser.parse_args()
+    engine = Engine.load(args.model)
+    if args.sampled:
+        params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=1)
+    else:
+        params = SamplingParams(temperature=0.0)
+    for k in (int(k) for k in args.ks.split(",")):
+        for ahead in (True, False):
+            timed(engine, ahead, k, params, args.tokens)
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        ratios = []
+        for round_number in range(args.rounds):
+            order = (True, False) if round_number % 2 == 0 else (False, True)
+            times = {ahead: timed(engine, ahead, k, params, args.tokens) for ahead in order}
+            for ahead, t in times.items():
+                runs[ahead].append(t)
+            ratios.append(times[True] / times[False])
+        low, _, high = statistics.quantiles(ratios, n=4)
+        print(
+            f"K={k}: with {1e3 * statistics.median(runs[True]):.3f} ms a token, without "
+            f"{1e3 * statistics.median(runs[False]):.3f}; with over without "
+            f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f}), {args.rounds} rounds",
+            flush=True,
+        )
+    batching.launch_head_ahead = LAUNCH_HEAD_AHEAD
+
+
+if __name__ == "__main__":
+    main()
