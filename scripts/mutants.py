@@ -254,6 +254,17 @@ MUTATIONS = [
         "a seeded plan drafts on a noisy second's timings: every seeded request on the build "
         "and machine then drafts where plain decoding was faster",
     ),
+    Mutation(
+        "head-ahead-feeds-the-rejected-draft",
+        "engine/cycle/speculative.py",
+        "mx.arange(depth + 1) < launched.n_accepted",
+        "mx.arange(depth + 1) <= launched.n_accepted",
+        (
+            "tests/engine/test_head_ahead.py::test_a_step_run_ahead_is_the_catch_up_it_replaces[3-greedy]",
+        ),
+        "the step run ahead pairs the accepted position with the rejected draft instead of the "
+        "token emitted there: the next cycle drafts from a pair no catch-up would have run",
+    ),
 ]
 
 
