@@ -43,18 +43,36 @@ T = TypeVar("T")
 @dataclass
 class HeadAhead:
     """A drafting cycle's next first head step, launched before the cycle was read back
-    (``engine.cycle.speculative.launch_head_ahead``): the head run over every position the
-    cycle verified, its cache written from position ``base`` on, and the output (``state``,
-    ``logits``) of the position after the cycle's last accepted draft. The cycle's commit
-    leaves the caches as if nothing had run ahead and sets ``pending`` when the step ran
-    exactly the pairs that are then pending (every emitted token kept); the next drafting
-    cycle of the row alone then takes it (``take_head_ahead``) instead of running them."""
+    (``engine.cycle.speculative.launch_heads_ahead``): the head run over every position the
+    cycle verified, its cache written from position ``base`` on, and the output of the
+    position after the cycle's last accepted draft — row ``row`` of ``state [B, 1, H]`` and
+    ``logits [B, 1, V]``, the outputs of the B rows the step ran for. The cycle's commit leaves
+    the caches as if nothing had run ahead and sets ``pending`` when the step ran exactly the
+    pairs that are then pending (every emitted token kept); the row's next drafting cycle then
+    takes it (``take_head_ahead``, ``take_heads_ahead``) instead of running them."""
 
     base: int
     depth: int
     state: mx.array
     logits: mx.array
+    row: int = 0
     pending: mx.array | None = None
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether it ran exactly ``seq``'s pending pairs and its cache is as the commit left it."""
+        cache = seq.head_cache
+        return (
+            self.pending is not None
+            and cache is not None
+            and len(seq.head_pending) == 1
+            and seq.head_pending[0] is self.pending
+            and cache.offset == self.base
+        )
+
+    def taken(self, seq: Sequence) -> None:
+        """Its pairs leave ``head_pending`` for the head's cache, where it wrote them."""
+        seq.head_cache.offset += self.pending.shape[1]
+        seq.head_pending = []
 
 
 @dataclass
@@ -217,19 +235,32 @@ def take_head_ahead(seq: Sequence) -> tuple[mx.array, mx.array] | None:
     them to the head's cache: they leave ``head_pending`` — or None when it does not hold
     exactly those pairs. Either way the sequence holds no step ahead afterwards."""
     ahead, seq.head_ahead = seq.head_ahead, None
-    cache = seq.head_cache
-    if (
-        ahead is None
-        or ahead.pending is None
-        or cache is None
-        or len(seq.head_pending) != 1
-        or seq.head_pending[0] is not ahead.pending
-        or cache.offset != ahead.base
-    ):
+    if ahead is None or not ahead.ready(seq):
         return None
-    cache.offset += ahead.pending.shape[1]
-    seq.head_pending = []
-    return ahead.state, ahead.logits
+    ahead.taken(seq)
+    if ahead.state.shape[0] == 1:
+        return ahead.state, ahead.logits
+    row = slice(ahead.row, ahead.row + 1)
+    return ahead.state[row], ahead.logits[row]
+
+
+def take_heads_ahead(seqs: list[Sequence]) -> tuple[mx.array, mx.array] | None:
+    """``take_head_ahead`` for the rows of a batch: their outputs ``[B, 1, ...]`` when one step
+    ran ahead for exactly these rows in this order and holds each row's pending pairs, else
+    None (and the rows catch up as the cycle begins). No row holds a step ahead afterwards."""
+    aheads = [seq.head_ahead for seq in seqs]
+    for seq in seqs:
+        seq.head_ahead = None
+    first = aheads[0]
+    if first is None or first.state.shape[0] != len(seqs):
+        return None
+    for b, (seq, ahead) in enumerate(zip(seqs, aheads, strict=True)):
+        shared = ahead is not None and ahead.state is first.state and ahead.row == b
+        if not shared or not ahead.ready(seq):
+            return None
+    for seq, ahead in zip(seqs, aheads, strict=True):
+        ahead.taken(seq)
+    return first.state, first.logits
 
 
 def absorb_pending(trunk: Any, head: MTPHead, seq: Sequence, keep_last: bool) -> mx.array | None:

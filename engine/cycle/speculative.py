@@ -48,6 +48,7 @@ from engine.cycle.sequence import (
     absorb_pending,
     absorb_pending_rows,
     take_head_ahead,
+    take_heads_ahead,
 )
 from engine.model import products
 from engine.model.mtp import MTPHead, project_to_vocab
@@ -163,7 +164,7 @@ def launch_cycles(
         k, limits = 0, [0] * rows
     if k > 0 and any(seq.unread_token is not None for seq in seqs):
         raise RuntimeError("a drafting cycle needs the last token on the host (read_cycle)")
-    if k == 0 or rows > 1:  # a step run ahead serves the next drafting cycle of its row alone
+    if k == 0:  # a step run ahead serves only the row's next drafting cycle
         for seq in seqs:
             seq.head_ahead = None
     alike = all(n == k for n in limits)
@@ -190,7 +191,8 @@ def launch_cycles(
             ahead = take_head_ahead(seqs[0])
             state, logits = ahead or absorb_pending(trunk, head, seqs[0], keep_last=False)
         else:
-            state, logits = absorb_pending_rows(trunk, head, seqs)
+            ahead = take_heads_ahead(seqs)
+            state, logits = ahead or absorb_pending_rows(trunk, head, seqs)
         caches = [seq.head_cache for seq in seqs]
         for i in range(k):
             if greedy_rows:
@@ -523,42 +525,55 @@ class _RowDrafts:
         return accept_drafts_with(drafts, self.q, p_all, accept, emit)
 
 
-def launch_head_ahead(
-    trunk: Any, head: MTPHead | None, seq: Sequence, launched: LaunchedCycle
+def launch_heads_ahead(
+    trunk: Any, head: MTPHead | None, seqs: list[Sequence], launched: list[LaunchedCycle]
 ) -> None:
     """Start the next drafting cycle's first head step behind ``launched`` (a drafting cycle of
-    ``seq`` alone), before it is read back (``HeadAhead``).
+    the rows ``seqs``, one pass), before it is read back (``HeadAhead``).
 
     Why: a drafting cycle's device work waits on the host between its read-back and the next
-    cycle's first draft step (reading, committing, the request's event, building the step), and
-    that step needs only what the device already holds: the pairs the next cycle catches up on
-    are the verify's states h_j with the emitted tokens x_{j+1} — draft j+1 while j is below
-    the accepted count n, the next token at j = n. So the head runs every verified position
-    j = 0..depth with those tokens and returns position n's output (``MTPHead``'s ``pick``):
-    each position's numbers are its own (row-wise products, each query over its own keys), so
-    position n's output and the cache's first n+1 new entries are bit for bit what catching up
-    on the n+1 kept pairs writes and returns (tests/engine/test_head_ahead.py), and the entries
-    past them lie beyond the cache's length, overwritten by the next write. Native kernel only:
-    mlx's own products are not row-wise exact, and a seed must repeat whichever way its drafts
-    were computed (alone, or batched where nothing runs ahead)."""
-    cache = seq.head_cache
-    depth = launched.depth
-    if head is None or cache is None or depth < 1 or seq.head_pending or leads_a_group(trunk):
+    cycle's first draft step (reading, committing, each request's event, building the step),
+    and that step needs only what the device already holds: the pairs a row's next cycle
+    catches up on are the verify's states h_j with the emitted tokens x_{j+1} — draft j+1 while
+    j is below the accepted count n, the next token at j = n. So the head runs every verified
+    position j = 0..depth of every row with those tokens and returns each row's position n
+    (``MTPHead``'s ``pick``): each position's numbers are its own (row-wise products, each
+    query over its own keys), so that output and the cache's first n+1 new entries are bit for
+    bit what catching up on the n+1 kept pairs writes and returns, alone or in any batch
+    (tests/engine/test_head_ahead.py), and the entries past them lie beyond the cache's length,
+    overwritten by the next write. Native kernel only: mlx's own products are not row-wise
+    exact, and a seed must repeat whichever way its drafts were computed."""
+    depth = launched[0].depth
+    caches = [seq.head_cache for seq in seqs]
+    if head is None or depth < 1 or leads_a_group(trunk) or not products.on_native():
         return
-    if not products.on_native():
+    if any(cache is None or seq.head_pending for seq, cache in zip(seqs, caches, strict=True)):
         return
-    offset = cache.offset
+    offsets = [cache.offset for cache in caches]
     # the cycle's further draft steps wrote past ``base``: its commit drops them
-    base = offset - (depth - 1)
-    cache.offset = base
-    last = launched.next_token.reshape(1).astype(mx.int32)
-    emitted = mx.concatenate([launched.drafts.astype(mx.int32), last])
-    tokens = mx.where(mx.arange(depth + 1) < launched.n_accepted, emitted, last)[None]
-    pick = launched.n_accepted.reshape(1)
-    state, logits = head(trunk, tokens, launched.hidden, cache, seq.head_position, pick=pick)
-    mx.async_eval(state, logits)
-    cache.offset = offset
-    seq.head_ahead = HeadAhead(base, depth, state, logits)
+    bases = [offset - (depth - 1) for offset in offsets]
+    emitted, lasts = [], []
+    for cycle in launched:
+        last = cycle.next_token.reshape(1).astype(mx.int32)
+        # a row that drafted fewer than the pass's depth: its next token fills the rest
+        fill = mx.repeat(last, depth + 1 - cycle.drafts.shape[0])
+        emitted.append(mx.concatenate([cycle.drafts.astype(mx.int32), fill]))
+        lasts.append(last)
+    accepted = _stack([cycle.n_accepted.reshape(1) for cycle in launched])
+    positions = mx.arange(depth + 1)[None]
+    tokens = mx.where(positions < accepted[:, None], mx.stack(emitted), _stack(lasts)[:, None])
+    for cache, base in zip(caches, bases, strict=True):
+        cache.offset = base
+    hidden = _stack([cycle.hidden for cycle in launched])
+    if len(seqs) == 1:  # as a row alone catches up: its one cache
+        out = head(trunk, tokens, hidden, caches[0], seqs[0].head_position, pick=accepted)
+    else:
+        where = [seq.head_position for seq in seqs]
+        out = head(trunk, tokens, hidden, caches, where, pick=accepted)
+    mx.async_eval(*out)
+    for row, seq in enumerate(seqs):
+        seq.head_cache.offset = offsets[row]
+        seq.head_ahead = HeadAhead(bases[row], depth, *out, row=row)
 
 
 def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:

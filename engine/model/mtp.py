@@ -69,9 +69,9 @@ class MTPHead(nn.Module):
             Several sequences at once (a batched draft step): ``token_ids [B, T]``, ``hidden
             [B, T, H]``, one cache and one position per row; ``lengths``: each row's real
             pairs, right-aligned (the columns before them are padding that no cache keeps).
-            pick: one row only: a device index ``[1]``; the output is that pair's instead of the
-                last's, bit for bit what it is as the last of ``pick + 1`` pairs (the pairs
-                after it enter the cache, for the caller to trim).
+            pick: device indices ``[B]``: row b's output is its pair ``pick[b]``'s instead of
+                its last's, bit for bit what it is as the last of ``pick[b] + 1`` pairs (the
+                pairs after it enter the cache too, for the caller to trim).
 
         Returns:
             ``(out, logits)``: ``[1, 1, H]`` post-norm state and ``[1, 1, V]`` draft logits of
@@ -85,7 +85,7 @@ class MTPHead(nn.Module):
         z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
         if isinstance(cache, list):
             z = attention_block_rows(
-                self.layers[0], z, cache, position, last_only=True, lengths=lengths
+                self.layers[0], z, cache, position, last_only=True, lengths=lengths, pick=pick
             )
         else:
             z = attention_block(self.layers[0], z, cache, position, last_only=True, pick=pick)

@@ -341,10 +341,11 @@ def attention_block(
     ``engine.cycle.speculative``). With ``last_only`` every position's keys and values enter the
     cache but only the last position's output is computed and returned (``[B, 1, H]``): the
     rest of the layer (attention output, o_proj, MLP) is per position, and a one-layer head's
-    earlier outputs are never used. ``pick`` (with ``last_only``; a device index ``[1]``): the
-    output of that position instead of the last, each position's query seeing only the keys
-    up to its own (``attention.attend``), so the picked row has the bits it has as the last of
-    ``pick + 1`` positions. Compiled up to ``MAX_COMPILED_T`` positions, eager beyond.
+    earlier outputs are never used. ``pick`` (with ``last_only``; device indices ``[B]``): the
+    output of that position of each row instead of the last, each position's query seeing only
+    the keys up to its own (``attention.attend``), so the picked position has the bits it has
+    as the last of ``pick + 1`` positions. Compiled up to ``MAX_COMPILED_T`` positions, eager
+    beyond.
     """
     position = cache.offset if position is None else position
     return attention_block_rows(layer, x, [cache], [position], last_only, pick=pick)
@@ -387,5 +388,8 @@ def attention_block_rows(
         out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], out.shape[2], -1)  # heads joined
     if last_only and pick is not None:
-        x, out, gate = (mx.take(a, pick, axis=1) for a in (x, out, gate))
+        x, out, gate = (
+            mx.take_along_axis(a, pick.reshape(-1, *([1] * (a.ndim - 1))), axis=1)
+            for a in (x, out, gate)
+        )
     return block(layer, "attn_out", _attention_out, x.shape[1])(x, out, gate)

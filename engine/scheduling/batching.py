@@ -62,7 +62,7 @@ from engine.cycle.speculative import (
     LaunchedCycle,
     commit_unread,
     launch_cycles,
-    launch_head_ahead,
+    launch_heads_ahead,
     read_cycles,
 )
 from engine.model.memory import release_between_requests, release_while_running
@@ -442,8 +442,8 @@ class BatchDecoder:
                 for row in rows:
                     row.ahead = row.undo = None
                 committed = k == 0 and whole and self._look_ahead(rows, current)
-                if k > 0 and whole and len(rows) == 1 and self._drafts_next(rows[0]):
-                    launch_head_ahead(engine.trunk, engine.head, seqs[0], current[0])
+                if k > 0 and whole and all(self._drafts_next(row) for row in rows):
+                    launch_heads_ahead(engine.trunk, engine.head, seqs, current)
                 results = read_cycles(current)
             except Exception as exc:  # these rows' caches are mid-cycle: they end here
                 log.exception("a batched cycle of %d rows failed", len(rows))
@@ -537,8 +537,8 @@ class BatchDecoder:
         return True
 
     def _drafts_next(self, row: _Row) -> bool:
-        """Whether a row alone, drafting now, may draft in its next cycle too, whatever this one
-        accepts: worth running that cycle's first head step ahead (``launch_head_ahead``). Not
+        """Whether a row drafting now may draft in its next cycle too, whatever this one
+        accepts: worth running that cycle's first head step ahead (``launch_heads_ahead``). Not
         when the profile splits a cycle's times (its syncs would count the step) or when the
         next cycle may have too few tokens left to draft."""
         return not self.engine.profile and row.need.max_k >= row.k + 2

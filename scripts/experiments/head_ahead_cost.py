@@ -1,12 +1,14 @@
 """Milliseconds per generated token with a drafting cycle's next first head step launched before
-its read-back (``engine.cycle.speculative.launch_head_ahead``) against without it, the two
+its read-back (``engine.cycle.speculative.launch_heads_ahead``) against without it, the two
 taking turns in one process::
 
     python scripts/experiments/head_ahead_cost.py --ks 0,3 --rounds 30
     python scripts/experiments/head_ahead_cost.py --ks 2,3 --rounds 30 --sampled
+    python scripts/experiments/head_ahead_cost.py --ks 0,2 --rounds 12 --rows 8
 
 Three prompts (code, prose, a question) of ``--tokens`` each a turn, EOS ignored, greedy or
-Qwen's sampler seeded. Each round runs both settings at every K (in alternating order), after a
+Qwen's sampler seeded; with ``--rows`` that many requests (the prompts in turn) as rows of one
+batch, the aggregate time per token. Each round runs both settings at every K (in alternating order), after a
 warm-up run of each. Reports the median time per token of each setting and the median of the
 rounds' ratios (with it over without) with its quartiles; K=0 runs nothing ahead (a control).
 """
@@ -36,22 +38,38 @@ PROMPTS = (
     "The history of the city goes back",
     "Question: what is a hash table?\nAnswer:",
 )
-LAUNCH_HEAD_AHEAD = batching.launch_head_ahead
+LAUNCH_HEAD_AHEAD = batching.launch_heads_ahead
 
 
-def seconds_per_token(engine: Engine, k: int, params: SamplingParams, tokens: int) -> float:
+def seconds_per_token(
+    engine: Engine, k: int, params: SamplingParams, tokens: int, rows: int
+) -> float:
+    prompts = [list(engine.tokenizer.encode(prompt)) for prompt in PROMPTS]
+    requests = [
+        GenerationRequest(ids, params, tokens, draft_tokens=k, ignore_eos=True) for ids in prompts
+    ]
     generated, start = 0, time.perf_counter()
-    for prompt in PROMPTS:
-        ids = list(engine.tokenizer.encode(prompt))
-        request = GenerationRequest(ids, params, tokens, draft_tokens=k, ignore_eos=True)
-        for event in engine.generate(request):
-            generated += len(event.token_ids)
+    if rows == 1:
+        for request in requests:
+            for event in engine.generate(request):
+                generated += len(event.token_ids)
+    else:
+        batch = engine.batch(rows)
+        for row in range(rows):
+            batch.add(row, requests[row % len(requests)])
+        while len(batch):
+            for _, item in batch.step():
+                if isinstance(item, BaseException):
+                    raise item
+                generated += len(item.token_ids)
     return (time.perf_counter() - start) / generated
 
 
-def timed(engine: Engine, ahead: bool, k: int, params: SamplingParams, tokens: int) -> float:
-    batching.launch_head_ahead = LAUNCH_HEAD_AHEAD if ahead else (lambda *_: None)
-    return seconds_per_token(engine, k, params, tokens)
+def timed(
+    engine: Engine, ahead: bool, k: int, params: SamplingParams, tokens: int, rows: int
+) -> float:
+    batching.launch_heads_ahead = LAUNCH_HEAD_AHEAD if ahead else (lambda *_: None)
+    return seconds_per_token(engine, k, params, tokens, rows)
 
 
 def main() -> None:
@@ -61,6 +79,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--sampled", action="store_true", help="Qwen's sampler, seeded")
+    parser.add_argument("--rows", type=int, default=1, help="requests as rows of one batch")
     args = parser.parse_args()
     engine = Engine.load(args.model)
     if args.sampled:
@@ -69,12 +88,14 @@ def main() -> None:
         params = SamplingParams(temperature=0.0)
     for k in (int(k) for k in args.ks.split(",")):
         for ahead in (True, False):
-            timed(engine, ahead, k, params, args.tokens)
+            timed(engine, ahead, k, params, args.tokens, args.rows)
         runs: dict[bool, list[float]] = {True: [], False: []}
         ratios = []
         for round_number in range(args.rounds):
             order = (True, False) if round_number % 2 == 0 else (False, True)
-            times = {ahead: timed(engine, ahead, k, params, args.tokens) for ahead in order}
+            times = {
+                ahead: timed(engine, ahead, k, params, args.tokens, args.rows) for ahead in order
+            }
             for ahead, t in times.items():
                 runs[ahead].append(t)
             ratios.append(times[True] / times[False])
@@ -85,7 +106,7 @@ def main() -> None:
             f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f}), {args.rounds} rounds",
             flush=True,
         )
-    batching.launch_head_ahead = LAUNCH_HEAD_AHEAD
+    batching.launch_heads_ahead = LAUNCH_HEAD_AHEAD
 
 
 if __name__ == "__main__":
