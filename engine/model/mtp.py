@@ -31,6 +31,7 @@ from engine.model.trunk import (
     attention_block,
     attention_block_rows,
     block,
+    embed,
     leads_a_group,
 )
 
@@ -80,7 +81,7 @@ class MTPHead(nn.Module):
             keeps a catch-up after plain cycles to a quarter to a third of the whole layer's cost
             (``scripts/experiments/plain_stretch.py catch-up``).
         """
-        embedded = products.activations(trunk.model.embed_tokens(token_ids))
+        embedded = embed(trunk, token_ids)
         length = token_ids.shape[1]  # eager beyond MAX_COMPILED_T (a long prompt's prefill)
         z = block(self, "combine", lambda head: head.combine, length)(embedded, hidden)
         if isinstance(cache, list):

@@ -127,6 +127,22 @@ def description() -> str:
     return f"products: native kernel, {_native.isa()}, {_native.threads()} threads"
 
 
+def embedded(table: nn.Module, token_ids: mx.array) -> mx.array:
+    """``activations(table(token_ids))``: tokens embedded as the layers carry them. On the
+    kernel, for a float ``nn.Embedding`` and int32 ids, one op (``embed_rows``: the lookup and
+    the cast, bit for bit mlx's gather and ``astype``, which take four ops), so that a compiled
+    block of it runs as a replayed tape (``engine.model.tape``)."""
+    weight = table.weight
+    if (
+        on_native()
+        and type(table) is nn.Embedding
+        and token_ids.dtype == mx.int32
+        and weight.dtype in (mx.float32, mx.bfloat16, mx.float16)
+    ):
+        return _native.embed_rows(weight, token_ids)
+    return activations(table(token_ids))
+
+
 def activations(x: mx.array) -> mx.array:
     """Embedded tokens as the layers should carry them: float32 on a CPU that runs the kernel.
 

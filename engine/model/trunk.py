@@ -19,6 +19,7 @@ the walk over its layers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -85,7 +86,7 @@ class TrunkCache:
         """The input of a forward about to run over this cache: ``token_ids [1, T]`` embedded.
         Rank 0 of a sharded model first announces the forward to the other ranks, and every
         rank embeds with its part of the vocabulary (engine.distributed)."""
-        return products.activations(trunk.model.embed_tokens(token_ids))
+        return embed(trunk, token_ids)
 
     def forwarded(self, hidden: mx.array) -> mx.array:
         """A forward's output over this cache (rank 0 of a sharded model orders the next
@@ -156,7 +157,17 @@ def trunk_hidden_rows(trunk: Any, token_ids: mx.array, caches: list[TrunkCache])
     and recurrent states are stacked for the block and its per-position captures handed back
     as row views, so every row commits its own accepted length (``TrunkCache.commit``).
     """
-    return _trunk_rows(trunk, products.activations(trunk.model.embed_tokens(token_ids)), caches)
+    return _trunk_rows(trunk, embed(trunk, token_ids), caches)
+
+
+def embed(trunk: Any, token_ids: mx.array) -> mx.array:
+    """``token_ids [B, T]`` embedded as the layers carry them (``products.embedded``): a
+    compiled block up to ``MAX_COMPILED_T`` positions, on the kernel one tape."""
+    table = trunk.model.embed_tokens
+    if type(table) is not nn.Embedding:  # quantized, or split over ranks (engine.distributed)
+        return products.activations(table(token_ids))
+    length = token_ids.shape[1]
+    return block(table, "embed", lambda t: partial(products.embedded, t), length)(token_ids)
 
 
 def _trunk_rows(trunk: Any, x: mx.array, caches: list[TrunkCache]) -> mx.array:

@@ -192,3 +192,31 @@ def test_scattered_columns_are_mlx_s_put_along_axis_into_minus_infinity() -> Non
     assert row[3] == np.array(values)[0, 0, 0] and np.isneginf(np.delete(row, 3)).all()
     with pytest.raises(ValueError, match="scatter_columns"):
         native.scatter_columns(values, ids[:4], 32)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_embedded_rows_are_mlx_s_lookup_and_cast(dtype: mx.Dtype) -> None:
+    """A token embedding and its cast to float32 as one op, bit for bit mlx's gather and
+    ``astype`` for every float table type and id shape (a decode step's ``[1, T]``, a batch's
+    ``[B, T]``); an id outside the table gives zeros; ``products.embedded`` runs it for a float
+    ``nn.Embedding`` and int32 ids, and mlx's ops for other ids."""
+    table = nn.Embedding(50, 24)
+    table.set_dtype(dtype)
+    mx.eval(table.parameters())
+    ids = mx.array([[3, 0, 49, 7], [1, 1, 2, 3]], dtype=mx.int32)
+    for shape in ((1, 4), (2, 4), (4,)):
+        chosen = ids.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+        got = native.embed_rows(table.weight, chosen)
+        want = table(chosen).astype(mx.float32)
+        assert got.dtype == mx.float32 and got.shape == (*shape, 24)
+        assert np.array_equal(np.array(got), np.array(want))
+    assert primitive_names(products.embedded(table, ids)) == {"EmbedRows"}
+    assert np.array_equal(
+        np.array(products.embedded(table, ids.astype(mx.uint32))),
+        np.array(native.embed_rows(table.weight, ids)),
+    )
+    outside = np.array(native.embed_rows(table.weight, mx.array([2, 50, -1], dtype=mx.int32)))
+    assert np.array_equal(outside[0], np.array(table.weight[2].astype(mx.float32)))
+    assert not outside[1:].any()
+    with pytest.raises(ValueError, match="embed_rows"):
+        native.embed_rows(table.weight, ids.astype(mx.float32))

@@ -258,6 +258,64 @@ mx::array scatter_columns(const mx::array& values, const mx::array& ids, int wid
                    {values, ids});
 }
 
+// Rows ids[...] of a float table [V, H] (fp32, bf16 or fp16, each row contiguous), widened to
+// fp32 [..., H]: a token embedding and its cast to the activations' type in one op (mlx: a
+// gather between two views, then a cast). Widening is exact, so the bits are mlx's; an id
+// outside [0, V) gives a row of zeros (the server refuses such ids before a step).
+class EmbedRows : public mx::UnaryPrimitive {
+ public:
+  explicit EmbedRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    std::vector<mx::array> outputs{output};
+    dispatch(stream(), inputs, outputs, [](auto& in, auto& out) {
+      thread_local std::vector<int32_t> id_scratch;
+      const mx::array& table = in[0];
+      const int32_t* ids = packed_ints(in[1], id_scratch);
+      const int64_t rows = in[1].size(), vocab = table.shape(0), width = table.shape(1);
+      const Real type = real_of(table.dtype());
+      const auto* base = table.template data<char>();
+      const int64_t row_bytes = table.strides()[0] * static_cast<int64_t>(table.itemsize());
+      float* y = out[0].template data<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = y + r * width;
+        if (ids[r] < 0 || ids[r] >= vocab) {
+          std::fill(dst, dst + width, 0.0f);
+          continue;
+        }
+        const char* src = base + ids[r] * row_bytes;
+        if (type == Real::f32) {
+          std::memcpy(dst, src, width * sizeof(float));
+        } else {
+          for (int64_t k = 0; k < width; ++k) dst[k] = real_at(src, type, k);
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("EmbedRows runs on the CPU only");
+  }
+  const char* name() const override { return "EmbedRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[1].shape();
+    shape.push_back(inputs[0].shape(1));
+    return {shape};
+  }
+};
+
+mx::array embed_rows(const mx::array& table, const mx::array& ids) {
+  auto stream = cpu_stream("embed_rows");
+  const bool float_table = table.dtype() == mx::float32 || table.dtype() == mx::bfloat16 ||
+                           table.dtype() == mx::float16;
+  if (!float_table || table.ndim() != 2 || table.strides()[1] != 1 || ids.dtype() != mx::int32)
+    throw std::invalid_argument(
+        "embed_rows: a float table [V, H] with contiguous rows and int32 ids");
+  mx::Shape shape = ids.shape();
+  shape.push_back(table.shape(1));
+  return mx::array(shape, mx::float32, std::make_shared<EmbedRows>(stream), {table, ids});
+}
+
 // The rotary embedding of x [B, L, H, D] at positions offset_b + l, written as [B, H, L, D]
 // (the layout attention takes) and times `factor`: what mlx's mx.fast.rope computes on a CPU,
 // where it has no kernel and runs as ~13 ops of its own (positions, frequencies, cos, sin, the
@@ -400,6 +458,10 @@ void bind_elementwise(nb::module_& m) {
         "Rows of `width` columns, -inf but at ids[j], which holds values[..., j]: float32 "
         "values [..., n], int32 ids [n] (distinct; one outside [0, width) places nothing); lazy, "
         "like any op.");
+  m.def("embed_rows", &embed_rows, "table"_a, "ids"_a,
+        "Rows ids[...] of a float table [V, H] (float32, bfloat16 or float16, rows contiguous) "
+        "as float32 [..., H]: table[ids].astype(float32) in one op (an id outside [0, V) gives "
+        "zeros); ids int32, lazy, like any op.");
   m.def("swiglu", &swiglu, "gate"_a, "up"_a,
         "silu(gate) * up for float32 arrays of one shape; lazy, like any op.");
 }
