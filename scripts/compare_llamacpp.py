@@ -281,7 +281,7 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
     import engine  # noqa: F401  (fast BLAS before mlx)
     from engine.api import GenerationRequest
     from engine.bench.prompts import load_prompts
-    from engine.bench.speed import parse_samplers
+    from engine.bench.speed import parse_samplers, request_params
     from engine.runtime import Engine
 
     # mtpserve in each weight type llama.cpp runs (the native kernel reads bf16 as stored)
@@ -312,7 +312,9 @@ def run(args: argparse.Namespace, server: Path | None, ggufs: dict[str, Path]) -
             # rotate the order per prompt so no setting always runs first after a pause
             order = settings[n % len(settings) :] + settings[: n % len(settings)]
             for tool, cfg, name, k in order:
-                params = samplers[name]
+                # seeded per prompt, as `make bench` seeds its sampled rows: each tool's text
+                # repeats from run to run, and mtpserve's automatic K follows its seeded plan
+                params = request_params(name, samplers[name], 1000 + n)
                 if tool == "mtpserve":
                     request = GenerationRequest(
                         prompt["ids"],
