@@ -556,7 +556,8 @@ def launch_heads_ahead(
     for cycle in launched:
         last = cycle.next_token.reshape(1).astype(mx.int32)
         # a row that drafted fewer than the pass's depth: its next token fills the rest
-        fill = mx.repeat(last, depth + 1 - cycle.drafts.shape[0])
+        short = depth + 1 - cycle.drafts.shape[0]
+        fill = last if short == 1 else mx.repeat(last, short)
         emitted.append(mx.concatenate([cycle.drafts.astype(mx.int32), fill]))
         lasts.append(last)
     accepted = _stack([cycle.n_accepted.reshape(1) for cycle in launched])

@@ -398,7 +398,9 @@ def attention_block_rows(
             )
         out = attended[0] if len(attended) == 1 else mx.concatenate(attended)
         out = out.transpose(0, 2, 1, 3).reshape(out.shape[0], out.shape[2], -1)  # heads joined
-    if last_only and pick is not None:
+    if last_only and pick is not None and pick.shape[0] == 1:  # one row: one gather each
+        x, out, gate = (mx.take(a, pick, axis=1) for a in (x, out, gate))
+    elif last_only and pick is not None:
         x, out, gate = (
             mx.take_along_axis(a, pick.reshape(-1, *([1] * (a.ndim - 1))), axis=1)
             for a in (x, out, gate)
