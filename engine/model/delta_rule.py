@@ -60,11 +60,10 @@ def delta_rule_layer(
     functions) in the same op: six ops of mlx's fewer a layer (the split, three reshapes, the
     gate's compiled kernel and the sigmoid). Returns y ``[B, T, Hv, Dv]`` (float32) and the
     capture, whose replay takes the keys as the conv's slice and the log-decays the op wrote."""
-    B, T, _ = conv_out.shape
     y, u, final, log_g = products.native().delta_rule_layer(
         conv_out, a, b, m.A_log, m.dt_bias, state, m.num_k_heads, eps=L2_EPS
     )
-    if T == 1:
+    if conv_out.shape[1] == 1:
         return y, StepCapture(final)
     # the keys as the conv's slice: their heads split (a copy) only when a replay reads them
     return y, ReplayCapture(state, conv_out[..., m.key_dim : 2 * m.key_dim], u, log_g, final)
