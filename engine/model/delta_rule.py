@@ -283,7 +283,8 @@ class ReplayCapture:
         """The recurrent state after the first ``n`` positions."""
         if n == self.k.shape[1]:
             return self.final
-        return self._replay(mx.full((self.k.shape[0],), n, dtype=mx.int32))
+        # a constant, not an op (``mx.full`` is two a layer, on every partly accepted cycle)
+        return self._replay(mx.array([n] * self.k.shape[0], dtype=mx.int32))
 
     def row(self, b: int) -> ReplayCapture:
         return ReplayCapture(*(a[b : b + 1] for a in self.arrays()))
@@ -293,9 +294,9 @@ class ReplayCapture:
         return self._replay((last + 1).astype(mx.int32))
 
     def _replay(self, keep: mx.array) -> mx.array:
-        k = self.k.reshape(*self.k.shape[:2], -1, self.start.shape[-1])  # [B, T, Hk, Dk]
+        # the keys as the pass took them (heads joined or split): the op splits them itself
         return products.native().delta_rule_replay(
-            self.start, k, self.u, self.log_g, keep, eps=L2_EPS
+            self.start, self.k, self.u, self.log_g, keep, eps=L2_EPS
         )
 
 

@@ -116,6 +116,12 @@ def test_a_pass_is_its_steps_and_a_replay_its_state_bit_for_bit(
     for b, n in enumerate(keep):
         want = state[b] if n == 0 else states[n - 1][b]
         assert np.array_equal(replayed[b], want), (b, n)
+    # the keys with their heads joined, as a verify's conv leaves them: the same bits
+    joined = mx.array(k).reshape(B, T, -1)
+    replayed_joined = native.delta_rule_replay(
+        mx.array(state), joined, mx.array(u), mx.array(log_g), mx.array(keep)
+    )
+    assert np.array_equal(np.array(replayed_joined), replayed)
 
 
 def test_the_same_bits_on_every_instruction_set_and_thread_count() -> None:

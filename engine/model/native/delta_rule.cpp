@@ -54,12 +54,13 @@ void run_units(DeltaKernel kernel, const Kernels& kernels, const DeltaArgs& args
   kernels.pool->share(units, [&](int64_t unit) { kernel(args, unit, unit + 1); });
 }
 
+// k [B, T, Hk, Dk], or [B, T, Hk * Dk] with its heads joined (Dk from the state [B, Hv, Dv, Dk]).
 DeltaArgs shape_of(const mx::array& k, const mx::array& state) {
   DeltaArgs args{};
   args.B = k.shape(0);
   args.T = k.shape(1);
-  args.Hk = k.shape(2);
-  args.Dk = k.shape(3);
+  args.Dk = k.ndim() == 4 ? k.shape(3) : state.shape(3);
+  args.Hk = k.ndim() == 4 ? k.shape(2) : k.shape(2) / state.shape(3);
   args.Hv = state.shape(1);
   args.Dv = state.shape(2);
   return args;
@@ -309,7 +310,13 @@ std::vector<mx::array> delta_rule_layer(const mx::array& conv, const mx::array& 
 mx::array delta_rule_replay(const mx::array& state, const mx::array& k, const mx::array& u,
                             const mx::array& log_g, const mx::array& keep, float eps) {
   auto stream = cpu_stream("the gated delta rule kernel");
-  check_shapes(k, u, log_g, state);
+  // the keys as a verify's conv left them, their heads joined: split here, not by a copy
+  const bool joined = k.ndim() == 3 && state.ndim() == 4 && state.shape(3) > 0 &&
+                      k.shape(2) % state.shape(3) == 0;
+  check_shapes(joined ? mx::reshape(k, {k.shape(0), k.shape(1), k.shape(2) / state.shape(3),
+                                        state.shape(3)})
+                      : k,
+               u, log_g, state);
   if (keep.dtype() != mx::int32 || keep.shape() != mx::Shape{k.shape(0)})
     throw std::invalid_argument("delta rule replay: keep must be int32 [B]");
   return mx::array(state.shape(), mx::float32, std::make_shared<DeltaReplay>(stream, eps),
@@ -336,8 +343,8 @@ void bind_delta_rule(nb::module_& m) {
   m.def("delta_rule_replay", &delta_rule_replay, "state"_a, "k"_a, "u"_a, "log_g"_a, "keep"_a,
         "eps"_a = 1e-6f,
         "The state after each row's first keep[b] positions, from the state before them and "
-        "delta_rule's k (as given to it), u and log_g: bit for bit the state delta_rule "
-        "computed there.");
+        "delta_rule's k (as given to it, or [B, T, Hk * Dk] with its heads joined), u and "
+        "log_g: bit for bit the state delta_rule computed there.");
 }
 
 }  // namespace mtpserve
