@@ -5,11 +5,15 @@ each switch), and the calling thread's CPU milliseconds per token::
     python scripts/experiments/tape_cost.py --ks 0,2,3 --rounds 24
     python scripts/experiments/tape_cost.py --ks 0,2,3 --rounds 24 --sampled
     python scripts/experiments/tape_cost.py --ks 0 --rows 8 --rounds 12
+    python scripts/experiments/tape_cost.py --ks 0,3 --rounds 30 --tokens 200 --embedding
 
 One prompt, EOS ignored, greedy or Qwen's sampler seeded; with ``--rows`` that many requests
 as rows of one batch (aggregate time per token). Each round runs both settings at every K (in
 alternating order), after a short warm-up run of each. Reports each setting's
-median and the median of the rounds' ratios (tape over compiled) with its quartiles.
+median and the median of the rounds' ratios (tape over compiled) with its quartiles. With
+``--embedding`` the two settings are the token embedding as one native op in a tape
+(``products.embedded``, "tape") and as mlx's lookup and cast ("compiled"), every other block a
+tape in both.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ blas.use_fast_blas()
 import mlx.nn as nn  # noqa: E402
 
 from engine.api import GenerationRequest  # noqa: E402
-from engine.model import trunk  # noqa: E402
+from engine.model import products, trunk  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
 from sampling.params import SamplingParams  # noqa: E402
 
@@ -42,9 +46,17 @@ PROMPT = (
 SETTINGS = ("compiled", "tape")
 
 
-def use(setting: str, taped: Any) -> None:
-    """Build every block anew, as a tape or as the compiled block alone."""
-    trunk.Taped = taped if setting == "tape" else (lambda block: block)
+EMBEDDED = products.embedded
+
+
+def use(setting: str, taped: Any, embedding: bool = False) -> None:
+    """Build every block anew, as a tape or as the compiled block alone (``embedding``: the
+    embedding by the native op in a tape, or by mlx's lookup and cast)."""
+    if embedding:
+        native = setting == "tape"
+        products.embedded = EMBEDDED if native else (lambda t, ids: products.activations(t(ids)))
+    else:
+        trunk.Taped = taped if setting == "tape" else (lambda block: block)
     for o in gc.get_objects():
         if isinstance(o, nn.Module):
             o.__dict__.pop("_mtpserve_compiled", None)
@@ -58,6 +70,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--sampled", action="store_true", help="Qwen's sampler, seeded")
     parser.add_argument("--rows", type=int, default=1, help="requests as rows of one batch")
+    parser.add_argument(
+        "--embedding", action="store_true", help="the embedding's native op against mlx's"
+    )
     args = parser.parse_args()
     engine = Engine.load(args.model)
     ids = engine.tokenizer.encode(PROMPT)
@@ -89,7 +104,7 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     texts = {}
     for setting in SETTINGS:
-        use(setting, taped)
+        use(setting, taped, args.embedding)
         for k in ks:
             texts[setting, k] = run(k, 60)[2]
     same = all(texts["tape", k] == texts["compiled", k] for k in ks)
@@ -99,12 +114,12 @@ def main() -> None:
     for r in range(args.rounds):
         for k in ks:
             for setting in SETTINGS if r % 2 == 0 else SETTINGS[::-1]:
-                use(setting, taped)
+                use(setting, taped, args.embedding)
                 run(k, 10)
                 w, c, _ = run(k, args.tokens)
                 wall[setting, k].append(w)
                 cpu[setting, k].append(c)
-    use("tape", taped)
+    use("tape", taped, args.embedding)
     for k in ks:
         ratios = sorted(t / c for c, t in zip(wall["compiled", k], wall["tape", k], strict=True))
         q = len(ratios) // 4
