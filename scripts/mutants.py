@@ -225,8 +225,8 @@ MUTATIONS = [
     Mutation(
         "padded-row-keeps-its-own-depth",
         "engine/cycle/speculative.py",
-        "    _keep_positions(seq, result.verify_hidden, result.depth, n_keep)",
-        "    _keep_positions(seq, result.verify_hidden, len(result.draft_ids), n_keep)",
+        "    _keep_positions(seq, result.verify_hidden, result.depth, n_keep, complete)",
+        "    _keep_positions(seq, result.verify_hidden, len(result.draft_ids), n_keep, complete)",
         (
             "tests/engine/test_batching.py::"
             "test_rows_of_several_k_in_one_pass_equal_each_request_alone",
@@ -257,13 +257,23 @@ MUTATIONS = [
     Mutation(
         "head-ahead-feeds-the-rejected-draft",
         "engine/cycle/speculative.py",
-        "mx.arange(depth + 1) < launched.n_accepted",
-        "mx.arange(depth + 1) <= launched.n_accepted",
+        "tokens = mx.where(positions < accepted[:, None],",
+        "tokens = mx.where(positions <= accepted[:, None],",
         (
             "tests/engine/test_head_ahead.py::test_a_step_run_ahead_is_the_catch_up_it_replaces[3-greedy]",
         ),
         "the step run ahead pairs the accepted position with the rejected draft instead of the "
         "token emitted there: the next cycle drafts from a pair no catch-up would have run",
+    ),
+    Mutation(
+        "batch-head-ahead-picks-the-first-rows-position",
+        "engine/model/trunk.py",
+        "mx.take_along_axis(a, pick.reshape(-1, *([1] * (a.ndim - 1))), axis=1)",
+        "mx.take_along_axis(a, mx.broadcast_to(pick[:1], pick.shape).reshape("
+        "-1, *([1] * (a.ndim - 1))), axis=1)",
+        ("tests/engine/test_head_ahead.py::test_a_batch_step_run_ahead_is_each_rows_catch_up",),
+        "every row of a batch's step run ahead returns the output at the first row's accepted "
+        "position: the other rows draft from a position that is not their last",
     ),
 ]
 
