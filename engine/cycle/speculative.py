@@ -579,13 +579,13 @@ def launch_heads_ahead(
 
 def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:
     """``read_cycle`` for every row of a batched cycle, with one device->host sync."""
-    mx.eval(*(a for c in launched for a in (c.n_accepted, c.next_token, c.drafts)))
+    products.wait(*(a for c in launched for a in (c.n_accepted, c.next_token, c.drafts)))
     return [read_cycle(c) for c in launched]
 
 
 def read_cycle(launched: LaunchedCycle) -> CycleResult:
     """Wait for a launched cycle and read back what it emits (the one device->host sync)."""
-    mx.eval(launched.n_accepted, launched.next_token, launched.drafts)
+    products.wait(launched.n_accepted, launched.next_token, launched.drafts)
     n_accepted = launched.n_accepted.item()
     draft_list = launched.drafts.tolist()
     next_token = launched.next_token.item()

@@ -118,6 +118,16 @@ def native_for(*arrays: mx.array) -> ModuleType | None:
     return None
 
 
+def wait(*arrays: mx.array) -> None:
+    """``mx.eval(*arrays)`` for a read-back. On the kernel the waiting thread spins instead of
+    sleeping and takes a share of each product (attention, delta rule) that mlx's stream thread
+    posts meanwhile: on two cores a sleeping worker woke too late for most of a small model's
+    products, and the waiting thread had the core it needed to itself."""
+    if on_native():
+        _native.wait_helping(list(arrays))
+    mx.eval(*arrays)
+
+
 def description() -> str:
     """One line for the server log: which products run, on what."""
     if mx.default_device().type != mx.DeviceType.cpu:

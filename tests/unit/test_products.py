@@ -297,6 +297,35 @@ def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind
         native.set_threads(before)
 
 
+def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits() -> None:
+    """``products.wait`` evaluates as ``mx.eval`` does while the waiting thread takes parts of
+    the products that mlx's stream thread posts meanwhile (``wait_helping`` counts the jobs it
+    joined): a chain of products, never scheduled before the wait, comes out with the bits it
+    has on one thread."""
+    x = mx.array(_random((3, 1024), 7))
+    w = mx.array(_random((2048, 1024), 8))
+
+    def chain() -> mx.array:
+        y = x
+        for _ in range(24):
+            y = native.product(y, w)[:, :1024] * 0.03
+        return y
+
+    before = native.threads()
+    try:
+        native.set_threads(1)
+        alone = np.array(chain())
+        native.set_threads(2)
+        waited = chain()
+        assert native.wait_helping([waited]) > 0
+        assert np.array_equal(np.array(waited), alone)
+        waited = chain()
+        products.wait(waited)
+        assert np.array_equal(np.array(waited), alone)
+    finally:
+        native.set_threads(before)
+
+
 def test_lazy_compiled_and_strided() -> None:
     """A node of the graph like any op: inside mx.compile, on a strided (transposed) input."""
     w = mx.array(_random((24, 40), 7))

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include <sched.h>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define MTPSERVE_PAUSE() _mm_pause()
@@ -35,11 +37,36 @@ void ThreadPool::run(const std::function<void(int)>& body) {
   finished_.store(0);
   state_.store(epoch << 32 | kOpen);
   wake_.store(static_cast<uint32_t>(epoch));
-  wake_.notify_all();
+  if (helpers_.load() == 0) wake_.notify_all();
   body(0);
   // close the job to late workers; wait only for those that joined
   const uint64_t joined = state_.fetch_and(~kOpen) & (kOpen - 1);
   while (static_cast<uint64_t>(finished_.load()) != joined) MTPSERVE_PAUSE();
+}
+
+int ThreadPool::help_until(const std::function<bool()>& done) {
+  const int index = threads();
+  int joined = 0;
+  helpers_.fetch_add(1);
+  uint32_t joined_epoch = 0;
+  for (int i = 0;; ++i) {
+    uint64_t s = state_.load();
+    if ((s & kOpen) && static_cast<uint32_t>(s >> 32) != joined_epoch) {
+      if (state_.compare_exchange_weak(s, s + 1)) {
+        joined_epoch = static_cast<uint32_t>(s >> 32);
+        (*body_.load())(index);
+        finished_.fetch_add(1);
+        ++joined;
+      }
+      continue;
+    }
+    if ((i & 15) == 15 && done()) break;
+    // between jobs, a thread the OS has waiting (the server's event loop) gets the core
+    if ((i & 255) == 255) sched_yield();
+    MTPSERVE_PAUSE();
+  }
+  helpers_.fetch_sub(1);
+  return joined;
 }
 
 void ThreadPool::work(int index) {

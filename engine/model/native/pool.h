@@ -30,6 +30,11 @@ class ThreadPool {
   // calling thread alone.
   void run(const std::function<void(int)>& body);
 
+  // Spins on the calling thread until done() holds, joining every job posted meanwhile as a
+  // worker does, with no wake to wait for (it is already running); returns the jobs it joined.
+  // While a thread helps, a posted job wakes no sleeping worker: the helper takes its part.
+  int help_until(const std::function<bool()>& done);
+
   // Runs part(p) for every p in [0, parts), handed out in turn to the calling thread and the
   // workers that join (`run`: a late worker takes fewer or none).
   template <class Part>
@@ -51,6 +56,7 @@ class ThreadPool {
   std::atomic<uint32_t> wake_{0};  // the epoch, as a futex word for sleeping workers
   std::atomic<int> finished_{0};
   std::atomic<bool> stopping_{false};
+  std::atomic<int> helpers_{0};
   std::atomic<const std::function<void(int)>*> body_{nullptr};
   int spin_us_;
 };

@@ -702,6 +702,19 @@ NB_MODULE(_products, m) {
   }, "The instruction set the kernel runs.");
   m.def("read_seconds", &read_seconds, "a"_a,
         "Seconds to read every byte of `a` once on the kernel's threads (memory bandwidth).");
+  m.def("wait_helping", [](const std::vector<mx::array>& arrays) {
+    const auto pool = current_kernels().pool;
+    mx::async_eval(arrays);  // an array not yet scheduled would never be computed
+    nb::gil_scoped_release release;
+    return pool->help_until([&] {
+      for (const auto& a : arrays)
+        if (!a.is_available()) return false;
+      return true;
+    });
+  }, "arrays"_a,
+        "Evaluates the arrays, the calling thread taking a share of the kernel's parallel work "
+        "(products, attention, the delta rule) posted meanwhile where mx.eval would sleep; "
+        "returns the number of jobs it joined.");
   m.def("supported_isas", &supported_isas, "The instruction sets this CPU runs, best first.");
   m.def("set_isa", [](const std::string& name) {
     std::lock_guard<std::mutex> guard(state_lock);

@@ -1,10 +1,14 @@
-"""Milliseconds per generated token with a drafting cycle's next first head step launched before
-its read-back (``engine.cycle.speculative.launch_heads_ahead``) against without it, the two
-taking turns in one process::
+"""Milliseconds per generated token with one of the decode loop's settings on against off, the
+two taking turns in one process::
 
-    python scripts/experiments/head_ahead_cost.py --ks 0,3 --rounds 30
-    python scripts/experiments/head_ahead_cost.py --ks 2,3 --rounds 30 --sampled
-    python scripts/experiments/head_ahead_cost.py --ks 0,2 --rounds 12 --rows 8
+    python scripts/experiments/decode_setting_cost.py --setting head-ahead --ks 0,3 --rounds 30
+    python scripts/experiments/decode_setting_cost.py --setting head-ahead --ks 2,3 --sampled
+    python scripts/experiments/decode_setting_cost.py --setting helping-wait --ks 0,2 --rows 8
+
+Settings: ``head-ahead``, a drafting cycle's next first head step launched before its read-back
+(``engine.scheduling.batching.launch_heads_ahead``; off: nothing runs ahead); ``helping-wait``,
+the read-back's waiting thread taking part in the kernel's products (``products.wait``; off:
+``mx.eval``, the thread sleeps).
 
 Three prompts (code, prose, a question) of ``--tokens`` each a turn, EOS ignored, greedy or
 Qwen's sampler seeded; with ``--rows`` that many requests (the prompts in turn) as rows of one
@@ -19,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +33,10 @@ from engine import blas  # noqa: E402  (preloads the fast BLAS before mlx)
 
 blas.use_fast_blas()
 
+import mlx.core as mx  # noqa: E402
+
 from engine.api import GenerationRequest  # noqa: E402
+from engine.model import products  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
 from engine.scheduling import batching  # noqa: E402
 from sampling.params import SamplingParams  # noqa: E402
@@ -39,6 +47,21 @@ PROMPTS = (
     "Question: what is a hash table?\nAnswer:",
 )
 LAUNCH_HEAD_AHEAD = batching.launch_heads_ahead
+WAIT = products.wait
+
+
+def set_head_ahead(on: bool) -> None:
+    batching.launch_heads_ahead = LAUNCH_HEAD_AHEAD if on else (lambda *_: None)
+
+
+def set_helping_wait(on: bool) -> None:
+    products.wait = WAIT if on else mx.eval
+
+
+SETTINGS: dict[str, Callable[[bool], None]] = {
+    "head-ahead": set_head_ahead,
+    "helping-wait": set_helping_wait,
+}
 
 
 def seconds_per_token(
@@ -66,14 +89,21 @@ def seconds_per_token(
 
 
 def timed(
-    engine: Engine, ahead: bool, k: int, params: SamplingParams, tokens: int, rows: int
+    engine: Engine,
+    setting: Callable[[bool], None],
+    on: bool,
+    k: int,
+    params: SamplingParams,
+    tokens: int,
+    rows: int,
 ) -> float:
-    batching.launch_heads_ahead = LAUNCH_HEAD_AHEAD if ahead else (lambda *_: None)
+    setting(on)
     return seconds_per_token(engine, k, params, tokens, rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="head-ahead")
     parser.add_argument("--model", default="models/qwen3.5-demo")
     parser.add_argument("--ks", default="0,3")
     parser.add_argument("--tokens", type=int, default=128)
@@ -86,27 +116,28 @@ def main() -> None:
         params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=1)
     else:
         params = SamplingParams(temperature=0.0)
+    setting = SETTINGS[args.setting]
     for k in (int(k) for k in args.ks.split(",")):
-        for ahead in (True, False):
-            timed(engine, ahead, k, params, args.tokens, args.rows)
+        for on in (True, False):
+            timed(engine, setting, on, k, params, args.tokens, args.rows)
         runs: dict[bool, list[float]] = {True: [], False: []}
         ratios = []
         for round_number in range(args.rounds):
             order = (True, False) if round_number % 2 == 0 else (False, True)
             times = {
-                ahead: timed(engine, ahead, k, params, args.tokens, args.rows) for ahead in order
+                on: timed(engine, setting, on, k, params, args.tokens, args.rows) for on in order
             }
-            for ahead, t in times.items():
-                runs[ahead].append(t)
+            for on, t in times.items():
+                runs[on].append(t)
             ratios.append(times[True] / times[False])
         low, _, high = statistics.quantiles(ratios, n=4)
         print(
-            f"K={k}: with {1e3 * statistics.median(runs[True]):.3f} ms a token, without "
-            f"{1e3 * statistics.median(runs[False]):.3f}; with over without "
+            f"{args.setting} K={k}: on {1e3 * statistics.median(runs[True]):.3f} ms a token, "
+            f"off {1e3 * statistics.median(runs[False]):.3f}; on over off "
             f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f}), {args.rounds} rounds",
             flush=True,
         )
-    batching.launch_heads_ahead = LAUNCH_HEAD_AHEAD
+    setting(True)
 
 
 if __name__ == "__main__":
