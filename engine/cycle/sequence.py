@@ -212,7 +212,7 @@ def prefill_steps(
             if seq.head_cache is not None:
                 seq.head_pending.append(hidden)
                 absorb_pending(trunk, head, seq, keep_last=True)
-            mx.eval(hidden, seq.trunk_cache.arrays(), *seq.head_pending)
+            products.wait(hidden, *seq.trunk_cache.arrays(), *seq.head_pending)
         start = end
         if after_chunk is not None and not after_chunk(seq):
             return False
