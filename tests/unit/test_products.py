@@ -301,7 +301,7 @@ def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits() -> 
     """``products.wait`` evaluates as ``mx.eval`` does while the waiting thread takes parts of
     the products that mlx's stream thread posts meanwhile (``wait_helping`` counts the jobs it
     joined): a chain of products, never scheduled before the wait, comes out with the bits it
-    has on one thread."""
+    has on one thread, where a pool of one thread posts nothing to join."""
     x = mx.array(_random((3, 1024), 7))
     w = mx.array(_random((2048, 1024), 8))
 
@@ -314,7 +314,9 @@ def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits() -> 
     before = native.threads()
     try:
         native.set_threads(1)
-        alone = np.array(chain())
+        alone = chain()
+        assert native.wait_helping([alone]) == 0  # no job to join: it waits as mx.eval does
+        alone = np.array(alone)
         native.set_threads(2)
         waited = chain()
         assert native.wait_helping([waited]) > 0

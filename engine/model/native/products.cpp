@@ -706,6 +706,10 @@ NB_MODULE(_products, m) {
     const auto pool = current_kernels().pool;
     mx::async_eval(arrays);  // an array not yet scheduled would never be computed
     nb::gil_scoped_release release;
+    if (pool->threads() == 1) {  // no job is ever posted: spinning would only take a core
+      mx::eval(arrays);
+      return 0;
+    }
     return pool->help_until([&] {
       for (const auto& a : arrays)
         if (!a.is_available()) return false;
