@@ -121,8 +121,8 @@ def native_for(*arrays: mx.array) -> ModuleType | None:
 def wait(*arrays: mx.array) -> None:
     """``mx.eval(*arrays)`` for a read-back. On the kernel the waiting thread spins instead of
     sleeping and takes a share of each product (attention, delta rule) that mlx's stream thread
-    posts meanwhile: on two cores a sleeping worker woke too late for most of a small model's
-    products, and the waiting thread had the core it needed to itself."""
+    posts meanwhile: on two cores the pool's sleeping worker woke too late for most of a small
+    model's products while the waiting thread sat idle (``native.wait_helping``)."""
     if on_native():
         _native.wait_helping(list(arrays))
     mx.eval(*arrays)

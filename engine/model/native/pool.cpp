@@ -54,7 +54,9 @@ int ThreadPool::help_until(const std::function<bool()>& done) {
     if ((s & kOpen) && static_cast<uint32_t>(s >> 32) != joined_epoch) {
       if (state_.compare_exchange_weak(s, s + 1)) {
         joined_epoch = static_cast<uint32_t>(s >> 32);
-        (*body_.load())(index);
+        // as on a worker, a job that throws ends the process: the product it was part of
+        // would be incomplete, and the posting thread waits for every part it handed out
+        [&]() noexcept { (*body_.load())(index); }();
         finished_.fetch_add(1);
         ++joined;
       }
