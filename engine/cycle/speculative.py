@@ -580,12 +580,17 @@ def launch_heads_ahead(
 def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:
     """``read_cycle`` for every row of a batched cycle, with one device->host sync."""
     products.wait(*(a for c in launched for a in (c.n_accepted, c.next_token, c.drafts)))
-    return [read_cycle(c) for c in launched]
+    return [_result(c) for c in launched]
 
 
 def read_cycle(launched: LaunchedCycle) -> CycleResult:
     """Wait for a launched cycle and read back what it emits (the one device->host sync)."""
     products.wait(launched.n_accepted, launched.next_token, launched.drafts)
+    return _result(launched)
+
+
+def _result(launched: LaunchedCycle) -> CycleResult:
+    """What a launched cycle emits, its arrays already evaluated."""
     n_accepted = launched.n_accepted.item()
     draft_list = launched.drafts.tolist()
     next_token = launched.next_token.item()
