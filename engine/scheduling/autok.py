@@ -85,12 +85,23 @@ PLAIN_FORGET = 0.99
 #: case on the compute-bound table 0.975 -> 0.999x of the best fixed K
 SHARED_FORGET = 0.999
 PROBE_EVERY = 16
-#: drafting cycles in a row per probe from plain decoding: the second one is timed for the
-#: drafting cost calibration (the first pays for the switch). With one-cycle probes drafting
-#: is never timed while plain: replayed on recorded acceptance (tests/unit/test_autok_replay.py), a
-#: slow spell of the machine over mostly-plain prompts then leaves greedy auto at 0.97x of the
-#: best fixed K (1.03x with two)
+#: drafting cycles in a row per probe from plain decoding. Two, for the evidence: replayed on
+#: recorded acceptance (tests/unit/test_autok_replay.py), sampled requests starting from the
+#: seeded plan on a machine where drafting pays ~6% came to 0.974-0.985x of the best fixed K
+#: over 8 noise seeds with one-cycle probes (0.933x at worst), 0.986-0.995x with two
 PROBE_CYCLES = 2
+#: cycles of a class (plain or drafting) after a switch before its cycles price the class
+#: (``RequestAutoK.observe_seconds``): a stretch's first cycles cost more than its settled
+#: ones, which are what auto K chooses between. Timed in the decode loop on the demo model
+#: (``scripts/experiments/plain_stretch.py timing --k 3 --drafting 64 --plain 64``, runs a few
+#: minutes apart), a greedy K=3 stretch's second, third and fourth cycles took 1.10-1.23x,
+#: 1.06-1.08x and 1.00-1.03x a settled one, and a plain stretch's second ~1.08-1.15x. Priced
+#: by a probe's second cycle, a mostly-plain run saw drafting only through its probes: a bench
+#: run's greedy auto calibrated its drafting cycles at 1.33x the start-up table and its plain
+#: ones at 1.05x, and decoded mostly plain (1.35 tokens a cycle) where fixed K=3 paid 1.13x.
+#: Replayed with that warm-up (tests/unit/test_autok_replay.py), the worst case over the
+#: tables of the replay's tests went from 0.939x of the best fixed K to 0.974x
+SETTLE_CYCLES = 4
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
 #: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
@@ -222,8 +233,12 @@ class AutoK:
     #: what differs between greedy and sampled decoding: ``POLICIES[decoding_kind(params)]``
     policy: KindPolicy = POLICIES["greedy"]
 
-    def calibrate(self, k: int, committed_before: int, seconds: float) -> None:
-        """Fold one timed cycle into the calibration of its class (plain or drafting).
+    def calibrate(
+        self, k: int, committed_before: int, seconds: float, at_most: bool = False
+    ) -> None:
+        """Fold one timed cycle into the calibration of its class (plain or drafting); with
+        ``at_most`` only when it prices its K below the calibration (a cycle that bounds the
+        settled cost from above: ``RequestAutoK.observe_seconds``).
 
         Why two classes: on a loaded machine the start-up table's plain/drafting ratio is off
         by up to ~20% (a bench run: plain 1.6 ms at start-up, 1.9 ms in the run, K=4 5.9 vs 6.2
@@ -233,20 +248,23 @@ class AutoK:
         K-to-K ratios — up to the table's own errors between drafting K's, which each drafting
         K's ``tilt`` learns slowly (``TILT_WEIGHT``) from its own timings.
 
-        A class that is not running is re-timed when it runs again — drafting at least by
-        every probe's second cycle — and a new timing counts the more the staler the old factor
-        is: with every timing counted at 1/32, a slow spell of the machine over mostly-plain
-        prompts left greedy auto at 0.97x of the best fixed K (replayed on recorded acceptance,
-        tests/unit/test_autok_replay.py; 1.03x as is), and without calibration a table 15% off
-        leaves it at 0.85x. Letting the idle class follow the running one's changes instead
-        cannot tell a slow spell of the machine from a mispriced table. What stays possible:
-        plain decoding timed in a slow spell, then greedy drafting running on, keeps plain
-        overpriced until auto runs it again (a few percent on the rare prompts where plain
-        would win).
+        A class that is not running is re-timed when it runs again (once settled,
+        ``SETTLE_CYCLES``), and a new timing counts the more the staler the old factor is: with
+        every timing counted at 1/32, a slow spell of the machine over mostly-plain prompts left
+        greedy auto at 0.97x of the best fixed K (replayed on recorded acceptance,
+        tests/unit/test_autok_replay.py), and without calibration a table 15% off leaves it at
+        0.85x. Letting the idle class follow the running one's changes instead cannot tell a
+        slow spell of the machine from a mispriced table. What stays possible: one class timed
+        in a slow spell while the other does not run keeps the two mispriced against each other
+        until auto runs the other again (drafting overpriced: until the text makes a probe
+        resume drafting; plain: a few percent on the rare prompts where plain would win).
         """
         expected = self.costs.expected_seconds(k, committed_before)
         ratio = min(max(seconds / expected, 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
         timed = int(k > 0)
+        tilt = self.tilt[k] if timed and k < len(self.tilt) else 1.0
+        if at_most and ratio >= self.calibration[timed] * tilt:
+            return
         self.timed_cycles += 1
         stale = (self.timed_cycles - self.last_timed[timed]) / CALIBRATION_STALE
         self.last_timed[timed] = self.timed_cycles
@@ -645,6 +663,8 @@ class RequestAutoK:
     #: K and committed tokens of the last observed cycle (what the next one's timing depends on)
     last_k: int | None = None
     last_committed: int = 1
+    #: the last observed cycle's place in its stretch of one class (1: the first after a switch)
+    stretch: int = 0
 
     def estimates(self) -> list[float]:
         """This request's per-position acceptance estimates: its own decayed evidence over its
@@ -729,17 +749,26 @@ class RequestAutoK:
         """A cycle's wall time, from the previous cycle's end to its own as the decode loop runs
         them (None for a request's first cycle), and the tokens it committed.
 
-        Counted only when the previous cycle was of the same class: a switch between plain and
-        drafting (a probe, the first plain cycle after drafting) costs extra — the head's
-        catch-up over the plain stretch, a pipeline not yet filled — that no steady cycle
-        pays. A drafting cycle is compared with the table's cost for the catch-up it ran (what
-        the previous cycle committed).
+        A switch's own cycle (a probe's first, the first plain cycle after drafting) is never
+        counted: it costs extra — the head's catch-up over the plain stretch, a pipeline not yet
+        filled. Nor, in full, are the next ``SETTLE_CYCLES - 1``, which still cost more than the
+        settled cycles auto K chooses between: early plain cycles not at all (plain stretches
+        are long, settled ones come soon), early drafting ones only where they price drafting
+        below its calibration (``AutoK.calibrate``'s ``at_most``). They bound the settled cost
+        from above, and in a mostly-plain run a probe's second cycle is the only drafting cycle
+        there is: with no timing at all, one slow settled timing would keep drafting overpriced
+        for good, and priced in full they overprice it by the warm-up. A drafting cycle is
+        compared with the table's cost for the catch-up it ran (what the previous cycle
+        committed).
         """
         previous_k, before = self.last_k, self.last_committed
         self.last_k, self.last_committed = k, committed
-        if seconds is None or previous_k is None or (previous_k > 0) != (k > 0):
+        same_class = previous_k is not None and (previous_k > 0) == (k > 0)
+        self.stretch = self.stretch + 1 if same_class else 1
+        settled = self.stretch > SETTLE_CYCLES
+        if seconds is None or self.stretch == 1 or not (settled or k > 0):
             return
-        self.shared.calibrate(k, before if k > 0 else 1, seconds)
+        self.shared.calibrate(k, before if k > 0 else 1, seconds, at_most=not settled)
 
 
 #: pseudo-trials per position with which a seeded request's long-run acceptance starts from

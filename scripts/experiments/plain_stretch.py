@@ -6,14 +6,15 @@ behind the engine's handling of that, on the bench prompts:
 
     .venv/bin/python scripts/experiments/plain_stretch.py acceptance   # drafts accepted after a plain stretch
     .venv/bin/python scripts/experiments/plain_stretch.py catch-up     # the head's catch-up cost by length
-    .venv/bin/python scripts/experiments/plain_stretch.py timing       # cycle times around a plain stretch
+    .venv/bin/python scripts/experiments/plain_stretch.py timing --k 3 --drafting 64 --plain 64
 
 ``acceptance``: greedy text is the same for every K, so a K=4 cycle run after ``gap`` plain
 cycles (keeping one token) can be compared with the recorded steady-drafting acceptance at the
 same position (tests/data/acceptance_demo.json), with the head catching up on at most ``cap``
 pending positions. ``catch-up``: the head over n pending positions at once (keys and values
 only for all but the last). ``timing``: the time between a decode loop's events for a fixed
-pattern of 8 K=4 cycles and 8 plain ones, by place in the pattern.
+pattern of ``--drafting`` K=``--k`` cycles and ``--plain`` plain ones (8, 4, 8), by place in
+its stretch (auto K's ``SETTLE_CYCLES``).
 """
 
 from __future__ import annotations
@@ -84,11 +85,11 @@ def catch_up(engine: Engine, lengths: list[int], reps: int = 30) -> None:
         print(f"catch-up over {n:3d} positions: {median * 1e3:6.2f} ms ({each:.3f} ms each)")
 
 
-def timing(engine: Engine, prompts: list[dict]) -> None:
+def timing(engine: Engine, prompts: list[dict], k: int, drafting: int, plain: int) -> None:
     params = parse_samplers("greedy", engine)["greedy"]
     by_place: dict[tuple[int, int], list[float]] = {}
     for prompt in prompts:
-        chooser = PatternChooser([4] * 8 + [0] * 8)
+        chooser = PatternChooser([k] * drafting + [0] * plain)
         request = GenerationRequest(prompt["ids"], params, 256, ignore_eos=True)
         seq = engine.new_sequence(request.prompt_ids, params, draft=True)
         cycles: list[dict] = []
@@ -103,10 +104,11 @@ def timing(engine: Engine, prompts: list[dict]) -> None:
         for j in range(1, len(ks)):
             run = run + 1 if ks[j] == ks[j - 1] else 0
             by_place.setdefault((ks[j], run), []).append(stamps[j] - stamps[j - 1])
-    for (k, place), gaps in sorted(by_place.items(), key=lambda item: (-item[0][0], item[0][1])):
-        if place < 8 and k in (0, 4):  # (other K: the last cycles, capped at max_tokens)
+    for (kk, place), gaps in sorted(by_place.items(), key=lambda item: (-item[0][0], item[0][1])):
+        # (other K: the last cycles, capped at max_tokens)
+        if kk in (0, k) and (place < 8 or place + 1 in (16, 32, 64)) and len(gaps) > 4:
             print(
-                f"K={k} cycle {place + 1} of its stretch: {statistics.median(gaps) * 1e3:5.2f} ms"
+                f"K={kk} cycle {place + 1} of its stretch: {statistics.median(gaps) * 1e3:5.2f} ms"
             )
 
 
@@ -116,6 +118,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "models" / "qwen3.5-demo"))
     parser.add_argument("--gaps", default="16,64")
     parser.add_argument("--caps", default=f"9,{sequence.MAX_CATCH_UP}")
+    parser.add_argument("--k", type=int, default=4, help="timing: the drafting stretches' K")
+    parser.add_argument("--drafting", type=int, default=8, help="timing: drafting cycles a stretch")
+    parser.add_argument("--plain", type=int, default=8, help="timing: plain cycles a stretch")
     args = parser.parse_args()
     engine = Engine.load(args.model, draft_tokens=4)
     prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)
@@ -125,7 +130,7 @@ def main() -> None:
     elif args.what == "catch-up":
         catch_up(engine, [1, 5, 9, 16, 32, 64, 128])
     else:
-        timing(engine, prompts[:12])
+        timing(engine, prompts[:12], args.k, args.drafting, args.plain)
 
 
 if __name__ == "__main__":

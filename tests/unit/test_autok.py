@@ -208,6 +208,34 @@ def test_cycle_times_calibrate_the_plain_and_drafting_costs_separately() -> None
     assert max(range(len(rates)), key=rates.__getitem__) == 0
 
 
+def test_a_stretchs_first_cycles_only_bound_its_drafting_price_from_above() -> None:
+    """After a switch, plain cycles are timed from the stretch's ``SETTLE_CYCLES + 1``-th on;
+    a drafting stretch's cycles before that count only where they price drafting below its
+    calibration (warm-up only ever makes them dearer)."""
+    from engine.scheduling.autok import SETTLE_CYCLES
+
+    costs = CostTable(cycle=[1.0, 1.6, 2.2, 2.8, 3.4], trunk=[1.0] * 5, head_step=0.5)
+    kind = AutoK(costs, drafting_cycles_seen=100)
+    request = kind.for_request()
+    request.observe_seconds(0, 1, None)
+    for _ in range(SETTLE_CYCLES - 1):
+        request.observe_seconds(0, 1, 2.0)  # a plain stretch's early cycles: not counted
+    assert kind.calibration == [1.0, 1.0]
+    request.observe_seconds(0, 1, 2.0)  # settled
+    assert kind.calibration[0] > 1.0
+    request.observe_seconds(2, 1, 9.0)  # a probe's first cycle: never counted
+    request.observe_seconds(2, 1, 2.2 * 1.3)  # its second, dearer than the calibration: not
+    assert kind.calibration[1] == 1.0
+    request.observe_seconds(2, 1, 2.2 * 0.8)  # cheaper: counted
+    lowered = kind.calibration[1]
+    assert lowered < 1.0
+    for _ in range(SETTLE_CYCLES - 3):
+        request.observe_seconds(2, 1, 2.2 * 1.3)
+    assert kind.calibration[1] == lowered
+    request.observe_seconds(2, 1, 2.2 * 1.3)  # settled: counted in full, dearer too
+    assert kind.calibration[1] > lowered
+
+
 def test_a_drafting_ks_own_price_is_learned_and_a_machine_slowdown_is_not_taken_for_it() -> None:
     """K=2 and K=3 alternate. The table prices K=2 10% under what it takes in the run; K=3 is
     right: K=2's tilt learns the 10% over the K=3 one. Then the machine slows by 30% for every
