@@ -115,8 +115,10 @@ def reexec_under_jemalloc() -> None:
     os.execve(sys.executable, argv, environ)
 
 
+@functools.cache
 def malloc_in_use() -> str:
-    """What serves this process's malloc: the jemalloc library mapped into it, or the system's."""
+    """What serves this process's malloc: the jemalloc library mapped into it, or the system's
+    (fixed from the process's start: read once)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -85,10 +85,11 @@ PLAIN_FORGET = 0.99
 #: case on the compute-bound table 0.975 -> 0.999x of the best fixed K
 SHARED_FORGET = 0.999
 PROBE_EVERY = 16
-#: drafting cycles in a row per probe from plain decoding. Two, for the evidence: replayed on
-#: recorded acceptance (tests/unit/test_autok_replay.py), sampled requests starting from the
-#: seeded plan on a machine where drafting pays ~6% came to 0.974-0.985x of the best fixed K
-#: over 8 noise seeds with one-cycle probes (0.933x at worst), 0.986-0.995x with two
+#: drafting cycles in a row per probe from plain decoding: two, for the evidence they bring.
+#: Replayed on recorded acceptance (tests/unit/test_autok_replay.py), sampled requests
+#: starting from the seeded plan on a machine where drafting pays ~6%, mean of 8 noise seeds
+#: without / with a stretch's warm-up: one-cycle probes 0.981x / 0.992x of the best fixed K
+#: (worst 0.942x), two 0.991x / 0.987x (worst 0.963x)
 PROBE_CYCLES = 2
 #: cycles of a class (plain or drafting) after a switch before its cycles price the class
 #: (``RequestAutoK.observe_seconds``): a stretch's first cycles cost more than its settled
@@ -99,8 +100,7 @@ PROBE_CYCLES = 2
 #: by a probe's second cycle, a mostly-plain run saw drafting only through its probes: a bench
 #: run's greedy auto calibrated its drafting cycles at 1.33x the start-up table and its plain
 #: ones at 1.05x, and decoded mostly plain (1.35 tokens a cycle) where fixed K=3 paid 1.13x.
-#: Replayed with that warm-up (tests/unit/test_autok_replay.py), the worst case over the
-#: tables of the replay's tests went from 0.939x of the best fixed K to 0.974x
+#: How a stretch's early cycles count instead: ``RequestAutoK.observe_seconds``
 SETTLE_CYCLES = 4
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
@@ -158,7 +158,12 @@ CALIBRATION_CLIP = 2.0
 #: a class timed again after this many timed cycles of the other one takes its new sample at
 #: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
 CALIBRATION_STALE = 256
-CALIBRATION_MAX_WEIGHT = 0.5
+#: ... at most: one timing of a machine whose cycles wander by 20% and more. At 0.5 one slow
+#: timing of the class that had not run priced it ~20% over its cost, and auto then ran the
+#: other class, which left that price standing: replayed with a stretch's warm-up over 90
+#: cases (``scripts/experiments/autok_replay_sweep.py``), 0.25 took the worst from 0.958x of
+#: the best fixed K to 0.960x and the cases under 0.97x from 2 to 1, the mean level (0.996x)
+CALIBRATION_MAX_WEIGHT = 0.25
 #: weight of one timed cycle in a drafting K's own factor relative to the drafting class
 #: (``AutoK.tilt``): ~256 cycles of that K. Slow, so that the class factor takes a change of the
 #: machine's speed and the tilts only what stays: the start-up table's error between one
@@ -752,23 +757,27 @@ class RequestAutoK:
         A switch's own cycle (a probe's first, the first plain cycle after drafting) is never
         counted: it costs extra — the head's catch-up over the plain stretch, a pipeline not yet
         filled. Nor, in full, are the next ``SETTLE_CYCLES - 1``, which still cost more than the
-        settled cycles auto K chooses between: early plain cycles not at all (plain stretches
-        are long, settled ones come soon), early drafting ones only where they price drafting
-        below its calibration (``AutoK.calibrate``'s ``at_most``). They bound the settled cost
-        from above, and in a mostly-plain run a probe's second cycle is the only drafting cycle
-        there is: with no timing at all, one slow settled timing would keep drafting overpriced
-        for good, and priced in full they overprice it by the warm-up. A drafting cycle is
-        compared with the table's cost for the catch-up it ran (what the previous cycle
-        committed).
+        settled cycles auto K chooses between: they count only where they price their class
+        below its calibration (``AutoK.calibrate``'s ``at_most``), bounding the settled cost
+        from above. In a mostly-plain run a probe's second cycle is the only drafting cycle
+        there is (and in a mostly-drafting one a short plain stretch the only plain cycles):
+        not timed at all, one slow settled timing kept a class overpriced for good, since auto
+        then ran the other class; timed in full, they overprice their class by the warm-up.
+        Replayed with the warm-up (``scripts/experiments/autok_replay_sweep.py``, 90 cases),
+        counting early cycles in full left 7 cases under 0.97x the best fixed K (worst
+        0.905x, ``--settle 1 --max-weight 0.5``), bounding them 2 (0.958x, ``--max-weight
+        0.5``). A drafting cycle is compared with the table's cost for the catch-up it ran
+        (what the previous cycle committed).
         """
         previous_k, before = self.last_k, self.last_committed
         self.last_k, self.last_committed = k, committed
         same_class = previous_k is not None and (previous_k > 0) == (k > 0)
         self.stretch = self.stretch + 1 if same_class else 1
-        settled = self.stretch > SETTLE_CYCLES
-        if seconds is None or self.stretch == 1 or not (settled or k > 0):
+        if seconds is None or self.stretch == 1:
             return
-        self.shared.calibrate(k, before if k > 0 else 1, seconds, at_most=not settled)
+        self.shared.calibrate(
+            k, before if k > 0 else 1, seconds, at_most=self.stretch <= SETTLE_CYCLES
+        )
 
 
 #: pseudo-trials per position with which a seeded request's long-run acceptance starts from

@@ -11,6 +11,7 @@ Auto K (``engine.scheduling.autok``) reads costs only through this module.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -246,9 +247,12 @@ def _group_stamp() -> str:
     return f"ranks={mx.distributed.init().size()}"
 
 
+@functools.cache
 def _code_stamp() -> str:
     """A hash of the code a cycle runs, the native kernel's sources included: costs measured
-    before an engine or kernel change are stale."""
+    before an engine or kernel change are stale. Once a process: the code it runs is what it
+    loaded, and hashing the sources took ~2 ms, which every save of a refined table (one a
+    request) paid on the decoding thread."""
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     patterns = (

@@ -201,27 +201,29 @@ def test_cycle_times_calibrate_the_plain_and_drafting_costs_separately() -> None
     assert request.choose(None) > 0  # and the choice follows the calibrated costs
     for _ in range(200):  # drafting turns out slower than the table too: plain again
         request.observe_seconds(1, 2, 1.6 * 1.5)
-    # (K=1's own tilt takes a little of it while the class factor catches up: ~2%)
+    # (K=1's own tilt takes a little of it while the class factor catches up: ~3%)
     assert kind.calibration[1] * kind.tilt[1] == pytest.approx(1.5, rel=0.01)
-    assert kind.calibration[1] == pytest.approx(1.5, rel=0.03)
+    assert kind.calibration[1] == pytest.approx(1.5, rel=0.05)
     rates = kind.rates(request.estimates())
     assert max(range(len(rates)), key=rates.__getitem__) == 0
 
 
-def test_a_stretchs_first_cycles_only_bound_its_drafting_price_from_above() -> None:
-    """After a switch, plain cycles are timed from the stretch's ``SETTLE_CYCLES + 1``-th on;
-    a drafting stretch's cycles before that count only where they price drafting below its
-    calibration (warm-up only ever makes them dearer)."""
+def test_a_stretchs_first_cycles_only_bound_its_price_from_above() -> None:
+    """After a switch, a class's cycles count in full from the stretch's ``SETTLE_CYCLES +
+    1``-th on; before that (the switch's own cycle aside, never counted) only where they price
+    the class below its calibration: warm-up only ever makes them dearer."""
     from engine.scheduling.autok import SETTLE_CYCLES
 
     costs = CostTable(cycle=[1.0, 1.6, 2.2, 2.8, 3.4], trunk=[1.0] * 5, head_step=0.5)
     kind = AutoK(costs, drafting_cycles_seen=100)
     request = kind.for_request()
     request.observe_seconds(0, 1, None)
-    for _ in range(SETTLE_CYCLES - 1):
-        request.observe_seconds(0, 1, 2.0)  # a plain stretch's early cycles: not counted
+    for _ in range(SETTLE_CYCLES - 2):
+        request.observe_seconds(0, 1, 2.0)  # a plain stretch's early cycles, dearer: not counted
     assert kind.calibration == [1.0, 1.0]
-    request.observe_seconds(0, 1, 2.0)  # settled
+    request.observe_seconds(0, 1, 0.9)  # cheaper: counted
+    assert kind.calibration[0] < 1.0
+    request.observe_seconds(0, 1, 2.0)  # settled: counted, dearer too
     assert kind.calibration[0] > 1.0
     request.observe_seconds(2, 1, 9.0)  # a probe's first cycle: never counted
     request.observe_seconds(2, 1, 2.2 * 1.3)  # its second, dearer than the calibration: not

@@ -1,0 +1,75 @@
+"""Auto K replayed on recorded acceptance over a grid of cases, against the best fixed K::
+
+    .venv/bin/python scripts/experiments/autok_replay_sweep.py
+    .venv/bin/python scripts/experiments/autok_replay_sweep.py --settle 1 --max-weight 0.5
+
+The replay is tests/unit/test_autok_replay.py's (the real ``AutoK`` on the demo model's
+recorded per-position acceptance, costs from the record's table, 20% timing noise). The grid:
+greedy and Qwen's sampler; the replay's machines plus a "marginal" one (1.5 ms more per verify
+position: sampled drafting loses ~6%, greedy pays ~10%); the exact table and the four 15%
+table errors of the replay's tests; three noise seeds; with and without a stretch's warm-up
+(``WARM_UP``). Prints, with and without the warm-up, each case's tokens per second over the
+best fixed K's under the same costs: mean, worst, tenth percentile, and how many fall under
+0.97. ``--settle`` and ``--max-weight`` set ``SETTLE_CYCLES`` and ``CALIBRATION_MAX_WEIGHT``
+(``--settle 1``: a stretch's cycles after the switch's own all count in full).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+
+import test_autok_replay as replayed  # noqa: E402
+
+import engine.scheduling.autok as autok  # noqa: E402
+
+TABLE_ERRORS = ((1.0, 1.0), (0.85, 1.0), (1.15, 1.0), (1.0, 0.85), (1.0, 1.15))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settle", type=int, default=autok.SETTLE_CYCLES)
+    parser.add_argument("--max-weight", type=float, default=autok.CALIBRATION_MAX_WEIGHT)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    autok.SETTLE_CYCLES = args.settle
+    autok.CALIBRATION_MAX_WEIGHT = args.max_weight
+    replayed.MACHINES["marginal"] = 1.5e-3
+    seeded = random.Random
+    for warm_up in ((), replayed.WARM_UP):
+        ratios = []
+        for sampler in ("greedy", "preset:qwen"):
+            for machine in replayed.MACHINES:
+                truth = replayed.true_table(sampler, machine)
+                best = max(
+                    replayed.replay(sampler, k, machine=machine, warm_up=warm_up)[0]
+                    for k in range(len(truth.cycle))
+                )
+                for seed in range(args.seeds):
+                    # the replay draws its timing noise from random.Random(0)
+                    replayed.random.Random = lambda _, seed=seed: seeded(seed)
+                    for error in TABLE_ERRORS:
+                        auto = autok.AutoK(truth.scaled(*error), policy=replayed.policy(sampler))
+                        tps, _ = replayed.replay(
+                            sampler, auto, 0.2, machine=machine, warm_up=warm_up
+                        )
+                        ratios.append(tps / best)
+        replayed.random.Random = seeded
+        ratios.sort()
+        print(
+            f"{'with' if warm_up else 'without'} the warm-up: auto over the best fixed K mean "
+            f"{statistics.mean(ratios):.4f}, worst {ratios[0]:.4f}, tenth percentile "
+            f"{ratios[len(ratios) // 10]:.4f}, {sum(r < 0.97 for r in ratios)} of "
+            f"{len(ratios)} under 0.97"
+        )
+
+
+if __name__ == "__main__":
+    main()
