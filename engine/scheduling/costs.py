@@ -379,6 +379,12 @@ def measure_costs(
 SLOW_FORWARD = 0.5
 
 
+#: a forward faster than this (seconds) gets its start-up table from the decode loop's own
+#: cycles (``measure_costs`` with one repetition: ~200 forwards' time) instead of from timed
+#: forwards: under 2 s of start-up
+LOOP_TIMED_FORWARD = 0.01
+
+
 def estimate_costs(
     engine: CostProbe,
     max_k: int = MAX_AUTO_K,
@@ -396,7 +402,9 @@ def estimate_costs(
     them (the benchmark on a shared machine: the process's CPU time). Cycles follow the cost
     model:
     a plain cycle is a one-token forward; a K-cycle one catch-up step, K-1 draft steps and the
-    (K+1)-token verify.
+    (K+1)-token verify. A model whose forward takes under ``LOOP_TIMED_FORWARD`` is instead
+    timed through the decode loop (``measure_costs``, one repetition): there the forward alone
+    is not what a cycle costs.
 
     What the model leaves out (sampling, host syncs, the plain cycles' overlap) is learned in
     the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
@@ -433,11 +441,26 @@ def estimate_costs(
     def by_length(run: Any, known: dict[int, float] | None = None) -> list[float]:
         timings = dict(known or {})
         timings |= {n: timed(lambda n=n: run(n)) for n in lengths if n not in timings}
-        one, many = timings[1], timings[max_k + 1]
+        # (more positions never cost less: a noisy single timing must not make them)
+        one, many = timings[1], max(timings[1], timings[max_k + 1])
         return [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
 
     t0 = time.perf_counter()
     one = timed(lambda: forward(1))
+    if one < LOOP_TIMED_FORWARD and not thorough:
+        # A fast model: a forward timed alone is mostly the host's sync and per-op costs, which
+        # the decode loop overlaps (a plain cycle runs one ahead). Timed forwards priced the
+        # demo model's plain cycle at 0.93-1.72 ms where the loop runs it in 0.56-0.58 (a K=3
+        # cycle 1.4-1.9x, plain 1.7-3x), and once the run calibrated drafting, plain looked
+        # dearer than a K=1 cycle: auto K never ran plain, so never timed it. The decode loop's
+        # own cycles instead, one repetition (~0.4 s there).
+        costs = measure_costs(engine, max_k, reps=1)
+        log.info(
+            "auto K: cycle costs from the decode loop's cycles in %.1fs: %s ms",
+            time.perf_counter() - t0,
+            [round(1e3 * c, 2) for c in costs.cycle],
+        )
+        return costs
     if one > SLOW_FORWARD and not thorough:
         # A slow model (a forward of seconds: bf16 weights on a CPU, a large model): one timed
         # forward is all start-up waits for. Its weights bound it, so a verify of K+1 tokens is

@@ -371,7 +371,15 @@ def test_start_up_estimates_costs_and_no_request_waits_on_a_measurement(
 
     monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(autok, "SAVE_EVERY_TIMED", 1)
-    monkeypatch.setattr(costs, "measure_costs", lambda *a, **k: pytest.fail("long measurement"))
+    measure = costs.measure_costs
+
+    def quick_only(*args, reps: int = 9, **kwargs):
+        # (a fast model's start-up table: the decode loop's cycles, one repetition)
+        if reps > 1:
+            pytest.fail("long measurement")
+        return measure(*args, reps=reps, **kwargs)
+
+    monkeypatch.setattr(costs, "measure_costs", quick_only)
     estimates: list[int] = []
     real_estimate = autok.estimate_costs
 
@@ -410,12 +418,38 @@ def test_a_slow_model_waits_for_one_timed_forward_only(load_engine, monkeypatch)
 
     engine = load_engine("dense-tied", draft_tokens=0)
     monkeypatch.setattr(cost_table, "SLOW_FORWARD", 0.0)
+    monkeypatch.setattr(cost_table, "LOOP_TIMED_FORWARD", 0.0)
     costs = cost_table.estimate_costs(engine)
     ratio = cost_table.head_bytes_ratio(engine)
     assert 0 < ratio < 1
     assert costs.trunk == [costs.cycle[0]] * (MAX_AUTO_K + 1)
     assert costs.head_step == pytest.approx(costs.cycle[0] * ratio)
     assert costs.cycle[2] == pytest.approx(costs.cycle[0] * (1 + 2 * ratio))
+
+
+def test_a_fast_model_is_priced_by_the_decode_loops_own_cycles(load_engine, monkeypatch) -> None:
+    """Where a forward is fast, one timed alone is mostly the host's sync and per-op costs,
+    which the decode loop overlaps: start-up times one repetition of the loop's own cycles
+    (``measure_costs``) instead, and a slower forward keeps the timed forwards."""
+    from engine.scheduling import costs as cost_table
+
+    engine = load_engine("dense-tied", draft_tokens=0)
+    calls: list[int] = []
+    measure = cost_table.measure_costs
+
+    def spy(*args, reps: int = 9, **kwargs):
+        calls.append(reps)
+        return measure(*args, reps=reps, **kwargs)
+
+    monkeypatch.setattr(cost_table, "measure_costs", spy)
+    monkeypatch.setattr(cost_table, "LOOP_TIMED_FORWARD", 10.0)
+    looped = cost_table.estimate_costs(engine)
+    assert calls == [1] and len(looped.cycle) == MAX_AUTO_K + 1
+    assert all(c > 0 for c in looped.cycle) and looped.absorb_far > 0
+    monkeypatch.setattr(cost_table, "LOOP_TIMED_FORWARD", 0.0)
+    forwards = cost_table.estimate_costs(engine)
+    assert calls == [1]  # timed forwards only
+    assert forwards.absorb_far >= forwards.absorb[-1]  # never priced below a short catch-up
 
 
 def test_a_seeded_chooser_follows_its_plan_and_its_own_draws_only() -> None:
