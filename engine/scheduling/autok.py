@@ -153,8 +153,17 @@ POLICIES = {
 EXPLORE_CYCLES = 16
 #: weight of one timed cycle in the in-run cost calibration (``AutoK.calibration``): ~32 cycles
 CALIBRATION_WEIGHT = 1 / 32
-#: a timed cycle further than this factor from the table is clipped (a preemption, a GC pause)
-CALIBRATION_CLIP = 2.0
+#: a timed cycle moves its class's price as if it were at most this factor from that price: a
+#: preemption or a GC pause must not move it further than a cycle a little slow, and the price
+#: tracks the cycles' typical time, not their mean. With the clip at 2x the table, a long
+#: cycle's pauses were clipped less than a short one's (a pause of 2 ms doubles a plain demo
+#: cycle and adds a third to a drafting one): in one process, settled greedy cycles' time over
+#: the table had the same median for plain and drafting (0.766, 0.771-0.774) but means of 0.797
+#: and 0.802-0.821, and the factors followed the means (0.759 plain, 0.813 drafting); in log
+#: space at 1.25x they follow the medians (a rerun: 1.052 for a median of 1.058, the mean
+#: 1.115). Replayed with such pauses (``scripts/experiments/autok_replay_sweep.py --pauses
+#: 20,5``, 90 cases), 0 fell under 0.97x of the best fixed K (worst 0.972x) against 3 (0.928x)
+CALIBRATION_CLIP = 1.25
 #: a class timed again after this many timed cycles of the other one takes its new sample at
 #: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
 CALIBRATION_STALE = 256
@@ -265,23 +274,24 @@ class AutoK:
         resume drafting; plain: a few percent on the rare prompts where plain would win).
         """
         expected = self.costs.expected_seconds(k, committed_before)
-        ratio = min(max(seconds / expected, 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
         timed = int(k > 0)
-        tilt = self.tilt[k] if timed and k < len(self.tilt) else 1.0
-        if at_most and ratio >= self.calibration[timed] * tilt:
+        tilted = timed and k < len(self.tilt)
+        price = self.calibration[timed] * (self.tilt[k] if tilted else 1.0)
+        # how far this timing is from the price, in log space, clipped (CALIBRATION_CLIP)
+        limit = math.log(CALIBRATION_CLIP)
+        off = min(max(math.log(seconds / (expected * price)), -limit), limit)
+        if at_most and off >= 0:
             return
         self.timed_cycles += 1
         stale = (self.timed_cycles - self.last_timed[timed]) / CALIBRATION_STALE
         self.last_timed[timed] = self.timed_cycles
         weight = min(CALIBRATION_MAX_WEIGHT, max(CALIBRATION_WEIGHT, stale))
-        if not timed or k >= len(self.tilt):
-            self.calibration[timed] += weight * (ratio - self.calibration[timed])
-            return
         # Drafting: the class factor learns the timing with this K's tilt taken out, the tilt
         # (slowly) what the class factor leaves. A K that runs learns its own price; one that
         # never runs keeps the table's price relative to the others.
-        self.calibration[1] += weight * (ratio / self.tilt[k] - self.calibration[1])
-        self.tilt[k] += TILT_WEIGHT * (ratio / self.calibration[1] - self.tilt[k])
+        self.calibration[timed] *= math.exp(weight * off)
+        if tilted:
+            self.tilt[k] *= math.exp(TILT_WEIGHT * (1 - weight) * off)
 
     def calibrated_costs(self) -> CostTable:
         """The table scaled by the class factors (the tilts apply per K, in ``rates``)."""

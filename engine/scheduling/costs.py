@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -441,9 +442,10 @@ def estimate_costs(
     def by_length(run: Any, known: dict[int, float] | None = None) -> list[float]:
         timings = dict(known or {})
         timings |= {n: timed(lambda n=n: run(n)) for n in lengths if n not in timings}
-        # (more positions never cost less: a noisy single timing must not make them)
-        one, many = timings[1], max(timings[1], timings[max_k + 1])
-        return [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
+        one, many = timings[1], timings[max_k + 1]
+        times = [timings.get(n, one + (many - one) * (n - 1) / max_k) for n in range(1, max_k + 2)]
+        # more positions never cost less: a noisy single timing must not make them
+        return list(itertools.accumulate(times, max))
 
     t0 = time.perf_counter()
     one = timed(lambda: forward(1))

@@ -10,8 +10,9 @@ position: sampled drafting loses ~6%, greedy pays ~10%); the exact table and the
 table errors of the replay's tests; three noise seeds; with and without a stretch's warm-up
 (``WARM_UP``). Prints, with and without the warm-up, each case's tokens per second over the
 best fixed K's under the same costs: mean, worst, tenth percentile, and how many fall under
-0.97. ``--settle`` and ``--max-weight`` set ``SETTLE_CYCLES`` and ``CALIBRATION_MAX_WEIGHT``
-(``--settle 1``: a stretch's cycles after the switch's own all count in full).
+0.97. ``--settle``, ``--max-weight`` and ``--clip`` set ``SETTLE_CYCLES``,
+``CALIBRATION_MAX_WEIGHT`` and ``CALIBRATION_CLIP`` (``--settle 1``: a stretch's cycles after
+the switch's own all count in full).
 """
 
 from __future__ import annotations
@@ -37,11 +38,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settle", type=int, default=autok.SETTLE_CYCLES)
     parser.add_argument("--max-weight", type=float, default=autok.CALIBRATION_MAX_WEIGHT)
+    parser.add_argument("--clip", type=float, default=autok.CALIBRATION_CLIP)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--pauses",
+        default="0,0",
+        help="rate a second, milliseconds: the machine's pauses (tests/unit/test_autok_replay.py)",
+    )
     args = parser.parse_args()
     autok.SETTLE_CYCLES = args.settle
     autok.CALIBRATION_MAX_WEIGHT = args.max_weight
+    autok.CALIBRATION_CLIP = args.clip
     replayed.MACHINES["marginal"] = 1.5e-3
+    rate, pause_ms = (float(x) for x in args.pauses.split(","))
+    pauses = (rate, pause_ms / 1e3)
     seeded = random.Random
     for warm_up in ((), replayed.WARM_UP):
         ratios = []
@@ -49,7 +59,7 @@ def main() -> None:
             for machine in replayed.MACHINES:
                 truth = replayed.true_table(sampler, machine)
                 best = max(
-                    replayed.replay(sampler, k, machine=machine, warm_up=warm_up)[0]
+                    replayed.replay(sampler, k, machine=machine, warm_up=warm_up, pauses=pauses)[0]
                     for k in range(len(truth.cycle))
                 )
                 for seed in range(args.seeds):
@@ -58,7 +68,7 @@ def main() -> None:
                     for error in TABLE_ERRORS:
                         auto = autok.AutoK(truth.scaled(*error), policy=replayed.policy(sampler))
                         tps, _ = replayed.replay(
-                            sampler, auto, 0.2, machine=machine, warm_up=warm_up
+                            sampler, auto, 0.2, machine=machine, warm_up=warm_up, pauses=pauses
                         )
                         ratios.append(tps / best)
         replayed.random.Random = seeded

@@ -91,6 +91,7 @@ def replay(
     prompts: list[int] | None = None,
     machine: str = "measured",
     warm_up: tuple[float, ...] = (),
+    pauses: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[float, list[int]]:
     """Tokens per second of ``policy`` (a fixed K, or auto K) over every recorded prompt (or
     those listed in ``prompts``, in that order), and its histogram of K. The ``slow_prompts``
@@ -102,9 +103,12 @@ def replay(
     ``switch_penalty`` adds seconds to the first plain cycle after drafting and to the first
     drafting cycle after plain ones (cold caches; what the table does not price), and
     ``warm_up`` multiplies the second, third, ... cycle of a stretch of one class (plain or
-    drafting) by its factors, in that order.
+    drafting) by its factors, in that order. ``pauses``: (rate a second, seconds) of the
+    machine's pauses (a preemption, another process's burst), each cycle paused with the
+    probability its length gives: paid and seen, so long cycles are paused more often.
     """
     rng = random.Random(0)
+    pause_rng = random.Random(1)
     tokens = seconds = 0.0
     truth = true_table(sampler, machine)
     histogram = [0] * len(truth.cycle)
@@ -127,6 +131,7 @@ def replay(
                 cost = table.cycle[0]
             stretch = stretch + 1 if position and (k > 0) == (previous_k > 0) else 0
             cost *= warm_up[stretch - 1] if 0 < stretch <= len(warm_up) else 1.0
+            cost += pauses[1] if pause_rng.random() < pauses[0] * cost else 0.0
             seconds += cost
             if request:
                 request.observe(k, n_accepted)
