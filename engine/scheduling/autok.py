@@ -630,9 +630,9 @@ def drafting_spread(rounds: list[list[tuple[int, int, float]]]) -> float:
     four. Within a round each ratio is over that round's own plain cycles (timed first and last),
     so the machine's drift between rounds cancels. Against the decode loop itself
     (``scripts/experiments/seeded_plan_cost.py``, six plans in one process at a fast moment of
-    the machine): plans priced a K=2 cycle at 2.49-2.59x a plain one where fixed K=2 decoding ran
-    ~2.50x (2.42 tokens a cycle at 1.035x K=0's time a token, the median of six trials that
-    themselves ranged over 0.87-1.08x), and every plan chose K=0."""
+    the machine): plans priced a K=2 cycle at 2.39-2.67x a plain one where fixed K=2 decoding ran
+    ~2.59x (2.42 tokens a cycle at 1.071x K=0's time a token, the median of six trials that
+    themselves ranged over 0.88-1.13x); five plans chose K=0 and one K=3."""
     ratios: dict[int, list[float]] = {}
     for timed in rounds:
         plain = [seconds for k, _, seconds in timed if k == 0]

@@ -8,8 +8,9 @@ and multiplies the drafting cycles by ``drafting_spread``. For each plan this pr
 spread, the priced ratio of a K=2 and a K=3 cycle to a plain one and the K the plan starts
 seeded requests at, from the first ``TIMED_PROBE_ROUNDS`` rounds (as the engine measures) and
 from three times as many; then the time per token of fixed K=2 over fixed K=0 (Qwen's sampler
-seeded, three prompts x 128 tokens): drafting pays where that is under 1, and the plan's K=2
-ratio is right where it equals the tokens a K=2 cycle emits (~2.42 on the demo) times it.
+seeded, three of the bench's prompts x 128 tokens): drafting pays where that is under 1, and
+the plan's K=2 ratio is right where it equals the tokens a K=2 cycle emits (~2.42 on the demo)
+times it.
 """
 
 from __future__ import annotations
@@ -30,15 +31,10 @@ blas.use_fast_blas()
 
 import engine.scheduling.autok as autok  # noqa: E402
 from engine.api import GenerationRequest  # noqa: E402
+from engine.bench.prompts import load_prompts  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
 from engine.scheduling.costs import CostTable, best_k  # noqa: E402
 from sampling.params import SamplingParams  # noqa: E402
-
-PROMPTS = (
-    "def read_config(path):\n",
-    "The history of the city goes back",
-    "Question: what is a hash table?\nAnswer:",
-)
 
 
 def main() -> None:
@@ -53,7 +49,8 @@ def main() -> None:
     for _ in range(autok.ACCEPTANCE_PROBE_ROUNDS):
         acceptance = autok.probe_acceptance(engine, sampler, sequences=sequences, counts=counts)
     print("probe acceptance", [round(a, 3) for a in acceptance])
-    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    bench_prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)
+    prompts = [prompt["ids"] for prompt in bench_prompts[::8]]  # three of the bench's kinds
 
     def time_per_token(k: int) -> float:
         started = time.perf_counter()
