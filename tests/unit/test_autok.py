@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.scheduling.autok import (
@@ -446,6 +448,11 @@ def test_a_fast_model_is_priced_by_the_decode_loops_own_cycles(load_engine, monk
     looped = cost_table.estimate_costs(engine)
     assert calls == [1] and len(looped.cycle) == MAX_AUTO_K + 1
     assert all(c > 0 for c in looped.cycle) and looped.absorb_far > 0
+    # one noisy row is no cheaper than a shorter draft's: a longer draft never costs less
+    noisy = replace(looped, cycle=[1.0, 2.0, 4.0, 3.0, 5.0])
+    monkeypatch.setattr(cost_table, "measure_costs", lambda *args, **kwargs: noisy)
+    assert cost_table.estimate_costs(engine).cycle == [1.0, 2.0, 4.0, 4.0, 5.0]
+    monkeypatch.setattr(cost_table, "measure_costs", spy)
     monkeypatch.setattr(cost_table, "LOOP_TIMED_FORWARD", 0.0)
     forwards = cost_table.estimate_costs(engine)
     assert calls == [1]  # timed forwards only
