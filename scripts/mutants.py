@@ -255,6 +255,24 @@ MUTATIONS = [
         "and machine then drafts where plain decoding was faster",
     ),
     Mutation(
+        "a-stretchs-early-cycles-price-it-in-full",
+        "engine/scheduling/autok.py",
+        "            k, before if k > 0 else 1, seconds, at_most=self.stretch <= SETTLE_CYCLES",
+        "            k, before if k > 0 else 1, seconds, at_most=False",
+        ("tests/unit/test_autok.py::test_a_stretchs_first_cycles_only_bound_its_price_from_above",),
+        "a probe's second cycle, dear with the switch's warm-up, prices drafting: a mostly-plain "
+        "run then keeps drafting overpriced and decodes plain where drafting pays",
+    ),
+    Mutation(
+        "a-fast-models-start-up-table-from-timed-forwards",
+        "engine/scheduling/costs.py",
+        "    if one < LOOP_TIMED_FORWARD and not thorough:",
+        "    if False:",
+        ("tests/unit/test_autok.py::test_a_fast_model_is_priced_by_the_decode_loops_own_cycles",),
+        "a small model's plain cycle is priced at a synchronous forward, up to 3x its cost in "
+        "the loop: auto K never decodes plain, so never learns what plain costs",
+    ),
+    Mutation(
         "head-ahead-feeds-the-rejected-draft",
         "engine/cycle/speculative.py",
         "tokens = mx.where(positions < accepted[:, None],",
