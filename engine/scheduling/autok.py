@@ -162,16 +162,18 @@ CALIBRATION_WEIGHT = 1 / 32
 #: and 0.802-0.821, and the factors followed the means (0.759 plain, 0.813 drafting); in log
 #: space at 1.25x they follow the medians (a rerun: 1.052 for a median of 1.058, the mean
 #: 1.115). Replayed with such pauses (``scripts/experiments/autok_replay_sweep.py --pauses
-#: 20,5``, 90 cases), 0 fell under 0.97x of the best fixed K (worst 0.972x) against 3 (0.928x)
+#: 20,5``, 90 cases), 0 fell under 0.97x of the best fixed K (worst 0.972x); 1 with the clip
+#: at 2x (``--clip 2``), 3 (worst 0.928x) with the linear update clipped at 2x the table.
+#: Without pauses 4 (0.931x: sampled decoding where drafting loses 6%, plain priced 15% over)
 CALIBRATION_CLIP = 1.25
 #: a class timed again after this many timed cycles of the other one takes its new sample at
 #: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
 CALIBRATION_STALE = 256
-#: ... at most: one timing of a machine whose cycles wander by 20% and more. At 0.5 one slow
-#: timing of the class that had not run priced it ~20% over its cost, and auto then ran the
-#: other class, which left that price standing: replayed with a stretch's warm-up over 90
-#: cases (``scripts/experiments/autok_replay_sweep.py``), 0.25 took the worst from 0.958x of
-#: the best fixed K to 0.960x and the cases under 0.97x from 2 to 1, the mean level (0.996x)
+#: ... at most: one timing of a machine whose cycles wander by 20% and more, which at 0.5
+#: (with a linear update clipped at 2x the table) priced a class that had not run ~20% over
+#: its cost, and auto then ran the other class, which left that price standing. Under the
+#: clipped update below, 0.25 and 0.5 replay level (``scripts/experiments/autok_replay_sweep.py
+#: --max-weight 0.5``: 4 of 90 cases under 0.97x of the best fixed K either way, 0 with pauses)
 CALIBRATION_MAX_WEIGHT = 0.25
 #: weight of one timed cycle in a drafting K's own factor relative to the drafting class
 #: (``AutoK.tilt``): ~256 cycles of that K. Slow, so that the class factor takes a change of the
@@ -778,10 +780,10 @@ class RequestAutoK:
         not timed at all, one slow settled timing kept a class overpriced for good, since auto
         then ran the other class; timed in full, they overprice their class by the warm-up.
         Replayed with the warm-up (``scripts/experiments/autok_replay_sweep.py``, 90 cases),
-        counting early cycles in full left 7 cases under 0.97x the best fixed K (worst
-        0.905x, ``--settle 1 --max-weight 0.5``), bounding them 2 (0.958x, ``--max-weight
-        0.5``). A drafting cycle is compared with the table's cost for the catch-up it ran
-        (what the previous cycle committed).
+        counting early cycles in full (``--settle 1``) left 10 cases under 0.97x the best
+        fixed K (worst 0.928x), 13 with the machine's pauses (``--pauses 20,5``; 0.904x);
+        bounding them 4 (0.931x) and 0 (0.972x). A drafting cycle is compared with the
+        table's cost for the catch-up it ran (what the previous cycle committed).
         """
         previous_k, before = self.last_k, self.last_committed
         self.last_k, self.last_committed = k, committed
