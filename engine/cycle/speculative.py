@@ -585,8 +585,7 @@ def read_cycles(launched: list[LaunchedCycle]) -> list[CycleResult]:
 
 def read_cycle(launched: LaunchedCycle) -> CycleResult:
     """Wait for a launched cycle and read back what it emits (the one device->host sync)."""
-    products.wait(launched.n_accepted, launched.next_token, launched.drafts)
-    return _result(launched)
+    return read_cycles([launched])[0]
 
 
 def _result(launched: LaunchedCycle) -> CycleResult:

@@ -427,16 +427,13 @@ class EngineAutoK:
                 time_probe_cycles(self.engine, sampler, k, timed, sequences=sequences)
             rounds.append(timed)
             timings += timed
-        seconds = probe_cycle_seconds(timings)
-        spread = drafting_spread(rounds)
-        seconds = [seconds[0], *(s * spread for s in seconds[1:])]
-        self.seeded = SeededPlan(acceptance, seconds)
+        self.seeded = SeededPlan.measured(acceptance, timings, rounds)
         log.info(
             "auto K: seeded sampled requests start at K=%d (acceptance %s, cycles timed on the "
             "probe texts %s ms)",
             self.seeded.k,
             [round(a, 3) for a in acceptance],
-            [round(1e3 * c, 2) for c in seconds],
+            [round(1e3 * c, 2) for c in self.seeded.cycle_seconds],
         )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -826,6 +823,20 @@ class SeededPlan:
 
     acceptance: list[float]
     cycle_seconds: list[float]
+
+    @classmethod
+    def measured(
+        cls,
+        acceptance: list[float],
+        timings: list[tuple[int, int, float]],
+        rounds: list[list[tuple[int, int, float]]],
+    ) -> SeededPlan:
+        """The plan from the probe's acceptance and cycle timings: each K's cycle as
+        ``probe_cycle_seconds`` prices it from ``timings``, drafting ones times
+        ``drafting_spread`` of the timed ``rounds``."""
+        seconds = probe_cycle_seconds(timings)
+        spread = drafting_spread(rounds)
+        return cls(acceptance, [seconds[0], *(s * spread for s in seconds[1:])])
 
     @property
     def k(self) -> int:

@@ -33,7 +33,6 @@ import engine.scheduling.autok as autok  # noqa: E402
 from engine.api import GenerationRequest  # noqa: E402
 from engine.bench.prompts import load_prompts  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
-from engine.scheduling.costs import CostTable, best_k  # noqa: E402
 from sampling.params import SamplingParams  # noqa: E402
 
 
@@ -63,14 +62,12 @@ def main() -> None:
         return (time.perf_counter() - started) / (128 * len(prompts))
 
     def priced(rounds: list[list[tuple[int, int, float]]]) -> str:
-        spread = autok.drafting_spread(rounds)
-        seconds = autok.probe_cycle_seconds([t for timed in rounds for t in timed])
-        seconds = [seconds[0], *(s * spread for s in seconds[1:])]
-        zeros = [0.0] * len(seconds)
-        table = CostTable(cycle=seconds, trunk=zeros, head_step=0.0, absorb=zeros)
+        timings = [t for timed in rounds for t in timed]
+        plan = autok.SeededPlan.measured(acceptance, timings, rounds)
+        seconds = plan.cycle_seconds
         return (
-            f"spread {spread:.3f}, K=2 {seconds[2] / seconds[0]:.2f}x plain, K=3 "
-            f"{seconds[3] / seconds[0]:.2f}x, plan K={best_k(table, acceptance)}"
+            f"spread {autok.drafting_spread(rounds):.3f}, K=2 {seconds[2] / seconds[0]:.2f}x "
+            f"plain, K=3 {seconds[3] / seconds[0]:.2f}x, plan K={plan.k}"
         )
 
     ratios = []
