@@ -297,11 +297,17 @@ def test_a_row_is_the_same_bits_at_any_row_count_and_thread_count(isa: str, kind
         native.set_threads(before)
 
 
-def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits() -> None:
+def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``products.wait`` evaluates as ``mx.eval`` does while the waiting thread takes parts of
     the products that mlx's stream thread posts meanwhile (``wait_helping`` counts the jobs it
     joined): a chain of products, never scheduled before the wait, comes out with the bits it
-    has on one thread, where a pool of one thread posts nothing to join."""
+    has on one thread, where a pool of one thread posts nothing to join. The pool's worker
+    does not spin after a product (``MTPSERVE_SPIN_US=0``, read when the pool is made), as a
+    worker that slept does: a spinning one could take every part of a product before the
+    waiting thread, and the count would say nothing."""
+    monkeypatch.setenv("MTPSERVE_SPIN_US", "0")
     x = mx.array(_random((3, 1024), 7))
     w = mx.array(_random((2048, 1024), 8))
 
@@ -325,6 +331,7 @@ def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits() -> 
         products.wait(waited)
         assert np.array_equal(np.array(waited), alone)
     finally:
+        monkeypatch.undo()  # the pool made next spins as configured
         native.set_threads(before)
 
 
