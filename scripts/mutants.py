@@ -264,6 +264,18 @@ MUTATIONS = [
         "run then keeps drafting overpriced and decodes plain where drafting pays",
     ),
     Mutation(
+        "drafting-priced-apart-from-the-machines-speed",
+        "engine/scheduling/autok.py",
+        "        return [math.exp(self.machine), math.exp(self.machine + self.ratio)]",
+        "        return [math.exp(self.machine), math.exp(self.ratio)]",
+        (
+            "tests/unit/test_autok.py::"
+            "test_the_calibration_tells_the_machines_speed_from_drafting_over_plain",
+        ),
+        "a slow spell timed on plain cycles leaves drafting at its old price: auto K drafts "
+        "(or decodes plain) on the machine's drift, not on what drafting pays",
+    ),
+    Mutation(
         "a-fast-models-start-up-table-from-timed-forwards",
         "engine/scheduling/costs.py",
         "    if one < LOOP_TIMED_FORWARD and not thorough:",

@@ -11,8 +11,9 @@ request falls back to when its own evidence fades, e.g. in a stretch of plain cy
 the estimates favour) every ``PROBE_EVERY`` plain cycles, backing off, keeps the estimates
 alive so speculation resumes when the text gets predictable again; while drafting, a draft one
 token longer every ``DEEPER_PROBE_EVERY`` cycles does the same for the next position. The
-start-up table is calibrated in the run with the decode loop's own cycle times, one factor for
-plain and one for drafting cycles, and a slow factor per drafting K on top (``AutoK.calibrate``).
+start-up table is calibrated in the run with the decode loop's own cycle times: the machine's
+speed, drafting cycles' cost over plain ones, and a slow factor per drafting K on top
+(``AutoK.calibrate``).
 """
 
 from __future__ import annotations
@@ -151,30 +152,31 @@ POLICIES = {
 #: bench run (1.01 tokens per cycle where K=4 was 1.24x): a few early misses pinned the deep
 #: positions' estimates
 EXPLORE_CYCLES = 16
-#: weight of one timed cycle in the in-run cost calibration (``AutoK.calibration``): ~32 cycles
-CALIBRATION_WEIGHT = 1 / 32
-#: a timed cycle moves its class's price as if it were at most this factor from that price: a
+#: a timed cycle moves the calibration as if it were at most this factor from its price: a
 #: preemption or a GC pause must not move it further than a cycle a little slow, and the price
 #: tracks the cycles' typical time, not their mean. With the clip at 2x the table, a long
 #: cycle's pauses were clipped less than a short one's (a pause of 2 ms doubles a plain demo
 #: cycle and adds a third to a drafting one): in one process, settled greedy cycles' time over
 #: the table had the same median for plain and drafting (0.766, 0.771-0.774) but means of 0.797
 #: and 0.802-0.821, and the factors followed the means (0.759 plain, 0.813 drafting); in log
-#: space at 1.25x they follow the medians (a rerun: 1.052 for a median of 1.058, the mean
-#: 1.115). Replayed with such pauses (``scripts/experiments/autok_replay_sweep.py --pauses
-#: 20,5``, 90 cases), 0 fell under 0.97x of the best fixed K (worst 0.972x); 1 with the clip
-#: at 2x (``--clip 2``), 3 (worst 0.928x) with the linear update clipped at 2x the table.
-#: Without pauses 4 (0.931x: sampled decoding where drafting loses 6%, plain priced 15% over)
+#: space at 1.25x they follow the medians
 CALIBRATION_CLIP = 1.25
-#: a class timed again after this many timed cycles of the other one takes its new sample at
-#: full ``CALIBRATION_MAX_WEIGHT`` (its old factor is that stale); in between, proportionally
-CALIBRATION_STALE = 256
-#: ... at most: one timing of a machine whose cycles wander by 20% and more, which at 0.5
-#: (with a linear update clipped at 2x the table) priced a class that had not run ~20% over
-#: its cost, and auto then ran the other class, which left that price standing. Under the
-#: clipped update below, 0.25 and 0.5 replay level (``scripts/experiments/autok_replay_sweep.py
-#: --max-weight 0.5``: 4 of 90 cases under 0.97x of the best fixed K either way, 0 with pauses)
-CALIBRATION_MAX_WEIGHT = 0.25
+#: The calibration's model (``AutoK.calibrate``), in log space: a timed cycle costs the table's
+#: price times the machine's speed factor m (both classes) times, for a drafting cycle, the
+#: drafting class's ratio r over plain, plus noise. Its variances, per timed cycle:
+#: the machine's speed, a random walk. This 2-core VM's cycles moved by 28% within a few
+#: seconds and back (one process, greedy demo: settled plain cycles at 1.03x, then 1.32x, then
+#: 1.06x the table), for both classes alike
+MACHINE_DRIFT = 3e-4
+#: ... the ratio r: it drifts too (plain cycles follow the memory's speed, drafting ones more the
+#: arithmetic), but far slower than the machine
+RATIO_DRIFT = 1e-6
+#: ... one timing around its price (log): settled cycles' deciles spanned 0.92-1.10x their
+#: median on the demo model
+TIMING_NOISE = 0.01
+#: ... and the start-up table's error in m and in r
+MACHINE_START_VARIANCE = 0.0025
+RATIO_START_VARIANCE = 0.04
 #: weight of one timed cycle in a drafting K's own factor relative to the drafting class
 #: (``AutoK.tilt``): ~256 cycles of that K. Slow, so that the class factor takes a change of the
 #: machine's speed and the tilts only what stays: the start-up table's error between one
@@ -234,14 +236,17 @@ class AutoK:
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     #: drafting cycles ever observed for this kind (never decays: exploration happens once)
     drafting_cycles_seen: int = 0
-    #: in-run cost calibration: measured / table seconds, smoothed, for plain cycles and for
-    #: drafting cycles (``calibrate``)
-    calibration: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    #: in-run cost calibration (``calibrate``), in log space: the machine's speed factor m over
+    #: the table, the drafting class's ratio r over plain, and their covariance
+    machine: float = 0.0
+    ratio: float = 0.0
+    covariance: list[list[float]] = field(
+        default_factory=lambda: [[MACHINE_START_VARIANCE, 0.0], [0.0, RATIO_START_VARIANCE]]
+    )
     #: each drafting K's factor relative to the drafting class (index K; ``calibrate``)
     tilt: list[float] = field(default_factory=lambda: [1.0] * (MAX_AUTO_K + 1))
-    #: timed cycles so far, and the count at each class's latest one
+    #: timed cycles so far
     timed_cycles: int = 0
-    last_timed: list[int] = field(default_factory=lambda: [0, 0])
     #: plain cycles between probes. Kept per kind, not per request: restarting at
     #: PROBE_EVERY with every request cost sampled decoding ~5% (four failing probes in each
     #: 256-token request, each a catch-up and a K=1 cycle, ~3 ms over a plain step)
@@ -249,51 +254,73 @@ class AutoK:
     #: what differs between greedy and sampled decoding: ``POLICIES[decoding_kind(params)]``
     policy: KindPolicy = POLICIES["greedy"]
 
+    @property
+    def calibration(self) -> list[float]:
+        """Measured over table seconds for plain and for drafting cycles: m and m r."""
+        return [math.exp(self.machine), math.exp(self.machine + self.ratio)]
+
+    @calibration.setter
+    def calibration(self, factors: list[float]) -> None:
+        plain, drafting = factors
+        self.machine, self.ratio = math.log(plain), math.log(drafting / plain)
+
     def calibrate(
         self, k: int, committed_before: int, seconds: float, at_most: bool = False
     ) -> None:
-        """Fold one timed cycle into the calibration of its class (plain or drafting); with
-        ``at_most`` only when it prices its K below the calibration (a cycle that bounds the
-        settled cost from above: ``RequestAutoK.observe_seconds``).
+        """Fold one timed cycle into the calibration; with ``at_most`` only when it prices its K
+        below the calibration (a cycle that bounds the settled cost from above:
+        ``RequestAutoK.observe_seconds``).
 
-        Why two classes: on a loaded machine the start-up table's plain/drafting ratio is off
-        by up to ~20% (a bench run: plain 1.6 ms at start-up, 1.9 ms in the run, K=4 5.9 vs 6.2
-        ms — pipelined plain cycles use both cores and suffer more from another process than
-        drafting cycles, which wait on one). Auto K then stayed plain where K=4 was 1.24x
-        faster. Within a class, costs move together, so one factor per class keeps the table's
-        K-to-K ratios — up to the table's own errors between drafting K's, which each drafting
-        K's ``tilt`` learns slowly (``TILT_WEIGHT``) from its own timings.
+        A Kalman filter over two log factors: m, the machine's speed over the start-up table
+        (every cycle), and r, drafting cycles' cost over plain ones beyond what the table says.
+        Only r (and the tilts) decide between K: m multiplies every K's cost alike. Why not one
+        factor per class, each learned from its own cycles: the machine's speed changes within
+        seconds (``MACHINE_DRIFT``), and a class that was not running kept the speed of its last
+        stretch — in one greedy run of the demo model the two factors' ratio wandered 0.86-1.23x
+        around its true value (the medians of the run's own timings), and auto K decoded plain
+        where K=3 paid 1.10x. Here a plain stretch moves m, which prices drafting as well; a
+        drafting cycle's surprise goes to r in proportion to how well m is known at that
+        moment (just after plain cycles: mostly to r; deep in a drafting stretch, where m is
+        known only through r: to both). Replayed on that run's timings, r stayed within 1.5% of
+        the true ratio on average (worst 5.6%) where the per-class factors were 4.8% off
+        (worst 27%). Replayed on recorded acceptance with the machine 1.3x slower every other
+        0.5 / 2 / 5 s (``scripts/experiments/autok_replay_sweep.py --spells 0.5,1.3``, 90
+        cases each), 3-6 cases fell under 0.97x of the best fixed K (mean 0.997-0.998x) where
+        the per-class factors left 6-12 (mean 0.989-0.994x); without spells 3-4 against 4, with
+        pauses (``--pauses 20,5``) 3-4 against 0. The cases left are sampled decoding on a
+        machine where drafting loses ~6%, with plain priced 15% over: auto drafts throughout and
+        never times plain (worst 0.92x; 0.93x with the per-class factors). A class that has not
+        run for long is not stale: r drifts slowly (``RATIO_DRIFT``), and its uncertainty grows
+        accordingly, so that its next timings count more.
 
-        A class that is not running is re-timed when it runs again (once settled,
-        ``SETTLE_CYCLES``), and a new timing counts the more the staler the old factor is: with
-        every timing counted at 1/32, a slow spell of the machine over mostly-plain prompts left
-        greedy auto at 0.97x of the best fixed K (replayed on recorded acceptance,
-        tests/unit/test_autok_replay.py), and without calibration a table 15% off leaves it at
-        0.85x. Letting the idle class follow the running one's changes instead cannot tell a
-        slow spell of the machine from a mispriced table. What stays possible: one class timed
-        in a slow spell while the other does not run keeps the two mispriced against each other
-        until auto runs the other again (drafting overpriced: until the text makes a probe
-        resume drafting; plain: a few percent on the rare prompts where plain would win).
+        Within the drafting class each K's ``tilt`` learns slowly (``TILT_WEIGHT``) from the same
+        surprise what stays of it: the start-up table's errors between one drafting K and
+        another (a change of the machine's speed the filter takes within a few dozen cycles).
         """
         expected = self.costs.expected_seconds(k, committed_before)
-        timed = int(k > 0)
-        tilted = timed and k < len(self.tilt)
-        price = self.calibration[timed] * (self.tilt[k] if tilted else 1.0)
+        drafting = k > 0
+        tilted = drafting and k < len(self.tilt)
+        price = self.machine
+        if drafting:
+            price += self.ratio + (math.log(self.tilt[k]) if tilted else 0.0)
         # how far this timing is from the price, in log space, clipped (CALIBRATION_CLIP)
         limit = math.log(CALIBRATION_CLIP)
-        off = min(max(math.log(seconds / (expected * price)), -limit), limit)
+        off = min(max(math.log(seconds / expected) - price, -limit), limit)
         if at_most and off >= 0:
             return
         self.timed_cycles += 1
-        stale = (self.timed_cycles - self.last_timed[timed]) / CALIBRATION_STALE
-        self.last_timed[timed] = self.timed_cycles
-        weight = min(CALIBRATION_MAX_WEIGHT, max(CALIBRATION_WEIGHT, stale))
-        # Drafting: the class factor learns the timing with this K's tilt taken out, the tilt
-        # (slowly) what the class factor leaves. A K that runs learns its own price; one that
-        # never runs keeps the table's price relative to the others.
-        self.calibration[timed] *= math.exp(weight * off)
+        p = self.covariance
+        p[0][0] += MACHINE_DRIFT
+        p[1][1] += RATIO_DRIFT
+        h = float(drafting)  # the observation is m + h r
+        spread = (p[0][0] + h * p[0][1], p[1][0] + h * p[1][1])
+        total = spread[0] + h * spread[1] + TIMING_NOISE
+        gain = (spread[0] / total, spread[1] / total)
+        self.machine += gain[0] * off
+        self.ratio += gain[1] * off
+        self.covariance = [[p[i][j] - gain[i] * spread[j] for j in range(2)] for i in range(2)]
         if tilted:
-            self.tilt[k] *= math.exp(TILT_WEIGHT * (1 - weight) * off)
+            self.tilt[k] *= math.exp(TILT_WEIGHT * off)
 
     def calibrated_costs(self) -> CostTable:
         """The table scaled by the class factors (the tilts apply per K, in ``rates``)."""

@@ -408,8 +408,8 @@ def estimate_costs(
     is not what a cycle costs.
 
     What the model leaves out (sampling, host syncs, the plain cycles' overlap) is learned in
-    the run: ``AutoK.calibrate`` scales each class of cycle by its measured times from the first
-    timed cycles on (``CALIBRATION_STALE`` weighs the first timings fully)."""
+    the run: ``AutoK.calibrate`` learns the machine's speed and drafting cycles' cost over
+    plain ones from the first timed cycles on (the first timings weigh the most)."""
     trunk, head = engine.trunk, engine.head
     assert head is not None, "a cost table prices drafting: the model needs its MTP head"
     ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(max_k + 2)]

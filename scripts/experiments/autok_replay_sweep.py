@@ -1,7 +1,7 @@
 """Auto K replayed on recorded acceptance over a grid of cases, against the best fixed K::
 
     .venv/bin/python scripts/experiments/autok_replay_sweep.py
-    .venv/bin/python scripts/experiments/autok_replay_sweep.py --settle 1 --max-weight 0.5
+    .venv/bin/python scripts/experiments/autok_replay_sweep.py --settle 1 --machine-drift 1e-3
 
 The replay is tests/unit/test_autok_replay.py's (the real ``AutoK`` on the demo model's
 recorded per-position acceptance, costs from the record's table, 20% timing noise). The grid:
@@ -10,9 +10,9 @@ position: sampled drafting loses ~6%, greedy pays ~10%); the exact table and the
 table errors of the replay's tests; three noise seeds; with and without a stretch's warm-up
 (``WARM_UP``). Prints, with and without the warm-up, each case's tokens per second over the
 best fixed K's under the same costs: mean, worst, tenth percentile, and how many fall under
-0.97. ``--settle``, ``--max-weight`` and ``--clip`` set ``SETTLE_CYCLES``,
-``CALIBRATION_MAX_WEIGHT`` and ``CALIBRATION_CLIP`` (``--settle 1``: a stretch's cycles after
-the switch's own all count in full).
+0.97. ``--settle``, ``--clip``, ``--machine-drift``, ``--ratio-drift``, ``--timing-noise``,
+``--machine-start`` and ``--ratio-start`` set ``SETTLE_CYCLES``, ``CALIBRATION_CLIP`` and the calibration's variances
+(``--settle 1``: a stretch's cycles after the switch's own all count in full).
 """
 
 from __future__ import annotations
@@ -37,21 +37,34 @@ TABLE_ERRORS = ((1.0, 1.0), (0.85, 1.0), (1.15, 1.0), (1.0, 0.85), (1.0, 1.15))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settle", type=int, default=autok.SETTLE_CYCLES)
-    parser.add_argument("--max-weight", type=float, default=autok.CALIBRATION_MAX_WEIGHT)
     parser.add_argument("--clip", type=float, default=autok.CALIBRATION_CLIP)
+    parser.add_argument("--machine-drift", type=float, default=autok.MACHINE_DRIFT)
+    parser.add_argument("--ratio-drift", type=float, default=autok.RATIO_DRIFT)
+    parser.add_argument("--timing-noise", type=float, default=autok.TIMING_NOISE)
+    parser.add_argument("--machine-start", type=float, default=autok.MACHINE_START_VARIANCE)
+    parser.add_argument("--ratio-start", type=float, default=autok.RATIO_START_VARIANCE)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
         "--pauses",
         default="0,0",
         help="rate a second, milliseconds: the machine's pauses (tests/unit/test_autok_replay.py)",
     )
+    parser.add_argument(
+        "--spells",
+        default="0,1",
+        help="seconds, factor: the machine that much slower every other period (the replay's)",
+    )
     args = parser.parse_args()
     autok.SETTLE_CYCLES = args.settle
-    autok.CALIBRATION_MAX_WEIGHT = args.max_weight
     autok.CALIBRATION_CLIP = args.clip
+    autok.MACHINE_DRIFT, autok.RATIO_DRIFT = args.machine_drift, args.ratio_drift
+    autok.TIMING_NOISE = args.timing_noise
+    autok.MACHINE_START_VARIANCE, autok.RATIO_START_VARIANCE = args.machine_start, args.ratio_start
     replayed.MACHINES["marginal"] = 1.5e-3
     rate, pause_ms = (float(x) for x in args.pauses.split(","))
     pauses = (rate, pause_ms / 1e3)
+    period, factor = (float(x) for x in args.spells.split(","))
+    spells = (period, factor)
     seeded = random.Random
     for warm_up in ((), replayed.WARM_UP):
         ratios = []
@@ -59,7 +72,9 @@ def main() -> None:
             for machine in replayed.MACHINES:
                 truth = replayed.true_table(sampler, machine)
                 best = max(
-                    replayed.replay(sampler, k, machine=machine, warm_up=warm_up, pauses=pauses)[0]
+                    replayed.replay(
+                        sampler, k, machine=machine, warm_up=warm_up, pauses=pauses, spells=spells
+                    )[0]
                     for k in range(len(truth.cycle))
                 )
                 for seed in range(args.seeds):
@@ -68,7 +83,13 @@ def main() -> None:
                     for error in TABLE_ERRORS:
                         auto = autok.AutoK(truth.scaled(*error), policy=replayed.policy(sampler))
                         tps, _ = replayed.replay(
-                            sampler, auto, 0.2, machine=machine, warm_up=warm_up, pauses=pauses
+                            sampler,
+                            auto,
+                            0.2,
+                            machine=machine,
+                            warm_up=warm_up,
+                            pauses=pauses,
+                            spells=spells,
                         )
                         ratios.append(tps / best)
         replayed.random.Random = seeded
