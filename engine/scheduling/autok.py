@@ -122,13 +122,27 @@ SWITCH_MARGIN = 0.01
 START_MARGIN = 0.08
 SAMPLED_START_MARGIN = 0.03
 #: ... and plain decoding must beat the drafting K by this much before a sampled request stops
-#: drafting (greedy: ``SWITCH_MARGIN``; its acceptance follows the text, and a request that
-#: reaches new text should stop at once). A sampled request that stops waits for a probe to
-#: start again, while near break-even a few unlucky draws are all that ``SWITCH_MARGIN`` needs:
-#: seeded requests on one plan, in turns in one process (their K histograms repeat exactly),
-#: ran 1,228 of 5,117 cycles plain at 1%, 0.960-0.970x of fixed K=3, and 750 of 4,769 at 3%,
-#: 0.976-0.984x (5%: 832, 0.968x). Replayed, level within 0.005x of the best fixed K
+#: drafting. A sampled request that stops waits for a probe to start again, while near
+#: break-even a few unlucky draws are all that ``SWITCH_MARGIN`` needs: seeded requests on one
+#: plan, in turns in one process (their K histograms repeat exactly), ran 1,228 of 5,117 cycles
+#: plain at 1%, 0.960-0.970x of fixed K=3, and 750 of 4,769 at 3%, 0.976-0.984x (5%: 832,
+#: 0.968x). Replayed, level within 0.005x of the best fixed K
 SAMPLED_STOP_MARGIN = 0.03
+#: ... and before a greedy one stops. Greedy acceptance follows the text, but stopping is not
+#: free: starting again costs a probe, the head's catch-up, a first cycle not launched ahead and
+#: a stretch's warm-up — on the demo model at this machine's speed a K=3 cycle after 30 plain
+#: ones took 3.02 ms against 1.85 settled, ~0.7 ms of it beyond the table's catch-up
+#: (``scripts/experiments/plain_stretch.py timing --k 3 --drafting 16 --plain 30``), where a
+#: plain cycle takes ~0.6 ms. Replayed on the demo model's acceptance with the start-up tables
+#: of a ``make bench`` run on this machine, that switch cost and the measured warm-up
+#: (tests/unit/test_autok_replay.py, ``TODAY``), greedy auto came to 0.963x of the best fixed K
+#: on average over the table errors and noise seeds at 1% (11 of 15 cases under 0.97x), 0.983x
+#: at 10% (1 of 15), 0.990x at 20%; on a machine where greedy drafting loses (2.2-3 ms more per
+#: verified position on the record's table) 0 / 2-3 / 3 of 30 cases fell under 0.97x (worst
+#: 0.978 / 0.955 / 0.927x: plain priced 15% over, so drafting looks better than it is). In one
+#: process on the demo model (24 bench prompts x 256 tokens, six turns), auto came to 0.974x of
+#: fixed K=3 at 10% against 0.960x at 1%, ahead in every turn
+GREEDY_STOP_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,7 @@ class KindPolicy:
 
 
 POLICIES = {
-    "greedy": KindPolicy(PRIOR_WEIGHT, START_MARGIN),
+    "greedy": KindPolicy(PRIOR_WEIGHT, START_MARGIN, GREEDY_STOP_MARGIN),
     "sampled": KindPolicy(SAMPLED_PRIOR_WEIGHT, SAMPLED_START_MARGIN, SAMPLED_STOP_MARGIN),
 }
 #: until a decoding kind has seen this many drafting cycles, auto K explores: it drafts

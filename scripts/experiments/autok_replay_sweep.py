@@ -6,13 +6,17 @@
 The replay is tests/unit/test_autok_replay.py's (the real ``AutoK`` on the demo model's
 recorded per-position acceptance, costs from the record's table, 20% timing noise). The grid:
 greedy and Qwen's sampler; the replay's machines plus a "marginal" one (1.5 ms more per verify
-position: sampled drafting loses ~6%, greedy pays ~10%); the exact table and the four 15%
-table errors of the replay's tests; three noise seeds; with and without a stretch's warm-up
-(``WARM_UP``). Prints, with and without the warm-up, each case's tokens per second over the
-best fixed K's under the same costs: mean, worst, tenth percentile, and how many fall under
-0.97. ``--settle``, ``--clip``, ``--machine-drift``, ``--ratio-drift``, ``--timing-noise``,
-``--machine-start`` and ``--ratio-start`` set ``SETTLE_CYCLES``, ``CALIBRATION_CLIP`` and the calibration's variances
-(``--settle 1``: a stretch's cycles after the switch's own all count in full).
+position: sampled drafting loses ~6%, greedy pays ~10%), or those ``--machines`` names ("today":
+a ``make bench`` run's start-up tables at today's speed, with ``--switch 0,0.7`` the measured
+cost of starting to draft beyond them); the exact table and the four 15% table errors of the
+replay's tests; three noise seeds; with and without a stretch's warm-up (``WARM_UP``). Prints,
+with and without the warm-up, each case's tokens per second over the best fixed K's under the
+same costs: mean, worst, tenth percentile, and how many fall under 0.97. ``--settle``,
+``--clip``, ``--machine-drift``, ``--ratio-drift``, ``--timing-noise``, ``--machine-start`` and
+``--ratio-start`` set ``SETTLE_CYCLES``, ``CALIBRATION_CLIP`` and the calibration's variances
+(``--settle 1``: a stretch's cycles after the switch's own all count in full); ``--pauses`` and
+``--spells`` the machine's pauses and slow spells (tests/unit/test_autok_replay.py's
+``replay``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ def main() -> None:
         default="0,1",
         help="seconds, factor: the machine that much slower every other period (the replay's)",
     )
+    parser.add_argument(
+        "--machines",
+        default="measured,compute-bound,marginal",
+        help="the replay's machines ('today': today's start-up tables, tests/data)",
+    )
+    parser.add_argument(
+        "--switch",
+        default="0,0",
+        help="milliseconds more for the first plain and the first drafting cycle after a switch",
+    )
     args = parser.parse_args()
     autok.SETTLE_CYCLES = args.settle
     autok.CALIBRATION_CLIP = args.clip
@@ -65,15 +79,22 @@ def main() -> None:
     pauses = (rate, pause_ms / 1e3)
     period, factor = (float(x) for x in args.spells.split(","))
     spells = (period, factor)
+    switch = tuple(float(x) / 1e3 for x in args.switch.split(","))
     seeded = random.Random
     for warm_up in ((), replayed.WARM_UP):
         ratios = []
         for sampler in ("greedy", "preset:qwen"):
-            for machine in replayed.MACHINES:
+            for machine in args.machines.split(","):
                 truth = replayed.true_table(sampler, machine)
                 best = max(
                     replayed.replay(
-                        sampler, k, machine=machine, warm_up=warm_up, pauses=pauses, spells=spells
+                        sampler,
+                        k,
+                        machine=machine,
+                        warm_up=warm_up,
+                        pauses=pauses,
+                        spells=spells,
+                        switch_penalty=switch,
                     )[0]
                     for k in range(len(truth.cycle))
                 )
@@ -90,6 +111,7 @@ def main() -> None:
                             warm_up=warm_up,
                             pauses=pauses,
                             spells=spells,
+                            switch_penalty=switch,
                         )
                         ratios.append(tps / best)
         replayed.random.Random = seeded

@@ -172,7 +172,7 @@ def test_a_request_falls_back_to_its_kinds_estimates_when_its_own_evidence_fades
     request = shared.for_request()
     assert request.estimates()[3] == pytest.approx(shared.counts.estimates()[3], abs=0.02)
     assert request.estimates()[3] < 0.6 and request.choose(None) >= 2
-    for _ in range(10):  # a dry spell
+    for _ in range(20):  # a dry spell
         request.observe(k := request.choose(None), 0)
     assert request.choose(None) == 0
     for _ in range(150):  # plain cycles (and probes that hit)
@@ -557,12 +557,13 @@ def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> Non
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_a_sampled_request_stops_drafting_only_when_plain_decoding_is_clearly_faster(
+def test_a_request_stops_drafting_only_when_plain_decoding_is_clearly_faster(
     kind: str,
 ) -> None:
-    """A drafting request whose estimates put plain decoding 2% ahead of its K: a greedy one
-    stops at once (its acceptance follows the text), a sampled one drafts on (a few unlucky
-    draws, and stopping waits for a probe); 5% ahead, both stop."""
+    """A drafting request whose estimates put plain decoding 2% ahead of its K drafts on (a
+    sampled one: a few unlucky draws, and stopping waits for a probe; a greedy one: starting
+    again costs a probe, a catch-up and a cold cycle); 5% ahead a sampled one stops, a greedy
+    one from 10% on."""
     from engine.scheduling.autok import POLICIES
 
     def choose_at(plain_ahead: float) -> int:
@@ -577,8 +578,9 @@ def test_a_sampled_request_stops_drafting_only_when_plain_decoding_is_clearly_fa
         return request.choose(None)
 
     assert choose_at(-0.02) == 1
-    assert choose_at(0.02) == (0 if kind == "greedy" else 1)
-    assert choose_at(0.05) == 0
+    assert choose_at(0.02) == 1
+    assert choose_at(0.05) == (1 if kind == "greedy" else 0)
+    assert choose_at(0.12) == 0
 
 
 def test_a_plans_drafting_cycles_are_priced_at_the_upper_quartile_of_their_rounds() -> None:
