@@ -276,6 +276,18 @@ MUTATIONS = [
         "(or decodes plain) on the machine's drift, not on what drafting pays",
     ),
     Mutation(
+        "greedy-stops-drafting-at-the-switch-margin",
+        "engine/scheduling/autok.py",
+        '    "greedy": KindPolicy(PRIOR_WEIGHT, START_MARGIN, GREEDY_STOP_MARGIN),',
+        '    "greedy": KindPolicy(PRIOR_WEIGHT, START_MARGIN),',
+        (
+            "tests/unit/test_autok.py::"
+            "test_a_request_stops_drafting_only_when_plain_decoding_is_clearly_faster",
+        ),
+        "a greedy request stops drafting where plain decoding looks 1% ahead: at today's costs "
+        "starting again (a probe, a catch-up, a cold cycle) costs more than that wins",
+    ),
+    Mutation(
         "a-fast-models-start-up-table-from-timed-forwards",
         "engine/scheduling/costs.py",
         "    if one < LOOP_TIMED_FORWARD and not thorough:",
