@@ -288,6 +288,15 @@ MUTATIONS = [
         "starting again (a probe, a catch-up, a cold cycle) costs more than that wins",
     ),
     Mutation(
+        "plain-decoding-never-re-timed",
+        "engine/scheduling/autok.py",
+        "        if self.current and self.shared.drafting_since_plain_timed >= RETIME_PLAIN_EVERY:",
+        "        if False:",
+        ("tests/unit/test_autok.py::test_a_kind_that_only_drafts_re_times_plain_decoding",),
+        "a kind that only drafts never times plain cycles again: a start-up table that priced "
+        "them over their cost keeps auto drafting where plain decoding is faster",
+    ),
+    Mutation(
         "a-fast-models-start-up-table-from-timed-forwards",
         "engine/scheduling/costs.py",
         "    if one < LOOP_TIMED_FORWARD and not thorough:",

@@ -103,6 +103,18 @@ PROBE_CYCLES = 2
 #: ones at 1.05x, and decoded mostly plain (1.35 tokens a cycle) where fixed K=3 paid 1.13x.
 #: How a stretch's early cycles count instead: ``RequestAutoK.observe_seconds``
 SETTLE_CYCLES = 4
+#: drafting cycles of a kind timed since its last counted plain timing after which a drafting
+#: request decodes ``SETTLE_CYCLES + 2`` plain cycles: the calibration learns drafting's cost
+#: over plain cycles only where both run, and a table that overprices plain decoding would
+#: otherwise keep auto drafting for good where plain decoding is faster. Replayed
+#: (``scripts/experiments/autok_replay_sweep.py``, with the warm-up; greedy stopping at 10%):
+#: on the record's table over five machines (two where greedy drafting loses), 3 noise seeds,
+#: 150 cases, 9 fell under 0.97x of the best fixed K without it (worst 0.854x: sampled, plain
+#: priced 15% over), 2 at 256 (0.967x), 1 at 128; with pauses 4 (0.923x) against 0. At today's
+#: table with the measured switch cost (``--machines today --switch 0,0.7``, 8 seeds) sampled
+#: 8 of 40 (worst 0.895x, mean 0.968x) against 5 (0.941x, 0.977x), greedy 6 of 40 either way
+#: (mean 0.979x against 0.978x)
+RETIME_PLAIN_EVERY = 256
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
 #: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
@@ -259,8 +271,9 @@ class AutoK:
     )
     #: each drafting K's factor relative to the drafting class (index K; ``calibrate``)
     tilt: list[float] = field(default_factory=lambda: [1.0] * (MAX_AUTO_K + 1))
-    #: timed cycles so far
+    #: timed cycles so far, and drafting ones counted since the last counted plain one
     timed_cycles: int = 0
+    drafting_since_plain_timed: int = 0
     #: plain cycles between probes. Kept per kind, not per request: restarting at
     #: PROBE_EVERY with every request cost sampled decoding ~5% (four failing probes in each
     #: 256-token request, each a catch-up and a K=1 cycle, ~3 ms over a plain step)
@@ -323,6 +336,7 @@ class AutoK:
         if at_most and off >= 0:
             return
         self.timed_cycles += 1
+        self.drafting_since_plain_timed = self.drafting_since_plain_timed + 1 if drafting else 0
         p = self.covariance
         p[0][0] += MACHINE_DRIFT
         p[1][1] += RATIO_DRIFT
@@ -719,6 +733,8 @@ class RequestAutoK:
     #: the K of a probe in progress and how many more cycles it runs
     probe_k: int = 0
     probe_cycles_left: int = 0
+    #: plain cycles left of a stretch that re-times plain decoding (``RETIME_PLAIN_EVERY``)
+    retime_cycles_left: int = 0
     #: K and committed tokens of the last observed cycle (what the next one's timing depends on)
     last_k: int | None = None
     last_committed: int = 1
@@ -749,6 +765,13 @@ class RequestAutoK:
         if self.probe_cycles_left:
             self.probe_cycles_left -= 1
             return self.probe_k
+        if self.retime_cycles_left:
+            self.retime_cycles_left -= 1
+            return 0
+        if self.current and self.shared.drafting_since_plain_timed >= RETIME_PLAIN_EVERY:
+            self.shared.drafting_since_plain_timed = 0  # one request re-times it for the kind
+            self.retime_cycles_left = SETTLE_CYCLES + 1
+            return 0
         rates = self.shared.rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
         policy = self.shared.policy

@@ -226,6 +226,31 @@ def test_the_calibration_tells_the_machines_speed_from_drafting_over_plain() -> 
     assert best() == 0
 
 
+def test_a_kind_that_only_drafts_re_times_plain_decoding() -> None:
+    """After ``RETIME_PLAIN_EVERY`` counted drafting timings without a counted plain one, the
+    next drafting request decodes ``SETTLE_CYCLES + 2`` plain cycles (the last two settled
+    timings), then drafts on; one request re-times plain decoding for its kind, and a counted
+    plain timing starts the count again. A seeded request's own kind is never timed, so its K
+    stays a function of its plan and draws."""
+    from engine.scheduling.autok import RETIME_PLAIN_EVERY, SETTLE_CYCLES
+
+    costs = CostTable(cycle=[1.0, 1.3, 1.5, 1.7, 1.9], trunk=[1.0] * 5, head_step=0.2)
+    kind = AutoK(costs, AcceptanceCounts(hits=[90.0] * 4, trials=[100.0] * 4))
+    kind.drafting_cycles_seen = 100
+    request, other = kind.for_request(), kind.for_request()
+    request.observe_seconds(3, 4, None)
+    for _ in range(RETIME_PLAIN_EVERY):
+        assert (k := request.choose(None)) > 0
+        request.observe(k, k)
+        request.observe_seconds(k, k + 1, 1.7)
+    plain = [request.choose(None) for _ in range(SETTLE_CYCLES + 3)]
+    assert plain == [0] * (SETTLE_CYCLES + 2) + [request.current]
+    assert request.current > 0 and other.choose(None) > 0  # the kind is being re-timed
+    kind.drafting_since_plain_timed = RETIME_PLAIN_EVERY
+    kind.calibrate(0, 1, 1.0)
+    assert kind.drafting_since_plain_timed == 0
+
+
 def test_a_stretchs_first_cycles_only_bound_its_price_from_above() -> None:
     """After a switch, a class's cycles count in full from the stretch's ``SETTLE_CYCLES +
     1``-th on; before that (the switch's own cycle aside, never counted) only where they price
