@@ -308,9 +308,10 @@ class AutoK:
         where K=3 paid 1.10x. Here a plain stretch moves m, which prices drafting as well; a
         drafting cycle's surprise goes to r in proportion to how well m is known at that
         moment (just after plain cycles: mostly to r; deep in a drafting stretch, where m is
-        known only through r: to both). Replayed on that run's timings, r stayed within 1.5% of
-        the true ratio on average (worst 5.6%) where the per-class factors were 4.8% off
-        (worst 27%). Replayed on recorded acceptance with the machine 1.3x slower every other
+        known only through r: to both). Replayed on the timings of such runs
+        (``scripts/experiments/calibration_track.py``, two runs), r stayed within 1.5-2.2% of
+        the run's own ratio on average (worst 5.6-8.7%) where the per-class factors were
+        4.8-5.0% off (worst 23-27%). Replayed on recorded acceptance with the machine 1.3x slower every other
         0.5 / 2 / 5 s (``scripts/experiments/autok_replay_sweep.py --spells 0.5,1.3``, 90
         cases each), 3-6 cases fell under 0.97x of the best fixed K (mean 0.997-0.998x) where
         the per-class factors left 6-12 (mean 0.989-0.994x); without spells 3-4 against 4, with
