@@ -311,15 +311,17 @@ class AutoK:
         known only through r: to both). Replayed on the timings of such runs
         (``scripts/experiments/calibration_track.py``, two runs), r stayed within 1.5-2.2% of
         the run's own ratio on average (worst 5.6-8.7%) where the per-class factors were
-        4.8-5.0% off (worst 23-27%). Replayed on recorded acceptance with the machine 1.3x slower every other
-        0.5 / 2 / 5 s (``scripts/experiments/autok_replay_sweep.py --spells 0.5,1.3``, 90
-        cases each), 3-6 cases fell under 0.97x of the best fixed K (mean 0.997-0.998x) where
-        the per-class factors left 6-12 (mean 0.989-0.994x); without spells 3-4 against 4, with
-        pauses (``--pauses 20,5``) 3-4 against 0. The cases left are sampled decoding on a
-        machine where drafting loses ~6%, with plain priced 15% over: auto drafts throughout and
-        never times plain (worst 0.92x; 0.93x with the per-class factors). A class that has not
-        run for long is not stale: r drifts slowly (``RATIO_DRIFT``), and its uncertainty grows
-        accordingly, so that its next timings count more.
+        4.8-5.0% off (worst 23-27%). Replayed on recorded acceptance with the machine 1.3x
+        slower every other 0.5 / 2 / 5 s (``scripts/experiments/autok_replay_sweep.py --spells
+        0.5,1.3``, 90 cases each), 3-6 cases fell under 0.97x of the best fixed K (mean
+        0.997-0.998x) where the per-class factors left 6-12 (mean 0.989-0.994x); without spells
+        3-4 against 4, with pauses (``--pauses 20,5``) 3-4 against 0 (both before
+        ``RETIME_PLAIN_EVERY``). The cases left were sampled decoding on a machine where
+        drafting loses ~6%, with plain priced 15% over: auto drafted throughout and never timed
+        plain (worst 0.92x; 0.93x with the per-class factors), which ``RETIME_PLAIN_EVERY``
+        answers. A class that has not run for long is not stale: r drifts slowly
+        (``RATIO_DRIFT``), and its uncertainty grows accordingly, so that its next timings count
+        more.
 
         Within the drafting class each K's ``tilt`` learns slowly (``TILT_WEIGHT``) from the same
         surprise what stays of it: the start-up table's errors between one drafting K and
