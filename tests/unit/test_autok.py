@@ -232,7 +232,7 @@ def test_a_kind_that_only_drafts_re_times_plain_decoding() -> None:
     timings), then drafts on; one request re-times plain decoding for its kind, and a counted
     plain timing starts the count again. A seeded request's own kind is never timed, so its K
     stays a function of its plan and draws."""
-    from engine.scheduling.autok import RETIME_PLAIN_EVERY, SETTLE_CYCLES
+    from engine.scheduling.autok import RETIME_PLAIN_EVERY, SETTLE_CYCLES, SeededAutoK
 
     costs = CostTable(cycle=[1.0, 1.3, 1.5, 1.7, 1.9], trunk=[1.0] * 5, head_step=0.2)
     kind = AutoK(costs, AcceptanceCounts(hits=[90.0] * 4, trials=[100.0] * 4))
@@ -249,6 +249,14 @@ def test_a_kind_that_only_drafts_re_times_plain_decoding() -> None:
     kind.drafting_since_plain_timed = RETIME_PLAIN_EVERY
     kind.calibrate(0, 1, 1.0)
     assert kind.drafting_since_plain_timed == 0
+    seeded_kind = AutoK(costs, AcceptanceCounts(hits=[90.0] * 4, trials=[100.0] * 4))
+    seeded_kind.drafting_cycles_seen = 100
+    seeded = SeededAutoK(seeded_kind, AcceptanceCounts(), current=3)
+    for _ in range(2 * RETIME_PLAIN_EVERY):
+        assert (k := seeded.choose(None)) > 0
+        seeded.observe(k, k)
+        seeded.observe_seconds(k, k + 1, 1.7)
+    assert seeded_kind.timed_cycles == 0
 
 
 def test_a_stretchs_first_cycles_only_bound_its_price_from_above() -> None:
