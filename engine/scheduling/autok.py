@@ -349,7 +349,9 @@ class AutoK:
         gain = (spread[0] / total, spread[1] / total)
         self.machine += gain[0] * off
         self.ratio += gain[1] * off
-        self.covariance = [[p[i][j] - gain[i] * spread[j] for j in range(2)] for i in range(2)]
+        for i in range(2):
+            for j in range(2):
+                p[i][j] -= gain[i] * spread[j]
         if tilted:
             self.tilt[k] *= math.exp(TILT_WEIGHT * off)
 
