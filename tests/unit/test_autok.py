@@ -500,6 +500,7 @@ def test_a_fast_model_is_priced_by_the_decode_loops_own_cycles(load_engine, monk
     looped = cost_table.estimate_costs(engine)
     assert calls == [1] and len(looped.cycle) == MAX_AUTO_K + 1
     assert all(c > 0 for c in looped.cycle) and looped.absorb_far > 0
+    assert looped.absorb == sorted(looped.absorb)  # a line through the timings (``affine_fit``)
     # one noisy row is no cheaper than a shorter draft's: a longer draft never costs less
     noisy = replace(looped, cycle=[1.0, 2.0, 4.0, 3.0, 5.0])
     monkeypatch.setattr(cost_table, "measure_costs", lambda *args, **kwargs: noisy)
@@ -630,3 +631,17 @@ def test_a_plans_drafting_cycles_are_priced_at_the_upper_quartile_of_their_round
     noisy = [round_(1.0, f) for f in (1.0, 1.0, 1.0, 1.2, 0.8, 1.0, 1.0, 1.1)]
     assert drafting_spread(noisy) == pytest.approx(1.1)
     assert drafting_spread(noisy[:1]) == 1.0
+
+
+def test_the_catch_up_is_priced_by_a_line_through_its_timings() -> None:
+    """Single timings of the head's catch-up over 1..5 positions differ by noise alone, and
+    their differences price one drafting K against another: the table keeps the least-squares
+    line through them, never falling (more positions never cost less), exact where they
+    already lie on a line, and an outlier does not take its low end under every reading."""
+    from engine.scheduling.costs import affine_fit
+
+    assert affine_fit([1.0, 1.5, 2.0, 2.5]) == pytest.approx([1.0, 1.5, 2.0, 2.5])
+    assert affine_fit([0.5, 0.7, 0.5, 0.7, 0.7]) == pytest.approx([0.54, 0.58, 0.62, 0.66, 0.7])
+    assert affine_fit([0.8, 0.6, 0.6, 0.5]) == pytest.approx([0.625] * 4)  # falling: flat
+    assert affine_fit([0.1, 0.1, 0.1, 0.1, 5.0]) == pytest.approx([0.1, 0.1, 1.08, 2.06, 3.04])
+    assert affine_fit([0.7]) == [0.7]
