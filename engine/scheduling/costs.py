@@ -294,8 +294,16 @@ def measure_costs(
     """Time real cycles on a dummy sequence (greedy unless ``params``), median of ``reps``
     interleaved repetitions. Each repetition starts a fresh 128-token sequence and grows it by
     ~150 tokens, the context lengths of a typical request (on one ever-growing sequence, K=4
-    cycles at 1,600 tokens measured 15% dearer than in a bench run)."""
-    rng_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]
+    cycles at 1,600 tokens measured 15% dearer than in a bench run).
+
+    The sequence repeats four tokens, so that a model that drafts at all drafts it alike at
+    every K: a cycle after one that rejected drafts costs more than one after a cycle that
+    accepted them all (the Gated-DeltaNet state is rolled back and replayed; ~5% at K=3 on the
+    demo model), and on 128 tokens in no pattern the demo model's greedy text fell into a loop
+    only as the repetition went on, its K=1 and K=2 rows rejecting (0.8 and 0.6 drafts
+    accepted a cycle) and its K=3 and K=4 rows accepting every draft: short drafts priced
+    dearer than long ones by the regime they were timed in."""
+    dummy_ids = [(i % 4 * 7919) % (engine.vocab_size - 1) for i in range(128)]
     params = params or SamplingParams(temperature=0.0)
     trunk, head = engine.trunk, engine.head
     assert head is not None, "a cost table prices drafting: the model needs its MTP head"
@@ -361,7 +369,7 @@ def measure_costs(
     head_times: list[float] = []
     far_times: list[float] = []
     for rep in range(reps + 2):
-        seq = engine.new_sequence(rng_ids, params, draft=True)  # the helpers above read it
+        seq = engine.new_sequence(dummy_ids, params, draft=True)  # the helpers above read it
         for k in range(max_k + 1):
             row = time_cycles(k, PLAIN_ROW if k == 0 else CYCLES_IN_A_ROW)
             t = time_trunk(k + 1)
