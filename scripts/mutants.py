@@ -297,6 +297,18 @@ MUTATIONS = [
         "them over their cost keeps auto drafting where plain decoding is faster",
     ),
     Mutation(
+        "start-up-table-timed-on-tokens-in-no-pattern",
+        "engine/scheduling/costs.py",
+        "    dummy_ids = [(i % 4 * 7919) % (engine.vocab_size - 1) for i in range(128)]",
+        "    dummy_ids = [(i * 7919) % (engine.vocab_size - 1) for i in range(128)]",
+        (
+            "tests/unit/test_autok.py"
+            "::test_the_start_up_table_times_every_k_where_its_drafts_are_accepted",
+        ),
+        "the start-up table times short drafts where they are rejected and long ones where "
+        "they are accepted: a rejection's rollback prices short drafts dearer than they are",
+    ),
+    Mutation(
         "a-fast-models-start-up-table-from-timed-forwards",
         "engine/scheduling/costs.py",
         "    if one < LOOP_TIMED_FORWARD and not thorough:",

@@ -633,6 +633,32 @@ def test_a_plans_drafting_cycles_are_priced_at_the_upper_quartile_of_their_round
     assert drafting_spread(noisy[:1]) == 1.0
 
 
+def test_the_start_up_table_times_every_k_where_its_drafts_are_accepted() -> None:
+    """A cycle after one that rejected drafts costs more (the recurrent state is rolled back
+    and replayed), so the table times every K in one regime: on the demo model, whose greedy
+    text on tokens in no pattern falls into a loop only as it goes on (its K=1 and K=2 rows
+    rejected, K=3 and K=4 accepted all), every row's cycles accept every draft."""
+    from pathlib import Path
+
+    import engine.scheduling.costs as costs
+    from engine.runtime import Engine
+
+    demo = Path(__file__).resolve().parents[2] / "models" / "qwen3.5-demo"
+    engine = Engine.load(str(demo), draft_tokens=0)
+    accepted: dict[int, list[int]] = {}
+    decode = engine.decode
+
+    def traced(seq, request, **kwargs):
+        row = accepted.setdefault(request.draft_tokens, [])
+        return decode(seq, request, trace=lambda cycle: row.append(cycle["accepted"]))
+
+    engine.decode = traced  # type: ignore[method-assign]
+    costs.measure_costs(engine, reps=1)
+    assert sorted(accepted) == list(range(MAX_AUTO_K + 1))
+    for k, row in accepted.items():
+        assert row and all(n == k for n in row), (k, row)
+
+
 def test_the_catch_up_is_priced_by_a_line_through_its_timings() -> None:
     """Single timings of the head's catch-up over 1..5 positions differ by noise alone, and
     their differences price one drafting K against another: the table keeps the least-squares
