@@ -473,21 +473,17 @@ class EngineAutoK:
             return known
         path = seeded_plan_path(self.engine)
         sampler = representative_sampler(self.engine, params)
-        timings: list[tuple[int, int, float]] = []
         sequences = probe_sequences(self.engine, sampler)  # each text prefilled once
         counts = AcceptanceCounts()
         for _ in rounds_within(ACCEPTANCE_PROBE_ROUNDS, ACCEPTANCE_PROBE_SECONDS):
-            acceptance = probe_acceptance(
-                self.engine, sampler, timings=timings, sequences=sequences, counts=counts
-            )
+            acceptance = probe_acceptance(self.engine, sampler, sequences=sequences, counts=counts)
         rounds: list[list[tuple[int, int, float]]] = []
         for _ in rounds_within(TIMED_PROBE_ROUNDS, TIMED_PROBE_SECONDS):
             timed: list[tuple[int, int, float]] = []
             for k in TIMED_PROBE_ORDER:
                 time_probe_cycles(self.engine, sampler, k, timed, sequences=sequences)
             rounds.append(timed)
-            timings += timed
-        self.seeded = SeededPlan.measured(acceptance, timings, rounds)
+        self.seeded = SeededPlan.measured(acceptance, rounds)
         log.info(
             "auto K: seeded sampled requests start at K=%d (acceptance %s, cycles timed on the "
             "probe texts %s ms)",
@@ -536,10 +532,18 @@ TIMED_PROBE_CYCLES = 5
 #: round takes ~0.2 s on the demo and ~4 s at the 0.8B shape, where start-up keeps one
 TIMED_PROBE_ROUNDS = 8
 TIMED_PROBE_SECONDS = 1.0
-#: the K that ``seeded_plan`` times, in this order (``MAX_AUTO_K``'s cycles come from the
-#: acceptance probe). Plain cycles both first and last: the plan decides by the ratio of
-#: drafting to plain cycles, and a busy machine's speed drifts within the measurement
-TIMED_PROBE_ORDER = (0, *range(1, MAX_AUTO_K), 0)
+#: the K that ``seeded_plan`` times, in this order. Plain cycles both first and last: the plan
+#: decides by the ratio of drafting to plain cycles, and a busy machine's speed drifts within
+#: the measurement. Every drafting K in the rounds: ``MAX_AUTO_K``'s cycles taken from the
+#: acceptance probe, timed seconds before the others, priced K=4 against K=1-3 as the
+#: machine's speed had moved in between — two ``make bench`` runs' plans on the demo model
+#: put a K=1-3 cycle at 1.56 / 2.15 / 2.74x a plain one and K=4 at 3.33x, and at 1.92 / 2.29 /
+#: 2.65x and 3.01x, where the runs' own rows came to 1.61-1.78 / 2.00-2.11 / 2.44-2.57x and
+#: 3.03-3.08x: their lines through the four K tilted either way, and seeded requests drafted
+#: K=1 where K=2 was 1.13x faster, or a third of their cycles plain. In one process, eight
+#: plans each way in turns: the K=3 and K=4 ratios' spread (standard deviation) 3.8% and 4.6%
+#: with K=4 in the rounds and each round's own plain cycles as the base, against 5.3% and 7.1%
+TIMED_PROBE_ORDER = (0, *range(1, MAX_AUTO_K + 1), 0)
 #: each probe text's first cycles, not timed
 PROBE_WARM_CYCLES = 2
 #: the texts ``probe_acceptance`` continues: code, prose and a question. On one text alone the
@@ -656,26 +660,36 @@ def time_probe_cycles(
                 pass
 
 
-def probe_cycle_seconds(timings: list[tuple[int, int, float]]) -> list[float]:
-    """Each K's cycle seconds from ``timings``, K = 0..MAX_AUTO_K: plain cycles' median, and
-    for drafting cycles the least-squares line through each K's median. Why a line: a drafting
-    cycle is its one catch-up, K-1 further head steps and a verify of K+1 positions, each
-    further K about one head step and one verify position more (the demo model's bench rows:
-    1.88 / 2.32-2.42 / 2.75-2.86 / 3.17-3.32 ms at K=1..4), while a median of a dozen cycles
-    wanders by ~10% on a busy machine (one probe timed K=2 at 2.76 ms, above its K=3): the
-    line takes the four medians' common slope, and one stray median moves it by a quarter.
-    The median, not the mean, within a K: one preempted cycle must not move it. A K without
-    timings gets infinity, never the choice."""
-    by_k: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
-    for k, _, seconds in timings:
-        by_k[k].append(seconds)
-    medians = [statistics.median(xs) if xs else math.inf for xs in by_k]
+def probe_cycle_seconds(rounds: list[list[tuple[int, int, float]]]) -> list[float]:
+    """Each K's cycle seconds from the timed ``rounds``, K = 0..MAX_AUTO_K: plain cycles'
+    median over every round; a drafting K's the plain median times the median over the rounds
+    of that K's median over the round's own plain median (the machine's speed drifts between
+    rounds, and a ratio within one round cancels it), and then the least-squares line through
+    those K's. Why a line: a drafting cycle is its one catch-up, K-1 further head steps and a
+    verify of K+1 positions, each further K about one head step and one verify position more
+    (the demo model's bench rows: 1.88 / 2.32-2.42 / 2.75-2.86 / 3.17-3.32 ms at K=1..4), while
+    a median of a dozen cycles wanders by ~10% on a busy machine (one probe timed K=2 at 2.76
+    ms, above its K=3): the line takes the four medians' common slope, and one stray median
+    moves it by a quarter. The median, not the mean, within a K: one preempted cycle must not
+    move it. A K without timings gets infinity, never the choice."""
+    plain = [seconds for timed in rounds for k, _, seconds in timed if k == 0]
+    if not plain:
+        return [math.inf] * (MAX_AUTO_K + 1)
+    base = statistics.median(plain)
+    ratios: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
+    for timed in rounds:
+        own = [seconds for k, _, seconds in timed if k == 0]
+        for k in range(1, MAX_AUTO_K + 1):
+            cycles = [seconds for kk, _, seconds in timed if kk == k]
+            if own and cycles:
+                ratios[k].append(statistics.median(cycles) / statistics.median(own))
+    medians = [base, *(base * statistics.median(r) if r else math.inf for r in ratios[1:])]
     drafting = [(k, m) for k, m in enumerate(medians) if k > 0 and m < math.inf]
     if len(drafting) < 2:
         return medians
     slope, intercept = statistics.linear_regression(*zip(*drafting, strict=True))
-    line = [intercept + slope * k if by_k[k] else math.inf for k in range(1, MAX_AUTO_K + 1)]
-    return [medians[0], *line]
+    line = [intercept + slope * k if ratios[k] else math.inf for k in range(1, MAX_AUTO_K + 1)]
+    return [base, *line]
 
 
 def drafting_spread(rounds: list[list[tuple[int, int, float]]]) -> float:
@@ -895,15 +909,11 @@ class SeededPlan:
 
     @classmethod
     def measured(
-        cls,
-        acceptance: list[float],
-        timings: list[tuple[int, int, float]],
-        rounds: list[list[tuple[int, int, float]]],
+        cls, acceptance: list[float], rounds: list[list[tuple[int, int, float]]]
     ) -> SeededPlan:
-        """The plan from the probe's acceptance and cycle timings: each K's cycle as
-        ``probe_cycle_seconds`` prices it from ``timings``, drafting ones times
-        ``drafting_spread`` of the timed ``rounds``."""
-        seconds = probe_cycle_seconds(timings)
+        """The plan from the probe's acceptance and the timed ``rounds``: each K's cycle as
+        ``probe_cycle_seconds`` prices it, drafting ones times ``drafting_spread``."""
+        seconds = probe_cycle_seconds(rounds)
         spread = drafting_spread(rounds)
         return cls(acceptance, [seconds[0], *(s * spread for s in seconds[1:])])
 

@@ -62,8 +62,7 @@ def main() -> None:
         return (time.perf_counter() - started) / (128 * len(prompts))
 
     def priced(rounds: list[list[tuple[int, int, float]]]) -> str:
-        timings = [t for timed in rounds for t in timed]
-        plan = autok.SeededPlan.measured(acceptance, timings, rounds)
+        plan = autok.SeededPlan.measured(acceptance, rounds)
         seconds = plan.cycle_seconds
         return (
             f"spread {autok.drafting_spread(rounds):.3f}, K=2 {seconds[2] / seconds[0]:.2f}x "

@@ -361,8 +361,7 @@ def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tm
             counts.trials[i] += revealed[i]
     assert probed == pytest.approx(counts.estimates())
 
-    def probe(*_, acceptance, timings, **__) -> list[float]:
-        timings.append((MAX_AUTO_K, 1, 1.4))
+    def probe(*_, acceptance, **__) -> list[float]:
         return acceptance
 
     order: list[int] = []
@@ -388,7 +387,7 @@ def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tm
         assert plan.cycle_seconds == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
     # plain cycles are timed both before and after the drafting K's (the machine drifts), in
     # as many rounds as the time allows (here instant: all of them, for each of the two plans)
-    assert order[0] == order[-1] == 0 and sorted(set(order)) == list(range(MAX_AUTO_K))
+    assert order[0] == order[-1] == 0 and sorted(set(order)) == list(range(MAX_AUTO_K + 1))
     assert len(order) == 2 * autok.TIMED_PROBE_ROUNDS * len(autok.TIMED_PROBE_ORDER)
 
 

@@ -582,12 +582,27 @@ def test_a_plans_drafting_cycles_lie_on_one_line_through_each_ks_median() -> Non
     timings = [(0, 1, 1.0), (0, 1, 1.1), (0, 1, 9.0)]  # one plain cycle preempted
     for k, seconds in ((1, 1.9), (2, 2.9), (3, 2.8), (4, 3.2)):
         timings += [(k, 2, seconds), (k, 3, seconds), (k, 1, 50.0 if k == 3 else seconds)]
-    plan = probe_cycle_seconds(timings)
+    plan = probe_cycle_seconds([timings])
     assert plan[0] == pytest.approx(1.1)
     steps = [b - a for a, b in zip(plan[1:], plan[2:], strict=False)]
     assert steps == pytest.approx([steps[0]] * 3) and steps[0] > 0  # one line, rising
     assert 2.4 < plan[2] < 2.6  # K=2's stray 2.9: near the line of its neighbours
-    assert probe_cycle_seconds([(0, 1, 1.0), (4, 1, 2.0)])[1:] == [float("inf")] * 3 + [2.0]
+    assert probe_cycle_seconds([[(0, 1, 1.0), (4, 1, 2.0)]])[1:] == [float("inf")] * 3 + [2.0]
+
+
+def test_a_plans_drafting_cycles_are_priced_against_their_own_rounds_plain_cycles() -> None:
+    """The machine's speed moves between rounds: each round's drafting cycles count by their
+    ratio to that round's own plain cycles, so a round run 1.5x slower throughout prices
+    drafting as the others do, where medians over all rounds' cycles would mix the speeds."""
+    from engine.scheduling.autok import probe_cycle_seconds
+
+    def round_(speed: float, ks: tuple[int, ...]) -> list[tuple[int, int, float]]:
+        return [(k, 1, speed * (1.0 + 0.5 * k)) for k in (0, *ks, 0)]
+
+    # K=1 and K=2 timed only in fast rounds, K=3 and K=4 only in slow ones
+    rounds = [round_(1.0, (1, 2))] * 3 + [round_(1.5, (3, 4))] * 2
+    plan = probe_cycle_seconds(rounds)
+    assert plan == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
