@@ -196,9 +196,8 @@ def affine_fit(values: list[float]) -> list[float]:
     catch-up over n positions is one head forward over n tokens, affine in n while the head's
     weights bound it. Single medians of it differ by noise alone (0.45-0.72 ms on the demo
     model for n = 1..5, in no order), and the differences between them are what prices one
-    drafting K against another: a catch-up over 3 positions measured 0.12 ms under one over
-    4 made a K=2 cycle look 5% cheaper against a K=3 one, and auto K drafted K=2 where K=3
-    was faster."""
+    drafting K against another: a table whose catch-up over 3 positions measured 0.12 ms
+    under its one over 4 priced a K=2 cycle ~5% cheaper against a K=3 one."""
     n = len(values)
     if n < 2:
         return list(values)
@@ -378,16 +377,17 @@ def measure_costs(
             # one after the last): as a drafting cycle runs it, with the head warm. Timed
             # after the plain row, the head idle for 32 cycles, the demo model's one-position
             # catch-up measured 0.84-0.85 ms where the others took 0.57-0.63.
-            a = time_absorb(k + 1) if k else 0.0
+            a = time_absorb(k + 1) if k else None
             if rep >= 2:
                 cycle_rows[k].append(row[-CYCLES_IN_A_ROW + 1 :])
                 trunk_times[k].append(t)
-                absorb_times[k].append(a)
+                if a is not None:
+                    absorb_times[k].append(a)
         one = time_absorb(1)
         h = time_head()
         far = time_absorb(MAX_CATCH_UP)
         if rep >= 2:
-            absorb_times[0][-1] = one
+            absorb_times[0].append(one)
             head_times.append(h)
             far_times.append(far)
     absorb = affine_fit([median(x) for x in absorb_times])
