@@ -309,6 +309,18 @@ MUTATIONS = [
         "they are accepted: a rejection's rollback prices short drafts dearer than they are",
     ),
     Mutation(
+        "seeded-plan-mixes-its-rounds-speeds",
+        "engine/scheduling/autok.py",
+        "                ratios[k].append(statistics.median(cycles) / statistics.median(own))",
+        "                ratios[k].append(statistics.median(cycles) / base)",
+        (
+            "tests/unit/test_autok.py"
+            "::test_a_plans_drafting_cycles_are_priced_against_their_own_rounds_plain_cycles",
+        ),
+        "the seeded plan prices a drafting K timed in a slow round as dearer than one timed in a "
+        "fast round: its line over K tilts with the machine's speed",
+    ),
+    Mutation(
         "a-fast-models-start-up-table-from-timed-forwards",
         "engine/scheduling/costs.py",
         "    if one < LOOP_TIMED_FORWARD and not thorough:",
