@@ -529,7 +529,9 @@ TIMED_PROBE_CYCLES = 5
 #: whether seeded requests draft, and one round's (nine timed cycles a K) wandered over
 #: 2.44-2.70 in one process on the demo model (the bench's rows: 2.50): one build's plan at
 #: 2.69 sent seeded auto plain for 2,229 of its 5,864 bench cycles (0.944x of fixed K=3). A
-#: round takes ~0.2 s on the demo and ~4 s at the 0.8B shape, where start-up keeps one
+#: round took ~0.2 s on the demo and ~4 s at the 0.8B shape while it timed K=0-3 (K=4's cycles,
+#: in it since, add about a quarter at that shape by the cost table's prices, not timed there),
+#: where start-up keeps one
 TIMED_PROBE_ROUNDS = 8
 TIMED_PROBE_SECONDS = 1.0
 #: the K that ``seeded_plan`` times, in this order. Plain cycles both first and last: the plan
