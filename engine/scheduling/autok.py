@@ -563,7 +563,6 @@ def probe_acceptance(
     engine: CostProbe,
     params: Any,
     cycles: int = ACCEPTANCE_PROBE_CYCLES,
-    timings: list[tuple[int, int, float]] | None = None,
     sequences: list[Any] | None = None,
     counts: AcceptanceCounts | None = None,
 ) -> list[float]:
@@ -571,12 +570,12 @@ def probe_acceptance(
     from ``cycles`` cycles drafting ``MAX_AUTO_K`` under ``params`` on each of
     ``ACCEPTANCE_PROBE_TEXTS``, their counts pooled. The draws are keyed by ``params``' seed,
     so on one build and machine the probe, and what is decided from it, comes out the same
-    every time. ``timings`` collects the cycles as ``time_probe_cycles`` does; ``sequences``
-    (``probe_sequences``) are continued instead of fresh ones, and ``counts`` (an earlier
-    round's) added to instead of fresh ones."""
+    every time. ``sequences`` (``probe_sequences``) are continued instead of fresh ones, and
+    ``counts`` (an earlier round's) added to instead of fresh ones. Its cycles are not timed:
+    the plan times every K in rounds of its own (``TIMED_PROBE_ORDER``)."""
     counts = AcceptanceCounts() if counts is None else counts
     for seq in sequences or probe_sequences(engine, params):
-        with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, cycles, timings)) as events:
+        with closing(_timed_cycles(engine, seq, params, MAX_AUTO_K, cycles, None)) as events:
             seen = 0
             for event in events:
                 k = event.cycle_draft_tokens

@@ -317,12 +317,9 @@ def test_seeded_plan_is_measured_on_the_probe_texts(load_engine, monkeypatch, tm
     engine = load_engine("dense-untied-sharded")
     params = SamplingParams(temperature=1.0, top_k=20, seed=0)
     cycles = 6
-    timings: list[tuple[int, int, float]] = []
-    probed = autok.probe_acceptance(engine, params, cycles, timings=timings)
+    probed = autok.probe_acceptance(engine, params, cycles)
     assert autok.probe_acceptance(engine, params, cycles) == probed
     texts = len(autok.ACCEPTANCE_PROBE_TEXTS)
-    assert len(timings) == texts * (cycles - autok.PROBE_WARM_CYCLES)
-    assert all(k == MAX_AUTO_K and 1 <= n <= MAX_AUTO_K + 1 and t > 0 for k, n, t in timings)
     # No timed cycle is its request's last: that one has no cycle launched behind it and
     # reads back early (its time would pull a plain median down).
     finished: list[bool] = []
