@@ -311,8 +311,8 @@ MUTATIONS = [
     Mutation(
         "seeded-plan-mixes-its-rounds-speeds",
         "engine/scheduling/autok.py",
-        "                ratios[k].append(statistics.median(cycles) / statistics.median(own))",
-        "                ratios[k].append(statistics.median(cycles) / base)",
+        "    ratios = round_ratios(rounds)",
+        "    ratios = round_ratios([[t for timed in rounds for t in timed]])",
         (
             "tests/unit/test_autok.py"
             "::test_a_plans_drafting_cycles_are_priced_against_their_own_rounds_plain_cycles",

@@ -677,13 +677,7 @@ def probe_cycle_seconds(rounds: list[list[tuple[int, int, float]]]) -> list[floa
     if not plain:
         return [math.inf] * (MAX_AUTO_K + 1)
     base = statistics.median(plain)
-    ratios: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
-    for timed in rounds:
-        own = [seconds for k, _, seconds in timed if k == 0]
-        for k in range(1, MAX_AUTO_K + 1):
-            cycles = [seconds for kk, _, seconds in timed if kk == k]
-            if own and cycles:
-                ratios[k].append(statistics.median(cycles) / statistics.median(own))
+    ratios = round_ratios(rounds)
     medians = [base, *(base * statistics.median(r) if r else math.inf for r in ratios[1:])]
     drafting = [(k, m) for k, m in enumerate(medians) if k > 0 and m < math.inf]
     if len(drafting) < 2:
@@ -691,6 +685,20 @@ def probe_cycle_seconds(rounds: list[list[tuple[int, int, float]]]) -> list[floa
     slope, intercept = statistics.linear_regression(*zip(*drafting, strict=True))
     line = [intercept + slope * k if ratios[k] else math.inf for k in range(1, MAX_AUTO_K + 1)]
     return [base, *line]
+
+
+def round_ratios(rounds: list[list[tuple[int, int, float]]]) -> list[list[float]]:
+    """Per drafting K (index K), each timed round's median cycle of that K over the round's own
+    median plain cycle (rounds without either leave it out): within one round the machine's
+    drift cancels."""
+    ratios: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
+    for timed in rounds:
+        plain = [seconds for k, _, seconds in timed if k == 0]
+        for k in range(1, MAX_AUTO_K + 1):
+            cycles = [seconds for kk, _, seconds in timed if kk == k]
+            if plain and cycles:
+                ratios[k].append(statistics.median(cycles) / statistics.median(plain))
+    return ratios
 
 
 def drafting_spread(rounds: list[list[tuple[int, int, float]]]) -> float:
@@ -707,16 +715,7 @@ def drafting_spread(rounds: list[list[tuple[int, int, float]]]) -> float:
     the machine): plans priced a K=2 cycle at 2.39-2.67x a plain one where fixed K=2 decoding ran
     ~2.59x (2.42 tokens a cycle at 1.071x K=0's time a token, the median of six trials that
     themselves ranged over 0.88-1.13x); five plans chose K=0 and one K=3."""
-    ratios: dict[int, list[float]] = {}
-    for timed in rounds:
-        plain = [seconds for k, _, seconds in timed if k == 0]
-        if not plain:
-            continue
-        base = statistics.median(plain)
-        for k in {k for k, _, _ in timed if k > 0}:
-            cycle = statistics.median(seconds for kk, _, seconds in timed if kk == k)
-            ratios.setdefault(k, []).append(cycle / base)
-    relative = sorted(r / statistics.median(rs) for rs in ratios.values() for r in rs)
+    relative = sorted(r / statistics.median(rs) for rs in round_ratios(rounds) for r in rs)
     if len(relative) < 4:
         return 1.0
     return max(1.0, relative[(3 * len(relative)) // 4])
