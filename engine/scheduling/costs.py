@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -198,17 +199,14 @@ def affine_fit(values: list[float]) -> list[float]:
     model for n = 1..5, in no order), and the differences between them are what prices one
     drafting K against another: a table whose catch-up over 3 positions measured 0.12 ms
     under its one over 4 priced a K=2 cycle ~5% cheaper against a K=3 one."""
-    n = len(values)
-    if n < 2:
+    if len(values) < 2:
         return list(values)
-    mid = (n - 1) / 2
-    mean = sum(values) / n
-    slope = sum((i - mid) * (v - mean) for i, v in enumerate(values)) / sum(
-        (i - mid) ** 2 for i in range(n)
-    )
-    slope = max(slope, 0.0)
+    counts = range(1, len(values) + 1)
+    slope, intercept = statistics.linear_regression(counts, values)
+    if slope < 0:
+        slope, intercept = 0.0, statistics.fmean(values)
     # (an outlier must not take the line's low end under every reading)
-    return [max(mean + slope * (i - mid), min(values)) for i in range(n)]
+    return [max(intercept + slope * n, min(values)) for n in counts]
 
 
 def catch_up_seconds(absorb: list[float], n: int, far: float = 0.0) -> float:
