@@ -260,6 +260,18 @@ inline void widen_strided(const void* src, Real type, int64_t first, int64_t n, 
 // Activation elements that share one scale (products.h).
 constexpr int kRun = kActivationRun;
 
+// One 4-bit block's lane sums: low nibbles by the even activations, high ones by the odd. An
+// instruction set may add both nibbles' pair sums before widening them (V::dot_u4_pair): the
+// same integers in fewer instructions.
+template <class V>
+inline typename V::ireg dot_u4_block(typename V::ireg lo, typename V::ireg even,
+                                     typename V::ireg hi, typename V::ireg odd) {
+  if constexpr (requires { V::dot_u4_pair(lo, even, hi, odd); })
+    return V::dot_u4_pair(lo, even, hi, odd);
+  else
+    return V::dot_u4(V::dot_u4(V::izero(), lo, even), hi, odd);
+}
+
 template <int Bits, class V>
 constexpr int block_codes() {
   return Bits == 4 ? 8 * V::W : 4 * V::W;
@@ -388,7 +400,7 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
         const ireg hi = V::high_nibbles(v);
         const reg ws = V::expand(w.scales + (jb + j) * w.scale_stride + g, lanes);
         for (int r = 0; r < RN; ++r) {
-          const ireg d = V::dot_u4(V::dot_u4(V::izero(), lo, even[r]), hi, odd[r]);
+          const ireg d = dot_u4_block<V>(lo, even[r], hi, odd[r]);
           c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
         }
       }
