@@ -23,7 +23,14 @@ struct Avx2 {
   // affine tiles of more than one row: AR rows by AJ columns
   static constexpr int AR = 2;
   static constexpr int AJ = 2;
-  static constexpr int whole_float_rows = 2;  // kernel_impl.h, float_rows and code_row
+  // kernel_impl.h, float_rows and code_row: none. A weight row read whole is one chain of
+  // multiply-adds a row, 8 lanes each waiting on the one before; the tile's J rows are J
+  // chains. On a Zen 3 VM (AVX2 only) each 0.8B token's fp32 and bf16 products, the two builds
+  // in turns (scripts/bench_kernel.py --dtypes f32,bf16 --rows 1,2,3,5, three rounds): bf16
+  // 1 / 2 / 3 / 5 rows 92-109 / 100-107 / 173-179 / 262-290 ms whole against 77-83 / 79-87 /
+  // 95-139 / 135-180 on the tile (3 and 5 rows end in one row of their own), fp32 at 5 rows
+  // 249-311 against 180-207.
+  static constexpr int whole_float_rows = 0;
   static constexpr bool whole_code_row = false;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }

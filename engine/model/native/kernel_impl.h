@@ -123,8 +123,9 @@ inline void tile(
 // Qwen3.5-0.8B token at 1 / 2 / 3 rows in 61-64 / 63-67 / 66-70 ms on an Intel Xeon VM, each row
 // whole in 50-53 / 56-57 / 62 (fp32 103-110 / 105-107 / 105-111 against 92-96 / 97-98 /
 // 102-106); 4-5 rows keep the tile (each row whole was level at 4 and 1.05-1.1x slower at 5, two
-// weight rows at a time 1.04-1.1x slower), as AVX2 does from 3 rows (1.5x slower whole) and NEON
-// and the scalar path, unmeasured, for all (scripts/bench_kernel.py --dtypes f32,bf16).
+// weight rows at a time 1.04-1.1x slower), as AVX2 does for all (its 8 lanes a chain wait on
+// the multiply-adds: kernel_avx2.cpp) and NEON and the scalar path, unmeasured, for all
+// (scripts/bench_kernel.py --dtypes f32,bf16).
 template <class V, int RN, class Rows>
 inline void float_rows(const Rows& w, int jn, int64_t steps, int tail, const float* x,
                        int64_t x_stride, typename V::reg (*acc)[V::J]) {
