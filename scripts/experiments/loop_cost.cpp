@@ -9,6 +9,10 @@
 //   /tmp/loop_cost BITS ROWS OUT IN REPEATS GHZ     e.g. /tmp/loop_cost 4 5 2048 1024 20 3.64
 //
 // GHZ is the clock the cycles are counted at. Random codes, constant bf16 scales and biases.
+// Built with -DLOOP_AVX2 from engine/model/native/kernel_avx2.cpp instead (-mavx2 -mfma -mf16c),
+// it times the AVX2 kernel's loop over row-major codes, "a vpdpbusd" then standing for every
+// 4 codes of 16 outputs and a row as there: two builds from two checkouts, run in turns,
+// compare two versions of that loop.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -46,14 +50,19 @@ int main(int argc, char** argv) {
   SharedRows shared;
   WeightView view{WeightKind::affine, codes.data(), scales.data(), biases.data(),
                   Real::bf16, bits, 64, out, in};
+#ifdef LOOP_AVX2
+  const auto kernel = columns_avx2;
+#else
+  const auto kernel = columns_avx512_vnni;
   view.interleaved = true;
+#endif
   double best = 1e9;
   for (int round = 0; round < 7; ++round) {
     QuantizedRows quantized;  // the activation quantized once, by the first call
     const ProductArgs args{x.data(), in, rows, view, y.data(), Real::bf16, &quantized, &shared};
-    columns_avx512_vnni(args, 0, out);
+    kernel(args, 0, out);
     const auto start = std::chrono::steady_clock::now();
-    for (int r = 0; r < repeats; ++r) columns_avx512_vnni(args, 0, out);
+    for (int r = 0; r < repeats; ++r) kernel(args, 0, out);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   const double dots = static_cast<double>(out) * in / 64 * rows * repeats;

@@ -76,8 +76,8 @@ struct Avx2 {
   // 2 * 15 * 127) add without overflow before one widening to 32 bits. This and dot_u8's high
   // nibbles widened times 16 instead of shifted, against the code before them (one thread of a
   // Zen 3 VM, a 256 x 1024 weight in cache, lowest of several runs each,
-  // scripts/experiments/code_sums.cpp): 2-5 rows 0.93-0.95x the time (4-bit) and 0.96-0.98x
-  // (8-bit), one row level
+  // scripts/experiments/loop_cost.cpp with -DLOOP_AVX2): 2-5 rows 0.93-0.95x the time (4-bit)
+  // and 0.96-0.98x (8-bit), one row level
   static ireg dot_u4_pair(ireg lo, ireg even, ireg hi, ireg odd) {
     const ireg pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
