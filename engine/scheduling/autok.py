@@ -694,10 +694,13 @@ def round_ratios(rounds: list[list[tuple[int, int, float]]]) -> list[list[float]
     ratios: list[list[float]] = [[] for _ in range(MAX_AUTO_K + 1)]
     for timed in rounds:
         plain = [seconds for k, _, seconds in timed if k == 0]
+        if not plain:
+            continue
+        base = statistics.median(plain)
         for k in range(1, MAX_AUTO_K + 1):
             cycles = [seconds for kk, _, seconds in timed if kk == k]
-            if plain and cycles:
-                ratios[k].append(statistics.median(cycles) / statistics.median(plain))
+            if cycles:
+                ratios[k].append(statistics.median(cycles) / base)
     return ratios
 
 
