@@ -83,6 +83,8 @@ def main() -> int:
             norm: nn.Module | None = None,
             residual=None,
             up=None,
+            joined=None,
+            gate=None,
         ) -> list[mx.array]:
             if residual is not None:  # x @ 0 + residual
                 return [residual]
