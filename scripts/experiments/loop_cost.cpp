@@ -12,7 +12,8 @@
 // Built with -DLOOP_AVX2 from engine/model/native/kernel_avx2.cpp instead (-mavx2 -mfma -mf16c),
 // it times the AVX2 kernel's loop over row-major codes, "a vpdpbusd" then standing for every
 // 4 codes of 16 outputs and a row as there: two builds from two checkouts, run in turns,
-// compare two versions of that loop.
+// compare two versions of that loop. With -DLOOP_AVX512 from kernel_avx512.cpp (the flags above
+// without -mavx512vnni) it times the AVX-512 kernel without VNNI, over interleaved codes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -50,8 +51,11 @@ int main(int argc, char** argv) {
   SharedRows shared;
   WeightView view{WeightKind::affine, codes.data(), scales.data(), biases.data(),
                   Real::bf16, bits, 64, out, in};
-#ifdef LOOP_AVX2
+#if defined(LOOP_AVX2)
   const auto kernel = columns_avx2;
+#elif defined(LOOP_AVX512)
+  const auto kernel = columns_avx512;
+  view.interleaved = true;
 #else
   const auto kernel = columns_avx512_vnni;
   view.interleaved = true;

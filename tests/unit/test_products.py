@@ -150,6 +150,47 @@ def test_interleaved_codes_against_float64(isa: str, bits: int, group: int) -> N
             _close(got, x.astype(np.float64) @ dequantized.T, 2e-2)
 
 
+@pytest.mark.skipif(
+    not {"avx512", "avx512-vnni"} <= set(ISAS), reason="AVX-512 with VNNI is not on this CPU"
+)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_avx512_without_vnni_sums_the_codes_to_vnni_s_bits(bits: int, interleaved: bool) -> None:
+    """The AVX-512 kernel built with and without VNNI differs only in how it sums a block's
+    byte products (``vpdpbusd``, or ``vpmaddubsw`` pair sums widened by ``vpmaddwd``, both
+    nibbles' pairs of a 4-bit block added in 16 bits first): exact integers either way, so
+    every output is the same bits."""
+    inner, out, group = 1000, 288, 64
+    width = 960
+    w = mx.array(_random((out, inner), 21))[:, :width]
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    if interleaved:
+        packed, scales, biases = products.interleave(packed, scales, biases)
+    x = mx.array(_random((24, width), 22))
+    outputs = {}
+    try:
+        for isa in ("avx512", "avx512-vnni"):
+            native.set_isa(isa)
+            outputs[isa] = [
+                np.array(
+                    native.product(
+                        x[:rows],
+                        packed,
+                        scales,
+                        biases,
+                        bits=bits,
+                        group_size=group,
+                        interleaved=interleaved,
+                    )
+                )
+                for rows in (1, 2, 3, 4, 5, 9, 24)
+            ]
+    finally:
+        native.set_isa("")
+    for plain, vnni in zip(outputs["avx512"], outputs["avx512-vnni"], strict=True):
+        assert np.array_equal(plain, vnni)
+
+
 @pytest.mark.parametrize("kind", ["f32", "bf16", "8", "4", "8-interleaved", "4-interleaved"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_a_half_output_is_the_fp32_output_rounded_as_mlx_rounds(

@@ -78,9 +78,9 @@ struct Avx2 {
   // Zen 3 VM, a 256 x 1024 weight in cache, lowest of several runs each,
   // scripts/experiments/loop_cost.cpp with -DLOOP_AVX2): 2-5 rows 0.93-0.95x the time (4-bit)
   // and 0.96-0.98x (8-bit), one row level
-  static ireg dot_u4_pair(ireg lo, ireg even, ireg hi, ireg odd) {
+  static ireg dot_u4_pair(ireg acc, ireg lo, ireg even, ireg hi, ireg odd) {
     const ireg pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
   // the same for any unsigned byte u = 16 * high + low (maddubs's pair sums of whole bytes
   // would saturate: 2 * 255 * 127), the high nibbles' pairs widened times 16

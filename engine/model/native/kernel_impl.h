@@ -261,16 +261,17 @@ inline void widen_strided(const void* src, Real type, int64_t first, int64_t n, 
 // Activation elements that share one scale (products.h).
 constexpr int kRun = kActivationRun;
 
-// One 4-bit block's lane sums: low nibbles by the even activations, high ones by the odd. An
-// instruction set may add both nibbles' pair sums before widening them (V::dot_u4_pair): the
-// same integers in fewer instructions.
+// One 4-bit block's lane sums added to acc: low nibbles by the even activations, high ones by
+// the odd. An instruction set may add both nibbles' pair sums before widening them
+// (V::dot_u4_pair): the same integers in fewer instructions.
 template <class V>
-inline typename V::ireg dot_u4_block(typename V::ireg lo, typename V::ireg even,
-                                     typename V::ireg hi, typename V::ireg odd) {
-  if constexpr (requires { V::dot_u4_pair(lo, even, hi, odd); })
-    return V::dot_u4_pair(lo, even, hi, odd);
+inline typename V::ireg dot_u4_block(typename V::ireg acc, typename V::ireg lo,
+                                     typename V::ireg even, typename V::ireg hi,
+                                     typename V::ireg odd) {
+  if constexpr (requires { V::dot_u4_pair(acc, lo, even, hi, odd); })
+    return V::dot_u4_pair(acc, lo, even, hi, odd);
   else
-    return V::dot_u4(V::dot_u4(V::izero(), lo, even), hi, odd);
+    return V::dot_u4(V::dot_u4(acc, lo, even), hi, odd);
 }
 
 template <int Bits, class V>
@@ -401,7 +402,7 @@ inline void code_tile(const CodeRows<V>& w, int jb, int64_t blocks, int tail_byt
         const ireg hi = V::high_nibbles(v);
         const reg ws = V::expand(w.scales + (jb + j) * w.scale_stride + g, lanes);
         for (int r = 0; r < RN; ++r) {
-          const ireg d = dot_u4_block<V>(lo, even[r], hi, odd[r]);
+          const ireg d = dot_u4_block<V>(V::izero(), lo, even[r], hi, odd[r]);
           c[r][j] = V::fma(V::to_float(d), V::mul(ws, xsc[r]), c[r][j]);
         }
       }
@@ -649,7 +650,7 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
           std::memcpy(&xo, q + r * qs + even + B / 2, 4);
           const ireg be = V::splat_word(xe), bo = V::splat_word(xo);
           for (int n = 0; n < N; ++n)
-            d[r][n] = V::dot_u4(V::dot_u4(d[r][n], lo[n], be), hi[n], bo);
+            d[r][n] = dot_u4_block<V>(d[r][n], lo[n], be, hi[n], bo);
         }
       }
     }
