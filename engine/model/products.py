@@ -194,9 +194,12 @@ def prepare(model: nn.Module, parts: int = 1) -> None:
 #: AMD EPYC, in one process against row-major layers: 8-bit plain steps 0.93-0.95x the time,
 #: verifies of 4-5 0.72-0.79x; 4-bit 0.95x and 0.87-0.89x. The same CPU running the kernel
 #: without VNNI (``avx512``: two instructions a 4-code sum): 0.93x and 0.76-0.78x, 4-bit 0.96x
-#: and 0.77-0.80x. AVX2 there: 4-bit 0.91-0.96x, but 8-bit plain steps 1.10x (verifies
-#: 0.78-0.81x) — not taken. AMX keeps row-major codes for its tiles; NEON is unmeasured.
-INTERLEAVED_ISAS = ("avx512-vnni", "avx512")
+#: and 0.77-0.80x. AVX2 there (``MTPSERVE_PRODUCTS_ISA=avx2``, each layout in its own process,
+#: three rounds in turns, medians): 8-bit plain steps 0.89-0.93x, verifies of 5 0.77-0.80x; 4-bit
+#: 0.86-0.97x and 0.78-0.88x (an earlier measurement, with other integer sums, had 8-bit plain
+#: steps at 1.10x). Not measured on an AVX2-only CPU. AMX keeps row-major codes for its tiles;
+#: NEON is unmeasured.
+INTERLEAVED_ISAS = ("avx512-vnni", "avx512", "avx2")
 INTERLEAVED_BITS = (4, 8)
 #: output rows ``interleave`` lays side by side (the kernel's ``kInterleave``)
 INTERLEAVE = 16
