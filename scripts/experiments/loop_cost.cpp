@@ -10,9 +10,9 @@
 //
 // GHZ is the clock the cycles are counted at. Random codes, constant bf16 scales and biases.
 // Built with -DLOOP_AVX2 from engine/model/native/kernel_avx2.cpp instead (-mavx2 -mfma -mf16c),
-// it times the AVX2 kernel's loop over row-major codes, "a vpdpbusd" then standing for every
-// 4 codes of 16 outputs and a row as there: two builds from two checkouts, run in turns,
-// compare two versions of that loop. With -DLOOP_AVX512 from kernel_avx512.cpp (the flags above
+// it times the AVX2 kernel's loop over interleaved codes (as the engine lays them out for AVX2
+// too), "a vpdpbusd" then standing for every 4 codes of 16 outputs and a row as there: two
+// builds from two checkouts, run in turns, compare two versions of that loop. With -DLOOP_AVX512 from kernel_avx512.cpp (the flags above
 // without -mavx512vnni) it times the AVX-512 kernel without VNNI, over interleaved codes.
 #include <algorithm>
 #include <chrono>
@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
                   Real::bf16, bits, 64, out, in};
 #if defined(LOOP_AVX2)
   const auto kernel = columns_avx2;
+  view.interleaved = true;
 #elif defined(LOOP_AVX512)
   const auto kernel = columns_avx512;
   view.interleaved = true;
