@@ -10,10 +10,11 @@
 //
 // GHZ is the clock the cycles are counted at. Random codes, constant bf16 scales and biases.
 // Built with -DLOOP_AVX2 from engine/model/native/kernel_avx2.cpp instead (-mavx2 -mfma -mf16c),
-// it times the AVX2 kernel's loop over interleaved codes (as the engine lays them out for AVX2
-// too), "a vpdpbusd" then standing for every 4 codes of 16 outputs and a row as there: two
-// builds from two checkouts, run in turns, compare two versions of that loop. With -DLOOP_AVX512 from kernel_avx512.cpp (the flags above
-// without -mavx512vnni) it times the AVX-512 kernel without VNNI, over interleaved codes.
+// it times the AVX2 kernel's loop, "a vpdpbusd" then standing for every 4 codes of 16 outputs
+// and a row as there; with -DLOOP_AVX512 from kernel_avx512.cpp (the flags above without
+// -mavx512vnni), the AVX-512 kernel's without VNNI. Every build reads the codes interleaved, as
+// the engine lays them out for these kernels: two builds from two checkouts, run in turns,
+// compare two versions of a loop.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,14 +54,12 @@ int main(int argc, char** argv) {
                   Real::bf16, bits, 64, out, in};
 #if defined(LOOP_AVX2)
   const auto kernel = columns_avx2;
-  view.interleaved = true;
 #elif defined(LOOP_AVX512)
   const auto kernel = columns_avx512;
-  view.interleaved = true;
 #else
   const auto kernel = columns_avx512_vnni;
-  view.interleaved = true;
 #endif
+  view.interleaved = true;
   double best = 1e9;
   for (int round = 0; round < 7; ++round) {
     QuantizedRows quantized;  // the activation quantized once, by the first call
