@@ -89,6 +89,23 @@ struct Avx2 {
     const ireg hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(u), s), _mm256_set1_epi16(16));
     return _mm256_add_epi32(acc, _mm256_add_epi32(hi, lo));
   }
+  // 8-bit codes as signed ones for the interleaved tile (kernel_impl.h): |u - 128| and u - 128
+  // Against dot_u8 (this build on a Zen 4 VM): one thread, weights in cache, 1 / 2 / 3 / 5 rows
+  // 0.76 / 0.81 / 0.79 / 0.79x the time; a 0.8B token's 8-bit products 1-3 rows level (memory),
+  // 5 / 9 / 24 rows 0.93 / 0.91 / 0.90x
+  static constexpr int signed_codes_rows = 1;
+  struct SignedCodes {
+    ireg magnitude, sign;
+  };
+  static SignedCodes to_signed(ireg u) {
+    const ireg c = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {_mm256_abs_epi8(c), c};
+  }
+  // lane i += sum of bytes 4i..4i+3 of c times those of s (|s| <= 127)
+  static ireg dot_signed(ireg acc, const SignedCodes& c, ireg s) {
+    const ireg pairs = _mm256_maddubs_epi16(c.magnitude, _mm256_sign_epi8(s, c.sign));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
   static reg to_float(ireg v) { return _mm256_cvtepi32_ps(v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg splat(float v) { return _mm256_set1_ps(v); }

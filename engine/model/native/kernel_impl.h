@@ -291,8 +291,9 @@ inline bool integer_affine(const WeightView& wv) {
 
 // Fills `out` (products.h) from the activation rows: 8-bit integers laid out for `Bits`-bit
 // codes, one fp32 scale per run followed by V::W zero scales (a block's lanes may read past
-// the last run), and each group's sum of the quantized x, scale times the run's sum of q run
-// by run in order: group_sums[t * (in / group) + g].
+// the last run), each run's sum of q (run_sums, laid out as the scales) and each group's sum
+// of the quantized x, scale times the run's sum of q run by run in order:
+// group_sums[t * (in / group) + g].
 template <class V, int Bits>
 inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in, int group,
                           QuantizedRows& out) {
@@ -304,6 +305,7 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in, int 
   out.scale_stride = runs + V::W;
   out.q.assign(static_cast<size_t>(rows * out.q_stride), 0);
   out.scales.assign(static_cast<size_t>(rows * out.scale_stride), 0.0f);
+  out.run_sums.assign(static_cast<size_t>(rows * out.scale_stride), 0);
   out.group_sums.assign(static_cast<size_t>(rows * groups), 0.0f);
   for (int t = 0; t < rows; ++t) {
     const float* xr = x + t * xs;
@@ -313,6 +315,7 @@ inline void quantize_rows(const float* x, int64_t xs, int rows, int64_t in, int 
       int32_t run_sum = 0;
       const float scale = quantize_run(xr + run * kRun, codes, run_sum);
       out.scales[t * out.scale_stride + run] = scale;
+      out.run_sums[t * out.scale_stride + run] = run_sum;
       for (int i = 0; i < kRun; ++i) {
         const int64_t p = run * kRun + i;  // position in the row
         const int8_t code = codes[i];
@@ -600,9 +603,25 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // ahead, and each line came late: there each line is prefetched into L2 a page ahead, the 0.8B
 // trunk and vocabulary projection 0.87-0.94x the time at 4-5 rows (8-bit) and 2-5 (4-bit),
 // where 8-bit codes for 3 rows were level (docs/CPU_CHOICES.md).
+//
+// Without an unsigned-by-signed 4-byte sum (VNNI's), 8-bit codes u of blocks of at least
+// V::signed_codes_rows rows are summed as signed codes
+// c = u - 128 (V::to_signed): |c| times q with c's sign, whose pair sums fit 16 bits (2 * 128
+// * 127, where u's own would saturate: 2 * 255 * 127), and each run's sum starts at 128 times
+// the run's sum of q. The same integers as u times q, in one byte product a word where the
+// nibbles took two.
+template <class V, int RN>
+constexpr bool signed_codes() {
+  if constexpr (requires(typename V::ireg u) { V::to_signed(u); })
+    return RN >= V::signed_codes_rows;
+  else
+    return false;
+}
+
 template <class V, int Bits, int RN>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
-                             const float* xscale, int64_t xss, const float* gs, int64_t gss,
+                             const float* xscale, int64_t xss, const int32_t* run_sums,
+                             const float* gs, int64_t gss,
                              typename V::reg (*c)[kInterleave / V::W]) {
   using reg = typename V::reg;
   using ireg = typename V::ireg;
@@ -615,19 +634,32 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
   const auto* codes = static_cast<const uint32_t*>(wv.data) + tile * words * kInterleave;
   // a word's vectors are one line of codes, RN * 8 / Bits dot products
   constexpr bool kPageAhead = RN * 8 / Bits >= 4;
+  constexpr bool kSigned = Bits == 8 && signed_codes<V, RN>();
   for (int r = 0; r < RN; ++r)
     for (int n = 0; n < N; ++n) c[r][n] = V::zero();
   for (int64_t run = 0; run < wv.in / kRun; ++run) {
     ireg d[RN][N];
-    for (int r = 0; r < RN; ++r)
-      for (int n = 0; n < N; ++n) d[r][n] = V::izero();
+    for (int r = 0; r < RN; ++r) {
+      ireg start = V::izero();
+      if constexpr (kSigned) start = V::splat_word(static_cast<uint32_t>(128 * run_sums[r * xss + run]));
+      for (int n = 0; n < N; ++n) d[r][n] = start;
+    }
     for (int w = 0; w < words_a_run; ++w) {
       const int64_t word = run * words_a_run + w;
       ireg v[N];
       const uint32_t* p = codes + word * kInterleave;
       if constexpr (kPageAhead) __builtin_prefetch(reinterpret_cast<const char*>(p) + 4096, 0, 2);
       for (int n = 0; n < N; ++n) v[n] = V::bytes(p + n * V::W);
-      if constexpr (Bits == 8) {
+      if constexpr (kSigned) {
+        decltype(V::to_signed(v[0])) signed_codes[N];
+        for (int n = 0; n < N; ++n) signed_codes[n] = V::to_signed(v[n]);
+        for (int r = 0; r < RN; ++r) {
+          uint32_t x4;
+          std::memcpy(&x4, q + r * qs + word * 4, 4);
+          const ireg b = V::splat_word(x4);
+          for (int n = 0; n < N; ++n) d[r][n] = V::dot_signed(d[r][n], signed_codes[n], b);
+        }
+      } else if constexpr (Bits == 8) {
         for (int r = 0; r < RN; ++r) {
           uint32_t x4;
           std::memcpy(&x4, q + r * qs + word * 4, 4);
@@ -712,11 +744,12 @@ inline void interleaved_block(const ProductArgs& a, int t, int64_t j0, int tiles
   const int64_t groups = wv.in / wv.group;
   const int8_t* q = xq.q.data() + t * xq.q_stride;
   const float* xscale = xq.scales.data() + t * xq.scale_stride;
+  const int32_t* run_sums = xq.run_sums.data() + t * xq.scale_stride;
   const float* gs = xq.group_sums.data() + t * groups;
   for (int done = 0; done < tiles; ++done) {
     alignas(64) typename V::reg c[RN][N];
     interleaved_tile<V, Bits, RN>(wv, j0 / kInterleave + done, q, xq.q_stride, xscale,
-                                  xq.scale_stride, gs, groups, c);
+                                  xq.scale_stride, run_sums, gs, groups, c);
     store_lanes<V, RN, N>(a, t, j0 + done * kInterleave, c);
   }
 }

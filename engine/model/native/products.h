@@ -49,6 +49,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scales;
   std::vector<float> group_sums;
+  std::vector<int32_t> run_sums;  // each run's sum of q, laid out as the scales
   int64_t q_stride = 0;
   int64_t scale_stride = 0;
 };
