@@ -604,12 +604,11 @@ inline typename V::reg real_lanes(const void* p, Real type, int64_t index) {
 // trunk and vocabulary projection 0.87-0.94x the time at 4-5 rows (8-bit) and 2-5 (4-bit),
 // where 8-bit codes for 3 rows were level (docs/CPU_CHOICES.md).
 //
-// Without an unsigned-by-signed 4-byte sum (VNNI's), 8-bit codes u of blocks of at least
-// V::signed_codes_rows rows are summed as signed codes
-// c = u - 128 (V::to_signed): |c| times q with c's sign, whose pair sums fit 16 bits (2 * 128
-// * 127, where u's own would saturate: 2 * 255 * 127), and each run's sum starts at 128 times
-// the run's sum of q. The same integers as u times q, in one byte product a word where the
-// nibbles took two.
+// Without an unsigned-by-signed 4-byte sum (VNNI's), blocks of at least V::signed_codes_rows
+// rows sum 8-bit codes u as signed codes c = u - 128 (V::to_signed): |c| times q with c's
+// sign, whose pair sums fit 16 bits (2 * 128 * 127, where u's own would saturate: 2 * 255 *
+// 127), each run's sum starting at 128 times the run's sum of q. The same integers as u times
+// q, in one byte product a word where the nibbles took two.
 template <class V, int RN>
 constexpr bool signed_codes() {
   if constexpr (requires(typename V::ireg u) { V::to_signed(u); })
@@ -641,7 +640,8 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
     ireg d[RN][N];
     for (int r = 0; r < RN; ++r) {
       ireg start = V::izero();
-      if constexpr (kSigned) start = V::splat_word(static_cast<uint32_t>(128 * run_sums[r * xss + run]));
+      if constexpr (kSigned)
+        start = V::splat_word(static_cast<uint32_t>(128 * run_sums[r * xss + run]));
       for (int n = 0; n < N; ++n) d[r][n] = start;
     }
     for (int w = 0; w < words_a_run; ++w) {
@@ -651,13 +651,13 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
       if constexpr (kPageAhead) __builtin_prefetch(reinterpret_cast<const char*>(p) + 4096, 0, 2);
       for (int n = 0; n < N; ++n) v[n] = V::bytes(p + n * V::W);
       if constexpr (kSigned) {
-        decltype(V::to_signed(v[0])) signed_codes[N];
-        for (int n = 0; n < N; ++n) signed_codes[n] = V::to_signed(v[n]);
+        decltype(V::to_signed(v[0])) c8[N];
+        for (int n = 0; n < N; ++n) c8[n] = V::to_signed(v[n]);
         for (int r = 0; r < RN; ++r) {
           uint32_t x4;
           std::memcpy(&x4, q + r * qs + word * 4, 4);
           const ireg b = V::splat_word(x4);
-          for (int n = 0; n < N; ++n) d[r][n] = V::dot_signed(d[r][n], signed_codes[n], b);
+          for (int n = 0; n < N; ++n) d[r][n] = V::dot_signed(d[r][n], c8[n], b);
         }
       } else if constexpr (Bits == 8) {
         for (int r = 0; r < RN; ++r) {
