@@ -125,10 +125,10 @@ struct Avx512 {
   }
 #ifndef __AVX512VNNI__
   // 8-bit codes as signed ones for the interleaved tile (kernel_impl.h): |u - 128| and where
-  // u - 128 is negative. Against dot_u8 (a 0.8B token's 8-bit products, this build on a Zen 4 VM, two or three
-  // rounds in turns): 4 / 5 / 9 / 24 rows 0.81 / 0.77 / 0.75 / 0.72-0.76x the time, 2 rows
-  // 0.92-0.97x, but 1 and 3 rows 1.3x and 1.12-1.15x (their codes streamed from memory; one
-  // row in cache 0.90x), so from blocks of 4 rows
+  // u - 128 is negative. Against dot_u8 (a 0.8B token's 8-bit products, this build on a Zen 4
+  // VM, two or three rounds in turns): 4 / 5 / 9 / 24 rows 0.81 / 0.77 / 0.75 / 0.72-0.76x the
+  // time, 2 rows 0.92-0.97x, but 1 and 3 rows 1.3x and 1.12-1.15x (their codes streamed from
+  // memory; one row in cache 0.90x), so from blocks of 4 rows
   static constexpr int signed_codes_rows = 4;
   struct SignedCodes {
     ireg magnitude;

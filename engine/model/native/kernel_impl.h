@@ -617,6 +617,24 @@ constexpr bool signed_codes() {
     return false;
 }
 
+// A word's vector of 8-bit codes as the rows' sums take it (Signed: V::to_signed's), and one
+// row's sum over it.
+template <class V, bool Signed>
+inline auto codes8(typename V::ireg u) {
+  if constexpr (Signed)
+    return V::to_signed(u);
+  else
+    return u;
+}
+
+template <class V, bool Signed, class Codes>
+inline typename V::ireg dot8(typename V::ireg acc, const Codes& codes, typename V::ireg s) {
+  if constexpr (Signed)
+    return V::dot_signed(acc, codes, s);
+  else
+    return V::dot_u8(acc, codes, s);
+}
+
 template <class V, int Bits, int RN>
 inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q, int64_t qs,
                              const float* xscale, int64_t xss, const int32_t* run_sums,
@@ -650,21 +668,14 @@ inline void interleaved_tile(const WeightView& wv, int64_t tile, const int8_t* q
       const uint32_t* p = codes + word * kInterleave;
       if constexpr (kPageAhead) __builtin_prefetch(reinterpret_cast<const char*>(p) + 4096, 0, 2);
       for (int n = 0; n < N; ++n) v[n] = V::bytes(p + n * V::W);
-      if constexpr (kSigned) {
-        decltype(V::to_signed(v[0])) c8[N];
-        for (int n = 0; n < N; ++n) c8[n] = V::to_signed(v[n]);
+      if constexpr (Bits == 8) {
+        decltype(codes8<V, kSigned>(v[0])) c8[N];
+        for (int n = 0; n < N; ++n) c8[n] = codes8<V, kSigned>(v[n]);
         for (int r = 0; r < RN; ++r) {
           uint32_t x4;
           std::memcpy(&x4, q + r * qs + word * 4, 4);
           const ireg b = V::splat_word(x4);
-          for (int n = 0; n < N; ++n) d[r][n] = V::dot_signed(d[r][n], c8[n], b);
-        }
-      } else if constexpr (Bits == 8) {
-        for (int r = 0; r < RN; ++r) {
-          uint32_t x4;
-          std::memcpy(&x4, q + r * qs + word * 4, 4);
-          const ireg b = V::splat_word(x4);
-          for (int n = 0; n < N; ++n) d[r][n] = V::dot_u8(d[r][n], v[n], b);
+          for (int n = 0; n < N; ++n) d[r][n] = dot8<V, kSigned>(d[r][n], c8[n], b);
         }
       } else {
         // a word's low nibbles are its codes 0, 2, 4, 6, the high ones 1, 3, 5, 7: against the
