@@ -167,6 +167,7 @@ def test_the_kernels_without_vnni_sum_the_codes_to_vnni_s_bits(
     if interleaved:
         packed, scales, biases = products.interleave(packed, scales, biases)
     x = mx.array(_random((24, inner), 22))
+    row_counts = (1, 2, 3, 4, 5, 6, 9, 24)
     outputs = {}
     try:
         for name in (isa, "avx512-vnni"):
@@ -183,11 +184,11 @@ def test_the_kernels_without_vnni_sum_the_codes_to_vnni_s_bits(
                         interleaved=interleaved,
                     )
                 )
-                for rows in (1, 2, 3, 4, 5, 6, 9, 24)
+                for rows in row_counts
             ]
     finally:
         native.set_isa("")
-    for rows, (got, vnni) in enumerate(zip(outputs[isa], outputs["avx512-vnni"], strict=True)):
+    for rows, got, vnni in zip(row_counts, outputs[isa], outputs["avx512-vnni"], strict=True):
         assert np.array_equal(got, vnni), rows
 
 
