@@ -348,7 +348,9 @@ def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits(
     has on one thread, where a pool of one thread posts nothing to join. The pool's worker
     does not spin after a product (``MTPSERVE_SPIN_US=0``, read when the pool is made), as a
     worker that slept does: a spinning one could take every part of a product before the
-    waiting thread, and the count would say nothing."""
+    waiting thread, and the count would say nothing. Even so, on a loaded machine the stream
+    thread and the worker can finish a chain before the waiting thread gets a turn: the chain
+    runs again (its bits checked each time) until the waiting thread joins a job."""
     monkeypatch.setenv("MTPSERVE_SPIN_US", "0")
     x = mx.array(_random((3, 1024), 7))
     w = mx.array(_random((2048, 1024), 8))
@@ -366,9 +368,14 @@ def test_a_waiting_thread_takes_part_in_the_products_and_leaves_their_bits(
         assert native.wait_helping([alone]) == 0  # no job to join: it waits as mx.eval does
         alone = np.array(alone)
         native.set_threads(2)
-        waited = chain()
-        assert native.wait_helping([waited]) > 0
-        assert np.array_equal(np.array(waited), alone)
+        joined = []
+        for _ in range(20):  # until it joins one: on a loaded machine it may get no turn
+            waited = chain()
+            joined.append(native.wait_helping([waited]))
+            assert np.array_equal(np.array(waited), alone)
+            if joined[-1] > 0:
+                break
+        assert joined[-1] > 0, joined
         waited = chain()
         products.wait(waited)
         assert np.array_equal(np.array(waited), alone)
