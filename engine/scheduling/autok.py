@@ -232,13 +232,16 @@ class AcceptanceCounts:
     def estimates(
         self, prior: list[float] | None = None, prior_weight: float = PRIOR_WEIGHT
     ) -> list[float]:
+        w = prior_weight
+        if prior is not None:  # every cycle, for every auto request: one comprehension
+            return [
+                (h + w * p) / (t + w) for h, t, p in zip(self.hits, self.trials, prior, strict=True)
+            ]
         out: list[float] = []
-        for i, (hits, trials) in enumerate(zip(self.hits, self.trials, strict=True)):
-            if prior is not None:
-                p = prior[i]
-            else:
-                p = out[-1] * UNSEEN_DECAY if out else PRIOR_ACCEPTANCE
-            out.append((hits + prior_weight * p) / (trials + prior_weight))
+        p = PRIOR_ACCEPTANCE
+        for hits, trials in zip(self.hits, self.trials, strict=True):
+            out.append((hits + w * p) / (trials + w))
+            p = out[-1] * UNSEEN_DECAY
         return out
 
     def decay(self, forget: float) -> None:
@@ -370,15 +373,13 @@ class AutoK:
         """``calibrated_costs().rates(acceptance)``, each drafting K's divided by its tilt,
         without building the scaled table (run every cycle): a factor scales every cost of its
         cycles, so it divides their rate."""
-        plain, drafting = self.calibration
-        rates = self.costs.rates(acceptance)
-        return [
-            rates[0] / plain,
-            *(
-                r / (drafting * self.tilt[min(k, len(self.tilt) - 1)])
-                for k, r in enumerate(rates[1:], 1)
-            ),
-        ]
+        rates = self.costs.rates(acceptance)  # a fresh list: divided in place
+        rates[0] /= math.exp(self.machine)
+        drafting = math.exp(self.machine + self.ratio)
+        tilt, last = self.tilt, len(self.tilt) - 1
+        for k in range(1, len(rates)):
+            rates[k] /= drafting * tilt[min(k, last)]
+        return rates
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
@@ -845,9 +846,13 @@ class RequestAutoK:
             # what drafting would achieve.
             self.shared.counts.decay(SHARED_FORGET)
             self.shared.drafting_cycles_seen += 1
-        for i in range(min(k, n_accepted + 1)):
-            self.counts.observe(i, i < n_accepted)
-            self.shared.counts.observe(i, i < n_accepted)
+        own, shared = self.counts, self.shared.counts
+        for i in range(min(k, n_accepted + 1)):  # (AcceptanceCounts.observe, inlined)
+            hit = float(i < n_accepted)
+            own.hits[i] += hit
+            own.trials[i] += 1.0
+            shared.hits[i] += hit
+            shared.trials[i] += 1.0
 
     def observe_seconds(self, k: int, committed: int, seconds: float | None) -> None:
         """A cycle's wall time, from the previous cycle's end to its own as the decode loop runs

@@ -139,15 +139,15 @@ class CostTable:
         A K-cycle commits n <= K tokens with probability r_{n-1} (1 - a_n) (r_i: the first i
         drafts all accepted) and K+1 with r_K; the sums over n <= K are shared by every larger
         K, so each K adds its own last term to them."""
-        catch_ups = self._catch_ups
-        rates = [1.0 / self.cycle[0]]
+        catch_ups, cycle, last = self._catch_ups, self.cycle, len(acceptance) - 1
+        rates = [1.0 / cycle[0]]
         run, tokens, catch_up = 1.0, 0.0, 0.0  # r_i, and the sums over n <= i
-        for k in range(1, len(self.cycle)):
-            a = acceptance[min(k - 1, len(acceptance) - 1)] if acceptance else 0.0
+        for k in range(1, len(cycle)):
+            a = acceptance[min(k - 1, last)] if acceptance else 0.0
             tokens += k * run * (1 - a)
             catch_up += catch_ups[k - 1] * run * (1 - a)
             run *= a
-            seconds = self.cycle[k] + catch_up + catch_ups[k] * run - catch_ups[0]
+            seconds = cycle[k] + catch_up + catch_ups[k] * run - catch_ups[0]
             rates.append((tokens + (k + 1) * run) / seconds)
         return rates
 
@@ -184,7 +184,10 @@ class CostTable:
         positions (what the previous drafting cycle committed; 1 for a plain cycle's K=0)."""
         if k == 0:
             return self.cycle[0]
-        return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)
+        catch_ups = self._catch_ups  # absorb_seconds(n) for n = 1..len(cycle), computed once
+        n = committed_before
+        catch_up = catch_ups[n - 1] if 0 < n <= len(catch_ups) else self.absorb_seconds(n)
+        return self.cycle[k] + catch_up - catch_ups[0]
 
     def _cycle_cost(self, k: int, committed: list[float]) -> float:
         if k == 0:
