@@ -152,7 +152,7 @@ MUTATIONS = [
     Mutation(
         "autok-no-catch-up",
         "engine/scheduling/costs.py",
-        "return self.cycle[k] + self.absorb_seconds(committed_before) - self.absorb_seconds(1)",
+        "return self.cycle[k] + catch_up - catch_ups[0]",
         "return self.cycle[k]",
         ("tests/unit/test_autok_replay.py::test_exact_timings_leave_the_table_uncalibrated",),
         "CostTable.expected_seconds forgets the head's catch-up over what the last cycle kept",
