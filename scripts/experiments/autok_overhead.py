@@ -19,10 +19,11 @@ calibration gets them)::
     .venv/bin/python scripts/experiments/autok_overhead.py --k 3 --sampler unseeded:qwen
 
 On the AMD EPYC Zen 4 VM (``8500aaa``, ``unseeded:qwen``, 24 prompts twice): auto over the
-pattern 0.974x at K=3 and 0.968x at K=2 (three more K=3 runs: 0.937-0.976x), its cycles of the
+pattern 0.974x at K=3 and 0.968x at K=2 (more runs: K=3 0.937-0.976x, K=2 0.946x), its cycles of the
 same K after the same K dearer on average (K=3 2.254 against 2.185 ms, K=2 1.904 against
-1.842), and its calls ~41 µs a cycle on the decoding thread (choose 12 with its rates pinned,
-observe 11, observe_seconds 18 with this script's recording), 1.8-2.1% of its decoding time,
+1.842), and its calls ~41-57 µs a cycle on the decoding thread (choose 12-17 with its rates
+pinned, observe 11-14, observe_seconds 18-26 with this script's recording), 1.8-2.2% of its
+decoding time,
 where the same calls alone in a loop take ~12 µs (``choose`` 6.9, of it ``AutoK.rates`` 3.8):
 on two cores that the stream thread and the product pool keep busy, Python on the decoding
 thread costs throughput in proportion. So auto K's machinery alone takes ~3% against the same
@@ -56,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEMO_MODEL)
-    parser.add_argument("--k", type=int, default=3)
+    # below the longest auto K: the pattern drafts one more every few cycles, as auto does
+    parser.add_argument("--k", type=int, default=3, choices=range(1, autok.MAX_AUTO_K))
     parser.add_argument("--sampler", default="unseeded:qwen")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -85,6 +87,7 @@ def main() -> None:
         chooser.observe_seconds = recording(chooser.observe_seconds)  # type: ignore[method-assign]
     # the seconds auto K's own calls take on the decoding thread, as the loop makes them
     spent: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
 
     def timing(name: str) -> Any:
         method = getattr(autok.RequestAutoK, name)
@@ -93,6 +96,7 @@ def main() -> None:
             start = time.perf_counter()
             out = method(self, *call)
             spent[name] += time.perf_counter() - start
+            calls[name] += 1
             return out
 
         return timed
@@ -132,7 +136,7 @@ def main() -> None:
         f"K={args.k}, {args.sampler}: auto {speed['auto']:.1f} tokens/s, pattern "
         f"{speed['pattern']:.1f} ({speed['auto'] / speed['pattern']:.3f}x)"
     )
-    auto_cycles = sum(len(v) for (mode, _, _), v in cycles.items() if mode == "auto")
+    auto_cycles = calls["observe"]  # every cycle of an auto request, timed or not
     print(
         "  auto K's calls a cycle: "
         + ", ".join(f"{name} {1e6 * t / auto_cycles:.1f} µs" for name, t in spent.items())
