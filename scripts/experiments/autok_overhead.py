@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import engine.scheduling.autok as autok  # (the engine package binds the fast BLAS first)
-from engine.api import DEMO_MODEL, GenerationRequest
+from engine.api import DEMO_MODEL
 from engine.bench.prompts import load_prompts
-from engine.bench.speed import parse_samplers, request_params
+from engine.bench.speed import Row, parse_samplers, request_params, run_ours
 from engine.runtime import Engine
 from engine.scheduling.policy import DraftPolicy
 
@@ -87,7 +87,6 @@ def main() -> None:
         chooser.observe_seconds = recording(chooser.observe_seconds)  # type: ignore[method-assign]
     # the seconds auto K's own calls take on the decoding thread, as the loop makes them
     spent: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
 
     def timing(name: str) -> Any:
         method = getattr(autok.RequestAutoK, name)
@@ -96,7 +95,6 @@ def main() -> None:
             start = time.perf_counter()
             out = method(self, *call)
             spent[name] += time.perf_counter() - start
-            calls[name] += 1
             return out
 
         return timed
@@ -113,34 +111,24 @@ def main() -> None:
 
     engine.policy = policy  # type: ignore[method-assign]
     prompts = load_prompts(ROOT / "configs" / "bench_prompts.jsonl", engine.tokenizer, None)
-    totals: dict[str, list[float]] = {"auto": [0, 0.0], "pattern": [0, 0.0]}
+    rows = {mode: Row(args.sampler, mode) for mode in ("auto", "pattern")}
     for n in range(args.passes):
         for i, prompt in enumerate(prompts):
             for mode in ("auto", "pattern") if i % 2 else ("pattern", "auto"):
                 state["mode"], state["previous"] = mode, None
-                request = GenerationRequest(
-                    prompt["ids"],
-                    request_params(args.sampler, params, 1000 * n + i),
-                    args.max_tokens,
-                    draft_tokens="auto",
-                    ignore_eos=True,
-                )
-                event = None
-                for event in engine.generate(request):
-                    pass
-                assert event is not None
-                totals[mode][0] += event.stats.completion_tokens
-                totals[mode][1] += event.stats.generation_seconds
-    speed = {mode: tokens / seconds for mode, (tokens, seconds) in totals.items()}
+                sampling = request_params(args.sampler, params, 1000 * n + i)
+                run_ours(engine, prompt["ids"], sampling, "auto", args.max_tokens, rows[mode])
+    totals = {mode: row.totals for mode, row in rows.items()}
+    speed = {mode: t.completion_tokens / t.generation_seconds for mode, t in totals.items()}
     print(
         f"K={args.k}, {args.sampler}: auto {speed['auto']:.1f} tokens/s, pattern "
         f"{speed['pattern']:.1f} ({speed['auto'] / speed['pattern']:.3f}x)"
     )
-    auto_cycles = calls["observe"]  # every cycle of an auto request, timed or not
+    auto_cycles = totals["auto"].cycles  # every cycle of an auto request, timed or not
     print(
         "  auto K's calls a cycle: "
         + ", ".join(f"{name} {1e6 * t / auto_cycles:.1f} µs" for name, t in spent.items())
-        + f"; {100 * sum(spent.values()) / totals['auto'][1]:.1f}% of auto's decoding time"
+        + f"; {100 * sum(spent.values()) / totals['auto'].generation_seconds:.1f}% of auto's decoding time"
     )
     for (mode, previous, k), seconds in sorted(cycles.items(), key=str):
         if len(seconds) >= 5:
