@@ -429,7 +429,7 @@ void integer_columns(const ProductArgs& a, int64_t first, int64_t last) {
   thread_local std::vector<uint8_t> unpacked;
   if (four_bit && unpacked.size() < static_cast<size_t>(kTile * in)) unpacked.resize(kTile * in);
   const int64_t a_stride = in;  // bytes between an A tile's rows: a code a byte
-  std::call_once(a.quantized->once, [&] { quantize(a, *a.quantized); });
+  a.quantized->once.run([&] { quantize(a, *a.quantized); });
   const QuantizedRows& xq = *a.quantized;
   const int n = std::min(a.rows, kTile);
   if (n <= kLaneRows && !four_bit) {  // 1-3 rows of 8-bit codes: no tiles
@@ -661,7 +661,7 @@ void bf16_columns(const ProductArgs& a, int64_t first, int64_t last) {
   const int64_t out = w.out;
   const int64_t steps = in / kPairStep;
   const int64_t row_bytes = in * 2;
-  std::call_once(a.shared->once, [&] { split_rows(a, a.shared->bf16_parts); });
+  a.shared->once.run([&] { split_rows(a, a.shared->bf16_parts); });
   const uint16_t* b_tiles = a.shared->bf16_parts.data();
   const int n = std::min(a.rows, kTile);
   const int64_t blocks = (a.rows + kTile - 1) / kTile;

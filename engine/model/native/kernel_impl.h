@@ -834,7 +834,7 @@ void columns(const ProductArgs& a, int64_t first, int64_t last) {
       tile_biases.resize(J * (groups + V::W));
     gs_stride = in / wv.group;
     // once a product, by whichever of its column blocks starts first
-    std::call_once(a.quantized->once, [&] {
+    a.quantized->once.run([&] {
       QuantizedRows& xq = *a.quantized;
       if (wv.bits == 4)
         quantize_rows<V, 4>(a.x, a.x_stride, a.rows, in, wv.group, xq);

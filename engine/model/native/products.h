@@ -3,9 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "shared_lanes.h"
@@ -37,6 +38,49 @@ struct WeightView {
   bool interleaved = false;
 };
 
+// Runs a function once among the threads that call `run` (a product's column blocks making
+// their shared activation layout), the others spinning until it has returned. The work takes
+// microseconds; std::call_once put a thread that found it under way to sleep on a futex and
+// woke it after (its slow path): with the decoding thread helping while it waits
+// (products.wait), a demo-sized 8-bit drafting cycle spent ~5% of its samples in those
+// sleeps and wakes and ran 0.74x as fast as with that thread asleep. A function that throws
+// leaves it to the next caller, as call_once does.
+class SpinOnce {
+ public:
+  template <class F>
+  void run(F&& f) {
+    for (int spins = 0;; ++spins) {
+      int state = state_.load(std::memory_order_acquire);
+      if (state == kDone) return;
+      if (state == kIdle && state_.compare_exchange_strong(state, kRunning,
+                                                            std::memory_order_acquire)) {
+        try {
+          f();
+        } catch (...) {
+          state_.store(kIdle, std::memory_order_release);
+          throw;
+        }
+        state_.store(kDone, std::memory_order_release);
+        return;
+      }
+      pause();
+      // a runner the OS has descheduled needs a core more than this spin does
+      if ((spins & 1023) == 1023) std::this_thread::yield();
+    }
+  }
+
+ private:
+  static void pause() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+  static constexpr int kIdle = 0, kRunning = 1, kDone = 2;
+  std::atomic<int> state_{kIdle};
+};
+
 // Output rows an interleaved weight lays side by side: one AVX-512 vector of int32 lanes.
 constexpr int kInterleave = 16;
 
@@ -45,7 +89,7 @@ constexpr int kInterleave = 16;
 // zero scales a vector wide) and each group's sum of the quantized x. One product's column
 // blocks share them: the first block to start fills them (`once`).
 struct QuantizedRows {
-  std::once_flag once;
+  SpinOnce once;
   std::vector<int8_t> q;
   std::vector<float> scales;
   std::vector<float> group_sums;
@@ -58,7 +102,7 @@ struct QuantizedRows {
 // set's own layout of x, made once an op by whichever product needs it first): a prompt's bf16
 // products on AMX tiles take x in three bf16 parts (kernel_amx.cpp).
 struct SharedRows {
-  std::once_flag once;
+  SpinOnce once;
   std::vector<uint16_t> bf16_parts;
 };
 
