@@ -139,18 +139,38 @@ def description() -> str:
 
 def embedded(table: nn.Module, token_ids: mx.array) -> mx.array:
     """``activations(table(token_ids))``: tokens embedded as the layers carry them. On the
-    kernel, for a float ``nn.Embedding`` and int32 ids, one op (``embed_rows``: the lookup and
-    the cast, bit for bit mlx's gather and ``astype``, which take four ops), so that a compiled
-    block of it runs as a replayed tape (``engine.model.tape``)."""
+    kernel, for int32 ids, one op (so that a compiled block of it runs as a replayed tape,
+    ``engine.model.tape``): for a float ``nn.Embedding`` ``embed_rows`` (the lookup and the
+    cast, bit for bit mlx's gather and ``astype``, which take four ops), for an affine-quantized
+    one (``embeds_in_one_op``) ``embed_quantized_rows`` (bit for bit mlx's gather, dequantize
+    and cast, which take ~70 on a CPU: the trunk's lookup and every head step's)."""
     weight = table.weight
-    if (
-        on_native()
-        and type(table) is nn.Embedding
-        and token_ids.dtype == mx.int32
-        and weight.dtype in (mx.float32, mx.bfloat16, mx.float16)
-    ):
-        return _native.embed_rows(weight, token_ids)
+    if on_native() and token_ids.dtype == mx.int32:
+        if type(table) is nn.Embedding and weight.dtype in (mx.float32, mx.bfloat16, mx.float16):
+            return _native.embed_rows(weight, token_ids)
+        if embeds_in_one_op(table):
+            return _native.embed_quantized_rows(
+                weight,
+                table["scales"],
+                table["biases"],
+                token_ids,
+                table.bits,
+                table.group_size,
+                interleaved=type(table) is InterleavedEmbedding,
+            )
     return activations(table(token_ids))
+
+
+def embeds_in_one_op(table: nn.Module) -> bool:
+    """Whether ``embedded`` looks a token up in ``table`` as one op of the kernel: a float
+    ``nn.Embedding``, or an ``nn.QuantizedEmbedding`` (laid out or not) of 2, 4 or 8 bits with
+    affine scales and biases."""
+    if not on_native():
+        return False
+    if type(table) is nn.Embedding:
+        return True
+    quantized = _quantized(table) if type(table) in _QUANTIZED_TABLES else None
+    return quantized is not None and quantized[0] in (2, 4, 8) and "biases" in table
 
 
 def activations(x: mx.array) -> mx.array:
@@ -272,6 +292,8 @@ class InterleavedEmbedding(nn.QuantizedEmbedding):
         return _interleaved_product(self, x)
 
 
+#: the quantized embedding tables ``embedded`` looks rows up in as one op
+_QUANTIZED_TABLES = (nn.QuantizedEmbedding, InterleavedEmbedding)
 #: the layers laid out for the kernel (``interleave_layers``)
 _LAID_OUT = (InterleavedLinear, InterleavedEmbedding)
 _INTERLEAVED_KINDS: dict[type, type] = {

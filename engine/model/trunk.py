@@ -164,7 +164,8 @@ def embed(trunk: Any, token_ids: mx.array) -> mx.array:
     """``token_ids [B, T]`` embedded as the layers carry them (``products.embedded``): a
     compiled block up to ``MAX_COMPILED_T`` positions, on the kernel one tape."""
     table = trunk.model.embed_tokens
-    if type(table) is not nn.Embedding:  # quantized, or split over ranks (engine.distributed)
+    if type(table) is not nn.Embedding and not products.embeds_in_one_op(table):
+        # quantized off the kernel, or split over ranks (engine.distributed)
         return products.activations(table(token_ids))
     length = token_ids.shape[1]
     return block(table, "embed", lambda t: partial(products.embedded, t), length)(token_ids)

@@ -220,3 +220,79 @@ def test_embedded_rows_are_mlx_s_lookup_and_cast(dtype: mx.Dtype) -> None:
     assert not outside[1:].any()
     with pytest.raises(ValueError, match="embed_rows"):
         native.embed_rows(table.weight, ids.astype(mx.float32))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantized_embedded_rows_are_mlx_s_lookup_dequantize_and_cast(
+    dtype: mx.Dtype, bits: int
+) -> None:
+    """A quantized token embedding as one op, bit for bit mlx's gather, ``dequantize`` and
+    ``astype`` (which take ~70 ops on a CPU) for every bit width it packs in whole words, every
+    group size, every scale type, laid out 16 rows side by side (``products.interleave``) or
+    not, and every id shape; an id outside the table gives zeros; ``products.embedded`` runs it
+    for an ``nn.QuantizedEmbedding`` (laid out or not) and int32 ids."""
+    ids = mx.array([[3, 0, 63, 17], [16, 31, 32, 47]], dtype=mx.int32)
+    for group in (32, 64, 128):
+        table = nn.Embedding(64, 256)
+        table.set_dtype(dtype)
+        table.weight = table.weight * 3  # codes spread over every bit of their range
+        quantized = nn.QuantizedEmbedding.from_embedding(table, group_size=group, bits=bits)
+        mx.eval(quantized.parameters())
+        layouts = [(quantized, False)]
+        if bits in (4, 8):
+            laid_out = nn.QuantizedEmbedding.from_embedding(table, group_size=group, bits=bits)
+            laid_out.weight, laid_out.scales, laid_out.biases = products.interleave(
+                laid_out.weight, laid_out.scales, laid_out.biases
+            )
+            mx.eval(laid_out.parameters())
+            layouts.append((laid_out, True))
+        for shape in ((1, 4), (2, 4), (4,)):
+            chosen = ids.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+            want = quantized(chosen).astype(mx.float32)
+            for layer, interleaved in layouts:
+                got = native.embed_quantized_rows(
+                    layer.weight, layer.scales, layer.biases, chosen, bits, group, interleaved
+                )
+                assert got.dtype == mx.float32 and got.shape == (*shape, 256)
+                assert np.array_equal(np.array(got), np.array(want)), (group, shape, interleaved)
+    assert primitive_names(products.embedded(quantized, ids)) == {"EmbedQuantizedRows"}
+    assert np.array_equal(
+        np.array(products.embedded(quantized, ids.astype(mx.uint32))),
+        np.array(quantized(ids).astype(mx.float32)),
+    )
+    outside = native.embed_quantized_rows(
+        quantized.weight,
+        quantized.scales,
+        quantized.biases,
+        mx.array([2, 64, -1], dtype=mx.int32),
+        bits,
+        128,
+    )
+    assert np.array_equal(
+        np.array(outside)[0], np.array(quantized(mx.array([2])).astype(mx.float32))[0]
+    )
+    assert not np.array(outside)[1:].any()
+    with pytest.raises(ValueError, match="embed_quantized_rows"):  # groups that do not fit
+        native.embed_quantized_rows(
+            quantized.weight, quantized.scales, quantized.biases, ids, bits, 64
+        )
+
+
+def test_products_embed_a_laid_out_quantized_table_in_one_op() -> None:
+    """``products.embedded`` over a table ``interleave_layers`` laid out: one op, the bits of
+    the same table's lookup before it was laid out."""
+    table = nn.Embedding(64, 256)
+    quantized = nn.QuantizedEmbedding.from_embedding(table, group_size=64, bits=8)
+    mx.eval(quantized.parameters())
+    ids = mx.array([[5, 21, 63]], dtype=mx.int32)
+    want = np.array(quantized(ids).astype(mx.float32))
+    model = nn.Module()
+    model.table = quantized
+    if not products.interleave_layers(model):
+        pytest.skip("this CPU's kernel keeps row-major codes")
+    assert type(model.table) is products.InterleavedEmbedding
+    assert products.embeds_in_one_op(model.table)
+    got = products.embedded(model.table, ids)
+    assert primitive_names(got) == {"EmbedQuantizedRows"}
+    assert np.array_equal(np.array(got), want)
