@@ -115,6 +115,18 @@ SETTLE_CYCLES = 4
 #: 8 of 40 (worst 0.895x, mean 0.968x) against 5 (0.941x, 0.977x), greedy 6 of 40 either way
 #: (mean 0.979x against 0.978x)
 RETIME_PLAIN_EVERY = 256
+#: in a plain stretch auto K decides afresh on every this many cycles (and on each that a probe
+#: is due), the cycles between plain: in a stretch the estimates only fade towards the kind's
+#: and the calibration follows the machine, which a few cycles do not move, while deciding took
+#: ~20 µs of a cycle on the decoding thread. Where plain cycles are short that is what auto K
+#: pays over fixed K=0: the demo model in 8 bits (plain cycles ~0.7 ms, drafting never paying),
+#: 6,019 unseeded auto cycles, 52 of them drafting, ran 0.94x as fast as K=0 with auto K's calls
+#: 4.7% of its time (choose 19.4 µs a cycle, observe_seconds 10.8, observe 4.4); deciding on
+#: one plain cycle in three, choose took 6.3 µs a cycle and the calls 3.2%. Replayed
+#: (``scripts/experiments/autok_replay_sweep.py --machines measured,compute-bound,marginal,today
+#: --switch 0,0.7``, which counts no decision's cost) every 1, 3 or 4 cycles is level: mean
+#: 0.9906 / 0.9906 / 0.9908 of the best fixed K, 19 of 120 cases under 0.97 each
+PLAIN_DECIDE_EVERY = 3
 #: while drafting K < max, every this many cycles draft K+1 (reveals position K+1)
 DEEPER_PROBE_EVERY = 8
 #: at K=0 the probe interval doubles after each probe that does not resume drafting, up to this
@@ -758,6 +770,8 @@ class RequestAutoK:
     probe_cycles_left: int = 0
     #: plain cycles left of a stretch that re-times plain decoding (``RETIME_PLAIN_EVERY``)
     retime_cycles_left: int = 0
+    #: plain cycles left before auto K decides afresh in a plain stretch (``PLAIN_DECIDE_EVERY``)
+    plain_left: int = 0
     #: K and committed tokens of the last observed cycle (what the next one's timing depends on)
     last_k: int | None = None
     last_committed: int = 1
@@ -795,6 +809,11 @@ class RequestAutoK:
             self.shared.drafting_since_plain_timed = 0  # one request re-times it for the kind
             self.retime_cycles_left = SETTLE_CYCLES + 1
             return 0
+        if self.plain_left and self.plain_cycles + 1 < self.shared.probe_interval:
+            self.plain_left -= 1  # (PLAIN_DECIDE_EVERY)
+            self.plain_cycles += 1  # as a decision for plain decoding counts it
+            return 0
+        self.plain_left = 0
         rates = self.shared.rates(self.estimates())
         k = max(range(len(rates)), key=rates.__getitem__)
         policy = self.shared.policy
@@ -817,6 +836,7 @@ class RequestAutoK:
                 self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
                 self.probe_cycles_left = PROBE_CYCLES - 1
                 return self.probe_k
+            self.plain_left = PLAIN_DECIDE_EVERY - 1
         else:
             self.shared.probe_interval = PROBE_EVERY
             self.drafting_cycles += 1

@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+import engine.scheduling.autok as autok_module
 from engine.scheduling.autok import (
     DEEPER_PROBE_EVERY,
     EXPLORE_CYCLES,
+    PLAIN_DECIDE_EVERY,
     PROBE_EVERY,
     UNSEEN_DECAY,
     AcceptanceCounts,
@@ -140,6 +142,41 @@ def test_a_probe_that_hits_outweighs_a_bad_start() -> None:
         request.observe(k, k)  # from now on every draft is accepted
     first_probe = next(i for i, k in enumerate(choices) if k)
     assert all(k > 0 for k in choices[first_probe:])  # drafting from the first probe on
+
+
+def test_a_plain_stretch_decides_every_few_cycles_and_probes_on_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a plain stretch auto K weighs the K's afresh on one cycle in ``PLAIN_DECIDE_EVERY``
+    (its ~20 µs were what auto K cost over fixed K=0 where plain cycles are short), and
+    nothing else moves: the same K every cycle and its probes on the same cycles as deciding
+    every cycle, a new request deciding on its first."""
+    costs = CostTable(cycle=[1.0, 3.0, 4.0, 5.0, 6.0], trunk=[1.0] * 5, head_step=0.4)
+
+    def run(every: int) -> tuple[list[int], list[int]]:
+        monkeypatch.setattr(autok_module, "PLAIN_DECIDE_EVERY", every)
+        kind = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES)
+        choices: list[int] = []
+        weighed: list[int] = []  # the cycles on which the K's were weighed
+        rates = kind.rates
+
+        def counted(acceptance: list[float]) -> list[float]:
+            weighed.append(len(choices))
+            return rates(acceptance)
+
+        monkeypatch.setattr(kind, "rates", counted)
+        request = kind.for_request()
+        for _ in range(20 * PROBE_EVERY):
+            k = request.choose(None)
+            choices.append(k)
+            request.observe(k, 0)  # drafts never accepted: plain pays
+        return choices, weighed
+
+    every_cycle, weighed_every_cycle = run(1)
+    stretched, weighed = run(PLAIN_DECIDE_EVERY)
+    assert stretched == every_cycle and any(every_cycle)  # the same K, the same probes
+    assert weighed[0] == 0 and stretched[0] == 0  # a new request decides on its first cycle
+    assert len(weighed) <= len(weighed_every_cycle) // 2
 
 
 def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
