@@ -393,6 +393,17 @@ class AutoK:
             rates[k] /= drafting * tilt[min(k, last)]
         return rates
 
+    def drafting_hopeless(self) -> bool:
+        """Whether no drafting K would pay even with every draft accepted, at the calibrated
+        costs: then a probe from plain decoding can only cost (its drafting cycles, the head's
+        catch-up over the plain stretch, the plain look-ahead broken), and is skipped. On the
+        demo model in 8 bits, whose plain cycles take ~0.5 ms and a K=3 cycle ~2.2 (4 tokens
+        at most), 27 probes in 6,000 unseeded cycles took ~6% of auto K's time. A probe's
+        timings only ever lower drafting's price (``RequestAutoK.observe_seconds``), so a table
+        that overprices drafting is not kept from learning it by this."""
+        best = self.rates([1.0] * MAX_AUTO_K)
+        return max(best[1:]) <= best[0]
+
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
 
@@ -831,6 +842,9 @@ class RequestAutoK:
                 # head's catch-up over the plain stretch (5% of the time at interval 16).
                 self.plain_cycles = 0
                 self.shared.probe_interval = min(2 * self.shared.probe_interval, MAX_PROBE_INTERVAL)
+                if self.shared.drafting_hopeless():
+                    self.plain_left = PLAIN_DECIDE_EVERY - 1
+                    return 0
                 # Probe the drafting K the estimates favour: K=1 probes alone never revealed
                 # the deeper positions, whose few early misses then kept drafting off.
                 self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)

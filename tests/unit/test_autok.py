@@ -151,7 +151,7 @@ def test_a_plain_stretch_decides_every_few_cycles_and_probes_on_time(
     (its ~20 µs were what auto K cost over fixed K=0 where plain cycles are short), and
     nothing else moves: the same K every cycle and its probes on the same cycles as deciding
     every cycle, a new request deciding on its first."""
-    costs = CostTable(cycle=[1.0, 3.0, 4.0, 5.0, 6.0], trunk=[1.0] * 5, head_step=0.4)
+    costs = CostTable(cycle=[1.0, 1.5, 2.0, 2.5, 3.0], trunk=[1.0] * 5, head_step=0.4)
 
     def run(every: int) -> tuple[list[int], list[int]]:
         monkeypatch.setattr(autok_module, "PLAIN_DECIDE_EVERY", every)
@@ -177,6 +177,24 @@ def test_a_plain_stretch_decides_every_few_cycles_and_probes_on_time(
     assert stretched == every_cycle and any(every_cycle)  # the same K, the same probes
     assert weighed[0] == 0 and stretched[0] == 0  # a new request decides on its first cycle
     assert len(weighed) <= len(weighed_every_cycle) // 2
+
+
+def test_no_probe_where_drafting_could_not_pay_even_if_every_draft_were_accepted() -> None:
+    """A probe from plain decoding costs its drafting cycles and the head's catch-up; where no K
+    would pay even with every draft accepted (a fast model's plain cycles: the demo model in 8
+    bits), auto K does not probe at all. Where some K would, the same stretch probes."""
+    hopeless = CostTable(cycle=[1.0, 2.1, 3.1, 4.1, 5.1], trunk=[1.0] * 5, head_step=0.4)
+    paying = CostTable(cycle=[1.0, 1.9, 2.9, 3.9, 4.9], trunk=[1.0] * 5, head_step=0.4)
+    for costs, probes in ((hopeless, False), (paying, True)):
+        kind = AutoK(costs, drafting_cycles_seen=EXPLORE_CYCLES)
+        assert kind.drafting_hopeless() is not probes
+        request = kind.for_request()
+        choices = []
+        for _ in range(10 * PROBE_EVERY):
+            k = request.choose(None)
+            choices.append(k)
+            request.observe(k, 0)
+        assert any(choices) is probes
 
 
 def test_a_deeper_probe_frees_an_estimate_pinned_by_an_early_miss() -> None:
