@@ -288,6 +288,18 @@ MUTATIONS = [
         "starting again (a probe, a catch-up, a cold cycle) costs more than that wins",
     ),
     Mutation(
+        "a-plain-stretch-delays-a-due-probe",
+        "engine/scheduling/autok.py",
+        "        if self.plain_left and self.plain_cycles + 1 < self.shared.probe_interval:",
+        "        if self.plain_left:",
+        (
+            "tests/unit/test_autok.py::"
+            "test_a_plain_stretch_decides_every_few_cycles_and_probes_on_time",
+        ),
+        "the cycles a plain stretch runs without weighing the K's swallow a due probe: probes "
+        "come late, and a text that turned predictable drafts later",
+    ),
+    Mutation(
         "plain-decoding-never-re-timed",
         "engine/scheduling/autok.py",
         "        if self.current and self.shared.drafting_since_plain_timed >= RETIME_PLAIN_EVERY:",
