@@ -43,7 +43,7 @@ struct WeightView {
 // microseconds; std::call_once put a thread that found it under way to sleep on a futex and
 // woke it after (its slow path): with the decoding thread helping while it waits
 // (products.wait), a demo-sized 8-bit drafting cycle spent ~5% of its samples in those
-// sleeps and wakes and ran 0.74x as fast as with that thread asleep. A function that throws
+// sleeps and wakes and ran 0.74-0.77x as fast as with that thread asleep. A function that throws
 // leaves it to the next caller, as call_once does.
 class SpinOnce {
  public:
