@@ -320,8 +320,8 @@ mx::array embed_rows(const mx::array& table, const mx::array& ids) {
 // scales and biases [V, groups]; with `interleaved`, every 16 rows side by side as
 // products.interleave lays them out), dequantized and widened to fp32 [..., W * 32 / bits]: a
 // quantized token embedding in one op, where mlx's gather and dequantize take ~70 on a CPU
-// (shifts, casts and broadcasts a code's byte position: a tenth of a demo-sized step's ops, and
-// one more head step's worth in each draft). The arithmetic is mx.dequantize's: the code in the
+// (shifts, casts and broadcasts for each code's place in its word: 70 of an 8-bit demo plain
+// step's 102 ops, and as many again in each head step of a draft). The arithmetic is mx.dequantize's: the code in the
 // scales' type (exact), times the scale and plus the bias, each rounded to that type, then
 // widened (exact): the same bits. An id outside [0, V) gives a row of zeros.
 class EmbedQuantizedRows : public mx::UnaryPrimitive {
@@ -363,7 +363,8 @@ class EmbedQuantizedRows : public mx::UnaryPrimitive {
                    const int64_t end = std::min<int64_t>(width, (g + 1) * group);
                    for (int64_t j = g * group; j < end; ++j) {
                      const int64_t bit = j * bits;
-                     const float code = static_cast<float>((row_words[(bit / 32) * step] >> (bit % 32)) & mask);
+                     const uint32_t word = row_words[(bit / 32) * step];
+                     const float code = static_cast<float>((word >> (bit % 32)) & mask);
                      float v = scale * code;
                      if (type != Real::f32) v = rounded(type, v);
                      v = v + bias;
