@@ -4,7 +4,8 @@ SwiGLU and the rotary embedding against numpy in float64 (silu's exp is a polyno
 output does not depend on how many positions are computed with it, and the 16-lane and
 one-at-a-time silu agree — for every length decoding and prefill use, taps of every float
 type, with and without a bias, strided inputs; the head's draft logits scattered into the
-vocabulary as mlx places them; one lazy primitive each; their errors."""
+vocabulary as mlx places them; token embeddings, float and quantized, as mlx looks them up and
+dequantizes them; one lazy primitive each; their errors."""
 
 from __future__ import annotations
 
