@@ -144,21 +144,19 @@ def embedded(table: nn.Module, token_ids: mx.array) -> mx.array:
     cast, bit for bit mlx's gather and ``astype``, which take four ops), for an affine-quantized
     one (``embeds_in_one_op``) ``embed_quantized_rows`` (bit for bit mlx's gather, dequantize
     and cast, which take ~70 on a CPU: the trunk's lookup and every head step's)."""
-    weight = table.weight
-    if on_native() and token_ids.dtype == mx.int32:
-        if type(table) is nn.Embedding and weight.dtype in (mx.float32, mx.bfloat16, mx.float16):
-            return _native.embed_rows(weight, token_ids)
-        if embeds_in_one_op(table):
-            return _native.embed_quantized_rows(
-                weight,
-                table["scales"],
-                table["biases"],
-                token_ids,
-                table.bits,
-                table.group_size,
-                interleaved=type(table) is InterleavedEmbedding,
-            )
-    return activations(table(token_ids))
+    if token_ids.dtype != mx.int32 or not embeds_in_one_op(table):
+        return activations(table(token_ids))
+    if type(table) is nn.Embedding:
+        return _native.embed_rows(table.weight, token_ids)
+    return _native.embed_quantized_rows(
+        table.weight,
+        table["scales"],
+        table["biases"],
+        token_ids,
+        table.bits,
+        table.group_size,
+        interleaved=type(table) is InterleavedEmbedding,
+    )
 
 
 def embeds_in_one_op(table: nn.Module) -> bool:
@@ -168,7 +166,7 @@ def embeds_in_one_op(table: nn.Module) -> bool:
     if not on_native():
         return False
     if type(table) is nn.Embedding:
-        return True
+        return table.weight.dtype in (mx.float32, mx.bfloat16, mx.float16)
     quantized = _quantized(table) if type(table) in _QUANTIZED_TABLES else None
     return quantized is not None and quantized[0] in (2, 4, 8) and "biases" in table
 

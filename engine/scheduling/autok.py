@@ -842,14 +842,13 @@ class RequestAutoK:
                 # head's catch-up over the plain stretch (5% of the time at interval 16).
                 self.plain_cycles = 0
                 self.shared.probe_interval = min(2 * self.shared.probe_interval, MAX_PROBE_INTERVAL)
-                if self.shared.drafting_hopeless():
-                    self.plain_left = PLAIN_DECIDE_EVERY - 1
-                    return 0
-                # Probe the drafting K the estimates favour: K=1 probes alone never revealed
-                # the deeper positions, whose few early misses then kept drafting off.
-                self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
-                self.probe_cycles_left = PROBE_CYCLES - 1
-                return self.probe_k
+                if not self.shared.drafting_hopeless():
+                    # Probe the drafting K the estimates favour: K=1 probes alone never
+                    # revealed the deeper positions, whose few early misses then kept drafting
+                    # off.
+                    self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
+                    self.probe_cycles_left = PROBE_CYCLES - 1
+                    return self.probe_k
             self.plain_left = PLAIN_DECIDE_EVERY - 1
         else:
             self.shared.probe_interval = PROBE_EVERY
