@@ -309,6 +309,21 @@ MUTATIONS = [
         "them over their cost keeps auto drafting where plain decoding is faster",
     ),
     Mutation(
+        "drafting-never-re-timed",
+        "engine/scheduling/autok.py",
+        "                        self.probe_cycles_left = SETTLE_CYCLES + 1"
+        "  # (RETIME_DRAFTING_EVERY)",
+        "                        pass",
+        (
+            "tests/unit/test_autok.py::test_a_kind_that_only_decodes_plain_re_times_drafting",
+            "tests/unit/test_autok_replay.py"
+            "::test_auto_k_re_times_drafting_where_it_only_decodes_plain",
+        ),
+        "a kind that decodes plain only ever probes two cycles, whose timings can lower "
+        "drafting's price but never count in full: a price raised at a switch keeps auto plain "
+        "where drafting pays",
+    ),
+    Mutation(
         "start-up-table-timed-on-tokens-in-no-pattern",
         "engine/scheduling/costs.py",
         "    dummy_ids = [(i % 4 * 7919) % (engine.vocab_size - 1) for i in range(128)]",

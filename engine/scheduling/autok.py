@@ -115,6 +115,26 @@ SETTLE_CYCLES = 4
 #: 8 of 40 (worst 0.895x, mean 0.968x) against 5 (0.941x, 0.977x), greedy 6 of 40 either way
 #: (mean 0.979x against 0.978x)
 RETIME_PLAIN_EVERY = 256
+#: ... and the other way round: plain cycles of a kind timed since its last counted drafting
+#: timing after which a probe re-times drafting: it drafts ``SETTLE_CYCLES + 2`` cycles, the
+#: last two counted in full, and the calibration takes them as if it knew drafting's price
+#: over plain only within ~5% (``RETIME_RATIO_VARIANCE``). A probe's two cycles can only ever
+#: lower drafting's price (its second bounds it from above), and the price rises without any
+#: drafting cycle: each switch moves r with the machine's speed at that moment (a plain
+#: stretch timed faster than the drafting one before it makes drafting look dearer, through
+#: the calibration's covariance). On the demo model, in one process's unseeded requests, each
+#: ``RETIME_PLAIN_EVERY`` stretch moved r by 1-5%, r rose from 1.09 to 1.15 over 13 requests,
+#: and auto K decoded plain through the next 23 (two probe cycles each) where fixed K=2 ran
+#: 1.04x K=0; with r raised 12% by hand after two requests, 21 of the next 22 decoded plain.
+#: With the re-timing probe, auto drafted again within one to two requests
+#: (``scripts/experiments/autok_stuck.py``). Replayed with that 12% raise on a machine where
+#: sampled K=2 pays 1.10x and greedy K=4 1.42x (6 noise seeds each, at the calibration's own
+#: noise), auto came to 0.987x of the best fixed K (worst 0.923x: plain in 4,987 of 5,341
+#: cycles) without it, 0.992x (worst 0.975x) with it (``test_autok_replay.py``); the sweep
+#: (``autok_replay_sweep.py``) level (mean 0.9906, 19 of 120 under 0.97)
+RETIME_DRAFTING_EVERY = 512
+#: the ratio's variance (log) at least, when a probe re-times drafting
+RETIME_RATIO_VARIANCE = 0.0025
 #: in a plain stretch auto K decides afresh on every this many cycles (and on each that a probe
 #: is due), the cycles between plain: in a stretch the estimates only fade towards the kind's
 #: and the calibration follows the machine, which a few cycles do not move, while deciding took
@@ -286,9 +306,11 @@ class AutoK:
     )
     #: each drafting K's factor relative to the drafting class (index K; ``calibrate``)
     tilt: list[float] = field(default_factory=lambda: [1.0] * (MAX_AUTO_K + 1))
-    #: timed cycles so far, and drafting ones counted since the last counted plain one
+    #: timed cycles so far, drafting ones counted since the last counted plain one, and plain
+    #: ones counted since the last drafting one counted in full
     timed_cycles: int = 0
     drafting_since_plain_timed: int = 0
+    plain_since_drafting_timed: int = 0
     #: plain cycles between probes. Kept per kind, not per request: restarting at
     #: PROBE_EVERY with every request cost sampled decoding ~5% (four failing probes in each
     #: 256-token request, each a catch-up and a K=1 cycle, ~3 ms over a plain step)
@@ -355,6 +377,8 @@ class AutoK:
             return
         self.timed_cycles += 1
         self.drafting_since_plain_timed = self.drafting_since_plain_timed + 1 if drafting else 0
+        if not at_most:
+            self.plain_since_drafting_timed = 0 if drafting else self.plain_since_drafting_timed + 1
         p = self.covariance
         p[0][0] += MACHINE_DRIFT
         p[1][1] += RATIO_DRIFT
@@ -403,6 +427,15 @@ class AutoK:
         that overprices drafting is not kept from learning it by this."""
         best = self.rates([1.0] * MAX_AUTO_K)
         return max(best[1:]) <= best[0]
+
+    def retimes_drafting(self) -> bool:
+        """Whether the probe starting now re-times drafting (``RETIME_DRAFTING_EVERY``): if so,
+        the calibration is readied for it — one probe re-times it for the kind."""
+        if self.plain_since_drafting_timed < RETIME_DRAFTING_EVERY:
+            return False
+        self.plain_since_drafting_timed = 0
+        self.covariance[1][1] = max(self.covariance[1][1], RETIME_RATIO_VARIANCE)
+        return True
 
     def for_request(self) -> RequestAutoK:
         return RequestAutoK(self, AcceptanceCounts())
@@ -848,6 +881,8 @@ class RequestAutoK:
                     # off.
                     self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
                     self.probe_cycles_left = PROBE_CYCLES - 1
+                    if self.shared.retimes_drafting():
+                        self.probe_cycles_left = SETTLE_CYCLES + 1  # (RETIME_DRAFTING_EVERY)
                     return self.probe_k
             self.plain_left = PLAIN_DECIDE_EVERY - 1
         else:

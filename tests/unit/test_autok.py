@@ -314,6 +314,47 @@ def test_a_kind_that_only_drafts_re_times_plain_decoding() -> None:
     assert seeded_kind.timed_cycles == 0
 
 
+def test_a_kind_that_only_decodes_plain_re_times_drafting() -> None:
+    """After ``RETIME_DRAFTING_EVERY`` counted plain timings without a drafting one counted in
+    full, the next probe drafts ``SETTLE_CYCLES + 2`` cycles (its last two settled timings)
+    instead of ``PROBE_CYCLES``, with the ratio's variance raised to at least
+    ``RETIME_RATIO_VARIANCE`` for them; its settled timings start the count again."""
+    from engine.scheduling.autok import (
+        PROBE_CYCLES,
+        RETIME_DRAFTING_EVERY,
+        RETIME_RATIO_VARIANCE,
+        SETTLE_CYCLES,
+    )
+
+    costs = CostTable(cycle=[1.0, 1.3, 1.5, 1.7, 1.9], trunk=[1.0] * 5, head_step=0.2)
+    kind = AutoK(costs, AcceptanceCounts(hits=[5.0] * 4, trials=[100.0] * 4))
+    kind.drafting_cycles_seen = 100
+    kind.covariance[1][1] = RETIME_RATIO_VARIANCE / 10
+    request = kind.for_request()
+    request.observe_seconds(0, 1, None)
+    probes: list[tuple[int, int, float]] = []  # (plain timings before it, cycles, variance)
+    while len(probes) < 12:
+        before = kind.plain_since_drafting_timed
+        if (k := request.choose(None)) == 0:
+            request.observe(0, 0)
+            request.observe_seconds(0, 1, 1.0)
+            continue
+        variance, cycles = kind.covariance[1][1], 0
+        while k > 0:
+            cycles += 1
+            request.observe(k, 0)
+            request.observe_seconds(k, 1, costs.cycle[k] * 1.1)  # a warming stretch: dearer
+            k = request.choose(None)
+        probes.append((before, cycles, variance))
+        request.observe(0, 0)
+        request.observe_seconds(0, 1, 1.0)
+    due = [before >= RETIME_DRAFTING_EVERY for before, _, _ in probes]
+    assert sum(due) >= 2, probes
+    for (_, cycles, variance), retimes in zip(probes, due, strict=True):
+        assert cycles == (SETTLE_CYCLES + 2 if retimes else PROBE_CYCLES), probes
+        assert (variance == RETIME_RATIO_VARIANCE) == retimes, probes
+
+
 def test_a_stretchs_first_cycles_only_bound_its_price_from_above() -> None:
     """After a switch, a class's cycles count in full from the stretch's ``SETTLE_CYCLES +
     1``-th on; before that (the switch's own cycle aside, never counted) only where they price

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from engine.cycle.sequence import MAX_CATCH_UP
-from engine.scheduling.autok import POLICIES, AutoK, KindPolicy
+from engine.scheduling.autok import POLICIES, AutoK, KindPolicy, RequestAutoK
 from engine.scheduling.costs import CostTable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -434,3 +434,33 @@ def test_the_sampled_kind_starts_from_the_seeded_plan_not_from_its_first_request
     assert best > 1.05 * fixed[0]  # drafting pays, a little
     auto, histogram = replay(sampler, from_plan, 0.2, prompts=order, machine=machine)
     assert auto >= 0.985 * best, histogram
+
+
+def test_auto_k_re_times_drafting_where_it_only_decodes_plain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a machine where sampled K=2 pays ~1.10x (0.5 ms more per verified position), the
+    sampled kind's drafting price is raised 12% after four requests, as switches at the
+    machine's moments raise it on this VM. Probes alone cannot bring it down (a probe's second
+    cycle only bounds it, and it is still warming up), so without a re-timing probe auto
+    decoded plain from then on: 0.923x of the best fixed K, 4,987 plain cycles of 5,341. A
+    probe that drafts past the warm-up every ``RETIME_DRAFTING_EVERY`` plain timings prices
+    drafting afresh, and auto drafts again."""
+    monkeypatch.setitem(MACHINES, "slight", 0.5e-3)
+    costs = {"machine": "slight", "warm_up": WARM_UP, "switch_penalty": TODAY_SWITCH}
+    truth = true_table("preset:qwen", "slight")
+    fixed = {k: replay("preset:qwen", k, **costs)[0] for k in range(len(truth.cycle))}
+    auto_k = AutoK(truth, policy=policy("preset:qwen"))
+    requests = [0]
+    for_request = auto_k.for_request
+
+    def raising_after_four() -> RequestAutoK:
+        requests[0] += 1
+        if requests[0] == 5:
+            auto_k.ratio += math.log(1.12)
+        return for_request()
+
+    monkeypatch.setattr(auto_k, "for_request", raising_after_four)
+    auto, histogram = replay("preset:qwen", auto_k, noise=0.1, **costs)
+    assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
+    assert histogram[0] < sum(histogram[1:])
