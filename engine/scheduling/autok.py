@@ -123,8 +123,8 @@ RETIME_PLAIN_EVERY = 256
 #: drafting cycle: each switch moves r with the machine's speed at that moment (a plain
 #: stretch timed faster than the drafting one before it makes drafting look dearer, through
 #: the calibration's covariance). On the demo model, in one process's unseeded requests, each
-#: ``RETIME_PLAIN_EVERY`` stretch moved r by 1-5%, r rose from 1.09 to 1.15 over 13 requests,
-#: and auto K decoded plain through the next 23 (two probe cycles each) where fixed K=2 ran
+#: ``RETIME_PLAIN_EVERY`` stretch moved r by 1-5%, r rose from 1.09 to 1.16 over 14 requests,
+#: and auto K decoded plain through the next 22 (two probe cycles each) where fixed K=2 ran
 #: 1.04x K=0; with r raised 12% by hand after two requests, 21 of the next 22 decoded plain.
 #: With the re-timing probe, auto drafted again within one to two requests
 #: (``scripts/experiments/autok_stuck.py``). Replayed with that 12% raise on a machine where
