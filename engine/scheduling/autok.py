@@ -125,7 +125,7 @@ RETIME_PLAIN_EVERY = 256
 #: the calibration's covariance). On the demo model, in one process's unseeded requests, each
 #: ``RETIME_PLAIN_EVERY`` stretch moved r by 1-5%, r rose from 1.09 to 1.16 over 14 requests,
 #: and auto K decoded plain through the next 22 (two probe cycles each) where fixed K=2 ran
-#: 1.04x K=0; with r raised 12% by hand after two requests, 21 of the next 22 decoded plain.
+#: 1.04x K=0; with r raised 12% by hand after two requests, the next 22 decoded 93-99% plain.
 #: With the re-timing probe, auto drafted again within one to two requests
 #: (``scripts/experiments/autok_stuck.py``). Replayed with that 12% raise on a machine where
 #: sampled K=2 pays 1.10x and greedy K=4 1.42x (6 noise seeds each, at the calibration's own
