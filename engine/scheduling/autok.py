@@ -130,8 +130,11 @@ RETIME_PLAIN_EVERY = 256
 #: (``scripts/experiments/autok_stuck.py``). Replayed with that 12% raise on a machine where
 #: sampled K=2 pays 1.10x and greedy K=4 1.42x (6 noise seeds each, at the calibration's own
 #: noise), auto came to 0.987x of the best fixed K (worst 0.923x: plain in 4,987 of 5,341
-#: cycles) without it, 0.992x (worst 0.975x) with it (``test_autok_replay.py``); the sweep
-#: (``autok_replay_sweep.py``) level (mean 0.9906, 19 of 120 under 0.97)
+#: cycles) without it, 0.992x (worst 0.975x) with it (``test_autok_replay.py``). The sweep
+#: (``autok_replay_sweep.py --machines measured,compute-bound,marginal,slight,today --switch
+#: 0,0.7``) level without the raise (mean 0.9906, 19 of 120 under 0.97 without "slight"); with
+#: it at 10% noise (``--raise 1.12 --noise 0.1``) 0.9897 (worst 0.9230, 30 of 150 under 0.97)
+#: without the re-timing probe, 0.9908 (worst 0.9503, 27) with it
 RETIME_DRAFTING_EVERY = 512
 #: the ratio's variance (log) at least, when a probe re-times drafting
 RETIME_RATIO_VARIANCE = 0.0025

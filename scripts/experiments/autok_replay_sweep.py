@@ -6,7 +6,8 @@
 The replay is tests/unit/test_autok_replay.py's (the real ``AutoK`` on the demo model's
 recorded per-position acceptance, costs from the record's table, 20% timing noise). The grid:
 greedy and Qwen's sampler; the replay's machines plus a "marginal" one (1.5 ms more per verify
-position: sampled drafting loses ~6%, greedy pays ~10%), or those ``--machines`` names ("today":
+position: sampled drafting loses ~6%, greedy pays ~10%), or those ``--machines`` names ("slight":
+0.5 ms more, where sampled K=2 pays ~1.10x; "today":
 a ``make bench`` run's start-up tables at today's speed, with ``--switch 0,0.7`` the measured
 cost of starting to draft beyond them); the exact table and the four 15% table errors of the
 replay's tests; three noise seeds; with and without a stretch's warm-up (``WARM_UP``). Prints,
@@ -16,15 +17,19 @@ same costs: mean, worst, tenth percentile, and how many fall under 0.97. ``--set
 ``--ratio-start`` set ``SETTLE_CYCLES``, ``CALIBRATION_CLIP`` and the calibration's variances
 (``--settle 1``: a stretch's cycles after the switch's own all count in full); ``--pauses`` and
 ``--spells`` the machine's pauses and slow spells (tests/unit/test_autok_replay.py's
-``replay``).
+``replay``); ``--raise`` multiplies the kind's drafting-over-plain ratio by that factor after
+its fourth request (a price raised at switches, ``RETIME_DRAFTING_EVERY``); ``--noise`` the
+timings' noise (the replay tests' 20% by default; the calibration assumes 10%).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +43,19 @@ import engine.scheduling.autok as autok  # noqa: E402
 TABLE_ERRORS = ((1.0, 1.0), (0.85, 1.0), (1.15, 1.0), (1.0, 0.85), (1.0, 1.15))
 
 
+def raising(auto: autok.AutoK, factor: float) -> Callable[[], autok.RequestAutoK]:
+    """``auto.for_request`` that raises the kind's drafting price by ``factor`` at the fifth."""
+    served = [0]
+
+    def for_request() -> autok.RequestAutoK:
+        served[0] += 1
+        if served[0] == 5:
+            auto.ratio += math.log(factor)
+        return autok.AutoK.for_request(auto)
+
+    return for_request
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settle", type=int, default=autok.SETTLE_CYCLES)
@@ -48,6 +66,7 @@ def main() -> None:
     parser.add_argument("--machine-start", type=float, default=autok.MACHINE_START_VARIANCE)
     parser.add_argument("--ratio-start", type=float, default=autok.RATIO_START_VARIANCE)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--noise", type=float, default=0.2, help="timings' noise (log, std)")
     parser.add_argument(
         "--pauses",
         default="0,0",
@@ -57,6 +76,13 @@ def main() -> None:
         "--spells",
         default="0,1",
         help="seconds, factor: the machine that much slower every other period (the replay's)",
+    )
+    parser.add_argument(
+        "--raise",
+        dest="factor",
+        type=float,
+        default=1.0,
+        help="the drafting price raised by this factor after four requests",
     )
     parser.add_argument(
         "--machines",
@@ -75,6 +101,7 @@ def main() -> None:
     autok.TIMING_NOISE = args.timing_noise
     autok.MACHINE_START_VARIANCE, autok.RATIO_START_VARIANCE = args.machine_start, args.ratio_start
     replayed.MACHINES["marginal"] = 1.5e-3
+    replayed.MACHINES["slight"] = 0.5e-3
     rate, pause_ms = (float(x) for x in args.pauses.split(","))
     pauses = (rate, pause_ms / 1e3)
     period, factor = (float(x) for x in args.spells.split(","))
@@ -103,10 +130,12 @@ def main() -> None:
                     replayed.random.Random = lambda _, seed=seed: seeded(seed)
                     for error in TABLE_ERRORS:
                         auto = autok.AutoK(truth.scaled(*error), policy=replayed.policy(sampler))
+                        if args.factor != 1.0:
+                            auto.for_request = raising(auto, args.factor)  # type: ignore[method-assign]
                         tps, _ = replayed.replay(
                             sampler,
                             auto,
-                            0.2,
+                            args.noise,
                             machine=machine,
                             warm_up=warm_up,
                             pauses=pauses,
