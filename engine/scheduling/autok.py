@@ -134,7 +134,12 @@ RETIME_PLAIN_EVERY = 256
 #: (``autok_replay_sweep.py --machines measured,compute-bound,marginal,slight,today --switch
 #: 0,0.7``) level without the raise (mean 0.9906, 19 of 120 under 0.97 without "slight"); with
 #: it at 10% noise (``--raise 1.12 --noise 0.1``) 0.9897 (worst 0.9230, 30 of 150 under 0.97)
-#: without the re-timing probe, 0.9908 (worst 0.9503, 27) with it
+#: without the re-timing probe, 0.9908 (worst 0.9503, 27) with it. Did less, replayed with the
+#: raise at 7% noise (``autok_stuck.py --replay --noise 0.07``: 0.9870, worst 0.9222, as things
+#: were; 0.9955, worst 0.9823 with this): a probe's early cycles bounding the price against a
+#: warm-up floor (1.10 / 1.03 / 1.00 at places 2-4) 0.9909 (worst 0.9520); ``RATIO_DRIFT`` 1e-5
+#: 0.9885 (0.9222), and 1e-5 to 1e-4 with the floor up to 0.9954, but the sweep worse
+#: (0.9880-0.9894 against 0.9906)
 RETIME_DRAFTING_EVERY = 512
 #: the ratio's variance (log) at least, when a probe re-times drafting
 RETIME_RATIO_VARIANCE = 0.0025

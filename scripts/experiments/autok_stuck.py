@@ -13,7 +13,7 @@ histogram and the kind's r, then each mode's tokens per second::
 ``--replay``: the same raise (after four requests) on tests/unit/test_autok_replay.py's replay
 instead, greedy and Qwen's sampler on a machine 0.5 ms a verified position slower than the
 record's (sampled K=2 pays 1.10x, greedy K=4 1.42x), with the warm-up and today's switch cost,
-at the calibration's own timing noise (10%), over six noise seeds: each case's tokens per second
+at the calibration's own timing noise (10%; ``--noise``), over six noise seeds: each case's tokens per second
 over the best fixed K's, and auto's K histogram.
 
 On the AMD EPYC Zen 4 VM (unseeded Qwen sampler), without a raise, r rose from 1.09 to 1.16 over
@@ -42,7 +42,7 @@ from engine.scheduling.costs import decoding_kind
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def replayed(factor: float, seeds: int = 6) -> None:
+def replayed(factor: float, noise: float, seeds: int = 6) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "unit"))
     import test_autok_replay as replay
 
@@ -66,7 +66,7 @@ def replayed(factor: float, seeds: int = 6) -> None:
             auto.for_request = raising  # type: ignore[method-assign]
             # the replay draws its timing noise from random.Random(0)
             replay.random.Random = lambda _, seed=seed: seeded(seed)  # type: ignore[misc]
-            tps, histogram = replay.replay(sampler, auto, 0.1, **costs)
+            tps, histogram = replay.replay(sampler, auto, noise, **costs)
             replay.random.Random = seeded  # type: ignore[misc]
             ratios.append(tps / max(fixed))
             print(
@@ -87,9 +87,10 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--replay", action="store_true", help="on the recorded acceptance")
+    parser.add_argument("--noise", type=float, default=0.1, help="--replay: timings' noise")
     args = parser.parse_args()
     if args.replay:
-        replayed(args.factor)
+        replayed(args.factor, args.noise)
         return
 
     engine = Engine.load(args.model, draft_tokens=None)
