@@ -311,9 +311,8 @@ MUTATIONS = [
     Mutation(
         "drafting-never-re-timed",
         "engine/scheduling/autok.py",
-        "                        self.probe_cycles_left = SETTLE_CYCLES + 1"
-        "  # (RETIME_DRAFTING_EVERY)",
-        "                        pass",
+        "                    retimes = self.shared.retimes_drafting()  # (RETIME_DRAFTING_EVERY)",
+        "                    retimes = False",
         (
             "tests/unit/test_autok.py::test_a_kind_that_only_decodes_plain_re_times_drafting",
             "tests/unit/test_autok_replay.py"

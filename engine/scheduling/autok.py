@@ -888,9 +888,8 @@ class RequestAutoK:
                     # revealed the deeper positions, whose few early misses then kept drafting
                     # off.
                     self.probe_k = max(range(1, len(rates)), key=rates.__getitem__)
-                    self.probe_cycles_left = PROBE_CYCLES - 1
-                    if self.shared.retimes_drafting():
-                        self.probe_cycles_left = SETTLE_CYCLES + 1  # (RETIME_DRAFTING_EVERY)
+                    retimes = self.shared.retimes_drafting()  # (RETIME_DRAFTING_EVERY)
+                    self.probe_cycles_left = (SETTLE_CYCLES + 2 if retimes else PROBE_CYCLES) - 1
                     return self.probe_k
             self.plain_left = PLAIN_DECIDE_EVERY - 1
         else:

@@ -25,11 +25,9 @@ timings' noise (the replay tests' 20% by default; the calibration assumes 10%).
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,19 +39,6 @@ import test_autok_replay as replayed  # noqa: E402
 import engine.scheduling.autok as autok  # noqa: E402
 
 TABLE_ERRORS = ((1.0, 1.0), (0.85, 1.0), (1.15, 1.0), (1.0, 0.85), (1.0, 1.15))
-
-
-def raising(auto: autok.AutoK, factor: float) -> Callable[[], autok.RequestAutoK]:
-    """``auto.for_request`` that raises the kind's drafting price by ``factor`` at the fifth."""
-    served = [0]
-
-    def for_request() -> autok.RequestAutoK:
-        served[0] += 1
-        if served[0] == 5:
-            auto.ratio += math.log(factor)
-        return autok.AutoK.for_request(auto)
-
-    return for_request
 
 
 def main() -> None:
@@ -131,7 +116,7 @@ def main() -> None:
                     for error in TABLE_ERRORS:
                         auto = autok.AutoK(truth.scaled(*error), policy=replayed.policy(sampler))
                         if args.factor != 1.0:
-                            auto.for_request = raising(auto, args.factor)  # type: ignore[method-assign]
+                            auto = replayed.raising_after_four(auto, args.factor)
                         tps, _ = replayed.replay(
                             sampler,
                             auto,

@@ -36,7 +36,7 @@ from engine.api import DEMO_MODEL
 from engine.bench.prompts import load_prompts
 from engine.bench.speed import Row, parse_samplers, request_params, run_ours
 from engine.runtime import Engine
-from engine.scheduling.autok import AutoK, RequestAutoK
+from engine.scheduling.autok import AutoK
 from engine.scheduling.costs import decoding_kind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,16 +54,7 @@ def replayed(factor: float, noise: float, seeds: int = 6) -> None:
         truth = replay.true_table(sampler, "slight")
         fixed = [replay.replay(sampler, k, **costs)[0] for k in range(len(truth.cycle))]
         for seed in range(seeds):
-            auto = AutoK(truth, policy=replay.policy(sampler))
-            served = [0]
-
-            def raising(auto: AutoK = auto, served: list[int] = served) -> RequestAutoK:
-                served[0] += 1
-                if served[0] == 5:
-                    auto.ratio += math.log(factor)
-                return AutoK.for_request(auto)
-
-            auto.for_request = raising  # type: ignore[method-assign]
+            auto = replay.raising_after_four(AutoK(truth, policy=replay.policy(sampler)), factor)
             # the replay draws its timing noise from random.Random(0)
             replay.random.Random = lambda _, seed=seed: seeded(seed)  # type: ignore[misc]
             tps, histogram = replay.replay(sampler, auto, noise, **costs)

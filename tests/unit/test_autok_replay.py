@@ -436,6 +436,21 @@ def test_the_sampled_kind_starts_from_the_seeded_plan_not_from_its_first_request
     assert auto >= 0.985 * best, histogram
 
 
+def raising_after_four(auto: AutoK, factor: float) -> AutoK:
+    """``auto`` with its drafting-over-plain ratio multiplied by ``factor`` as its fifth request
+    starts: a price raised mid-run, as switches at the machine's moments raise it."""
+    served = [0]
+
+    def for_request() -> RequestAutoK:
+        served[0] += 1
+        if served[0] == 5:
+            auto.ratio += math.log(factor)
+        return AutoK.for_request(auto)
+
+    auto.for_request = for_request  # type: ignore[method-assign]
+    return auto
+
+
 def test_auto_k_re_times_drafting_where_it_only_decodes_plain(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -450,17 +465,7 @@ def test_auto_k_re_times_drafting_where_it_only_decodes_plain(
     costs = {"machine": "slight", "warm_up": WARM_UP, "switch_penalty": TODAY_SWITCH}
     truth = true_table("preset:qwen", "slight")
     fixed = {k: replay("preset:qwen", k, **costs)[0] for k in range(len(truth.cycle))}
-    auto_k = AutoK(truth, policy=policy("preset:qwen"))
-    requests = [0]
-    for_request = auto_k.for_request
-
-    def raising_after_four() -> RequestAutoK:
-        requests[0] += 1
-        if requests[0] == 5:
-            auto_k.ratio += math.log(1.12)
-        return for_request()
-
-    monkeypatch.setattr(auto_k, "for_request", raising_after_four)
+    auto_k = raising_after_four(AutoK(truth, policy=policy("preset:qwen")), 1.12)
     auto, histogram = replay("preset:qwen", auto_k, noise=0.1, **costs)
     assert auto >= 0.97 * max(fixed.values()), f"auto's K histogram {histogram}"
     assert histogram[0] < sum(histogram[1:])

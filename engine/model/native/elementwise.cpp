@@ -365,10 +365,7 @@ class EmbedQuantizedRows : public mx::UnaryPrimitive {
                      const int64_t bit = j * bits;
                      const uint32_t word = row_words[(bit / 32) * step];
                      const float code = static_cast<float>((word >> (bit % 32)) & mask);
-                     float v = scale * code;
-                     if (type != Real::f32) v = rounded(type, v);
-                     v = v + bias;
-                     dst[j] = type != Real::f32 ? rounded(type, v) : v;
+                     dst[j] = rounded(type, rounded(type, scale * code) + bias);
                    }
                  }
                }
@@ -389,8 +386,9 @@ class EmbedQuantizedRows : public mx::UnaryPrimitive {
   }
 
  private:
-  // v rounded to the scales' half type (nearest, ties to even, as mlx rounds), back as fp32
+  // v rounded to the scales' type (nearest, ties to even, as mlx rounds), back as fp32
   static float rounded(Real type, float v) {
+    if (type == Real::f32) return v;
     return type == Real::bf16 ? bf16_to_float(float_to_bf16(v)) : half_to_float(float_to_half(v));
   }
   int bits_;
